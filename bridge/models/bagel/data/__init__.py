@@ -1,0 +1,1 @@
+"""BAGEL training-data pipeline for Megatron."""
