@@ -1,0 +1,1 @@
+"""Energon side of the BAGEL pipeline: crude WebDataset layout, converter from the official raw formats, readers."""
