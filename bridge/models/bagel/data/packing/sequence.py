@@ -1,0 +1,301 @@
+"""One pack under construction: ``pack_sample`` lays samples out exactly like the official
+``PackedDataset.pack_sequence`` and ``to_batch`` produces the official ``to_tensor`` dict.
+
+Per-token work is kept out of Python: positions are recorded as (start, length) runs and expanded
+with NumPy once per batch; images are patchified with tensor ops.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..transforms import (
+    get_flattened_position_ids_extrapolate,
+    get_flattened_position_ids_interpolate,
+    len2weight,
+    patchify,
+)
+from .masks import dense_attention_mask
+
+__all__ = ["PackLayout", "SequenceBuilder", "sample_field"]
+
+
+def sample_field(sample: Any, name: str) -> Any:
+    """Read a field from a sample dict or a sample object (Energon ``Sample`` subclasses)."""
+    if isinstance(sample, dict):
+        return sample[name]
+    return getattr(sample, name)
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """The knobs ``pack_sequence`` / ``to_tensor`` read (DataConfig fields + special token ids)."""
+
+    bos_token_id: int
+    eos_token_id: int
+    start_of_image: int
+    end_of_image: int
+    max_num_tokens: int
+    use_flex: bool
+    interpolate_pos: bool
+    text_cond_dropout_prob: float
+    vit_cond_dropout_prob: float
+    vae_cond_dropout_prob: float
+    vae_image_downsample: int
+    max_latent_size: int
+    vit_patch_size: int
+    max_num_patch_per_side: int
+
+
+def _runs(starts: list[int], lengths: list[int]) -> np.ndarray:
+    """Concatenate ``range(s, s + n)`` for every run, vectorised."""
+    if not starts:
+        return np.zeros(0, dtype=np.int64)
+    st = np.asarray(starts, dtype=np.int64)
+    ln = np.asarray(lengths, dtype=np.int64)
+    total = int(ln.sum())
+    offsets = np.cumsum(ln) - ln
+    return np.repeat(st - offsets, ln) + np.arange(total, dtype=np.int64)
+
+
+def _repeat(values: list, lengths: list[int], dtype) -> np.ndarray:
+    return np.repeat(np.asarray(values, dtype=dtype), np.asarray(lengths, dtype=np.int64))
+
+
+def _tensor(arr: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.tensor(list)`` semantics: an empty list becomes float32, otherwise ``dtype``."""
+    if len(arr) == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    if isinstance(arr, list):
+        return torch.tensor(arr, dtype=dtype)
+    return torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+
+
+class SequenceBuilder:
+    """Accumulates the ``sequence_status`` of one pack; see spec §6 for the layout rules."""
+
+    def __init__(self, layout: PackLayout, len2weight_fn: Callable[[int], float] = len2weight) -> None:
+        self.layout = layout
+        self._len2weight = len2weight_fn
+        self._pos_fn = (
+            get_flattened_position_ids_interpolate if layout.interpolate_pos else get_flattened_position_ids_extrapolate
+        )
+        self.curr = 0
+        self.sample_lens: list[int] = []
+        self.text_ids: list[int] = []
+        self.text_idx_runs: tuple[list[int], list[int]] = ([], [])
+        self.rope_runs: tuple[list[int], list[int], list[int]] = ([], [], [])  # start value, length, step (0/1)
+        self.label_ids: list[int] = []
+        self.ce_runs: tuple[list[int], list[int]] = ([], [])
+        self.ce_weight_runs: tuple[list[float], list[int]] = ([], [])
+        self.vae_images: list[torch.Tensor] = []
+        self.latent_pos: list[torch.Tensor] = []
+        self.vae_shapes: list[tuple[int, int]] = []
+        self.vae_idx_runs: tuple[list[int], list[int]] = ([], [])
+        self.timestep_runs: tuple[list[float], list[int]] = ([], [])
+        self.mse_runs: tuple[list[int], list[int]] = ([], [])
+        self.vit_tokens: list[torch.Tensor] = []
+        self.vit_pos: list[torch.Tensor] = []
+        self.vit_idx_runs: tuple[list[int], list[int]] = ([], [])
+        self.vit_seqlens: list[int] = []
+        self.split_lens: list[int] = []
+        self.attn_modes: list[str] = []
+        self.masks: list[torch.Tensor] = []
+
+    # -- helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _add_run(runs: tuple[list, list], start: Any, length: int) -> None:
+        runs[0].append(start)
+        runs[1].append(length)
+
+    def _add_ce(self, position: int, label: int) -> None:
+        self._add_run(self.ce_runs, position, 1)
+        self._add_run(self.ce_weight_runs, 1.0, 1)
+        self.label_ids.append(label)
+
+    def _image_tokens(self, curr: int, n: int, item: dict) -> int:
+        """Record <soi> at ``curr`` and <eoi> after ``n`` image tokens; return the new ``curr``."""
+        lay = self.layout
+        self.text_ids.append(lay.start_of_image)
+        self._add_run(self.text_idx_runs, curr, 1)
+        eoi = curr + 1 + n
+        self.text_ids.append(lay.end_of_image)
+        self._add_run(self.text_idx_runs, eoi, 1)
+        if item["special_token_loss"] == 1:
+            self._add_ce(eoi, item["special_token_label"])
+        return eoi + 1
+
+    # -- the official pack_sequence ---------------------------------------------------------------
+    def pack_sample(self, sample: Any) -> None:
+        """Append one sample; draws CFG dropout from global ``random`` and timesteps from ``np.random``."""
+        lay = self.layout
+        plan = sample_field(sample, "sequence_plan")
+        texts = sample_field(sample, "text_ids_list")
+        images = sample_field(sample, "image_tensor_list")
+        text_i = image_i = 0
+        curr = self.curr
+        rope = 0
+        sample_len = 0
+        split_len = 0
+        timestep: float | None = None
+        split_lens: list[int] = []
+        attn_modes: list[str] = []
+        rope_runs = self.rope_runs
+        for item in plan:
+            split_start = item.get("split_start", True)
+            if split_start:
+                split_len = 0
+            kind = item["type"]
+            if kind == "text":
+                ids = texts[text_i]
+                text_i += 1
+                if item["enable_cfg"] == 1 and random.random() < lay.text_cond_dropout_prob:
+                    continue
+                n = len(ids) + 1  # bos + ids
+                self.text_ids.append(lay.bos_token_id)
+                self.text_ids.extend(ids)
+                self.text_ids.append(lay.eos_token_id)
+                self._add_run(self.text_idx_runs, curr, n + 1)
+                if item["loss"] == 1:
+                    self._add_run(self.ce_runs, curr, n)
+                    self._add_run(self.ce_weight_runs, self._len2weight(n), n)
+                    self.label_ids.extend(ids)
+                    self.label_ids.append(lay.eos_token_id)
+                if item["special_token_loss"] == 1:
+                    self._add_ce(curr + n, item["special_token_label"])
+                curr += n + 1
+                split_len += n + 1
+                attn_modes.append("causal")
+                rope_runs[0].append(rope)
+                rope_runs[1].append(split_len)
+                rope_runs[2].append(1)
+                rope += split_len
+            elif kind == "vit_image":
+                image = images[image_i]
+                image_i += 1
+                if item["enable_cfg"] == 1 and random.random() < lay.vit_cond_dropout_prob:
+                    rope += 1
+                    continue
+                tokens = patchify(image, lay.vit_patch_size)
+                n = tokens.shape[0]
+                self._add_run(self.vit_idx_runs, curr + 1, n)
+                self.vit_tokens.append(tokens)
+                self.vit_seqlens.append(n)
+                self.vit_pos.append(
+                    self._pos_fn(image.size(1), image.size(2), lay.vit_patch_size, lay.max_num_patch_per_side)
+                )
+                curr = self._image_tokens(curr, n, item)
+                split_len += n + 2
+                attn_modes.append("full")
+                rope_runs[0].append(rope)
+                rope_runs[1].append(split_len)
+                rope_runs[2].append(0)
+                rope += 1
+            elif kind == "vae_image":
+                image = images[image_i]
+                image_i += 1
+                if item["enable_cfg"] == 1 and random.random() < lay.vae_cond_dropout_prob:
+                    rope += 1
+                    continue
+                self.vae_images.append(image)
+                H, W = image.shape[1], image.shape[2]
+                self.latent_pos.append(self._pos_fn(H, W, lay.vae_image_downsample, lay.max_latent_size))
+                h, w = H // lay.vae_image_downsample, W // lay.vae_image_downsample
+                self.vae_shapes.append((h, w))
+                n = h * w
+                self._add_run(self.vae_idx_runs, curr + 1, n)
+                if item["loss"] == 1:
+                    self._add_run(self.mse_runs, curr + 1, n)
+                    if split_start:
+                        timestep = np.random.randn()
+                    elif timestep is None:
+                        raise ValueError(
+                            "a noised vae_image that does not start a split must follow one that does "
+                            f"(sample {sample_field(sample, 'data_indexes')})"
+                        )
+                else:
+                    timestep = float("-inf")
+                self._add_run(self.timestep_runs, timestep, n)
+                curr = self._image_tokens(curr, n, item)
+                split_len += n + 2
+                if split_start:
+                    attn_modes.append("noise" if item["loss"] == 1 and "frame_delta" not in item else "full")
+                rope_runs[0].append(rope)
+                rope_runs[1].append(n + 2)
+                rope_runs[2].append(0)
+                if "frame_delta" in item:
+                    rope += item["frame_delta"]
+                elif item["loss"] == 0:
+                    rope += 1
+            else:
+                raise ValueError(
+                    f"unknown sequence_plan item type {kind!r} in sample {sample_field(sample, 'data_indexes')}"
+                )
+            if item.get("split_end", True):
+                split_lens.append(split_len)
+                sample_len += split_len
+        self.curr = curr
+        self.sample_lens.append(sample_len)
+        if lay.use_flex:
+            self.split_lens.extend(split_lens)
+            self.attn_modes.extend(attn_modes)
+        else:
+            self.masks.append(dense_attention_mask(split_lens, attn_modes))
+
+    # -- the official to_tensor -------------------------------------------------------------------
+    def _position_ids(self) -> np.ndarray:
+        starts, lengths, steps = self.rope_runs
+        if not starts:
+            return np.zeros(0, dtype=np.int64)
+        ln = np.asarray(lengths, dtype=np.int64)
+        st = np.asarray(starts, dtype=np.int64)
+        step = np.asarray(steps, dtype=np.int64)
+        offsets = np.cumsum(ln) - ln
+        within = np.arange(int(ln.sum()), dtype=np.int64) - np.repeat(offsets, ln)
+        return np.repeat(st, ln) + within * np.repeat(step, ln)
+
+    def to_batch(self) -> dict[str, Any]:
+        """The official batch dict (without ``batch_data_indexes``, which the packer adds)."""
+        lay = self.layout
+        sequence_length = sum(self.sample_lens)
+        data: dict[str, Any] = {
+            "sequence_length": sequence_length,
+            "sample_lens": self.sample_lens,
+            "packed_text_ids": _tensor(self.text_ids, torch.int64),
+            "packed_text_indexes": _tensor(_runs(*self.text_idx_runs), torch.int64),
+            "packed_position_ids": _tensor(self._position_ids(), torch.int64),
+        }
+        if lay.use_flex:
+            pad_len = lay.max_num_tokens - sequence_length
+            data["split_lens"] = self.split_lens + [pad_len]
+            data["attn_modes"] = self.attn_modes + ["causal"]
+            data["sample_lens"] = self.sample_lens + [pad_len]
+        else:
+            data["nested_attention_masks"] = self.masks
+        if self.vae_images:
+            dims = [max(sizes) for sizes in zip(*(img.shape for img in self.vae_images))]
+            padded = torch.zeros((len(self.vae_images), *dims), dtype=torch.float32)
+            for i, img in enumerate(self.vae_images):
+                padded[i, :, : img.shape[1], : img.shape[2]] = img
+            data["padded_images"] = padded
+            data["patchified_vae_latent_shapes"] = self.vae_shapes
+            data["packed_latent_position_ids"] = torch.cat(self.latent_pos, dim=0)
+            data["packed_vae_token_indexes"] = _tensor(_runs(*self.vae_idx_runs), torch.int64)
+        if self.vit_tokens:
+            data["packed_vit_tokens"] = torch.cat(self.vit_tokens, dim=0)
+            data["packed_vit_position_ids"] = torch.cat(self.vit_pos, dim=0)
+            data["packed_vit_token_indexes"] = _tensor(_runs(*self.vit_idx_runs), torch.int64)
+            data["vit_token_seqlens"] = _tensor(self.vit_seqlens, torch.int64)
+        if sum(self.timestep_runs[1]) > 0:
+            data["packed_timesteps"] = _tensor(_repeat(*self.timestep_runs, dtype=np.float64), torch.float32)
+            data["mse_loss_indexes"] = _tensor(_runs(*self.mse_runs), torch.int64)
+        if self.label_ids:
+            data["packed_label_ids"] = _tensor(self.label_ids, torch.int64)
+            data["ce_loss_indexes"] = _tensor(_runs(*self.ce_runs), torch.int64)
+            data["ce_loss_weights"] = _tensor(_repeat(*self.ce_weight_runs, dtype=np.float64), torch.float32)
+        return data
