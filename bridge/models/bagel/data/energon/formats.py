@@ -1,0 +1,294 @@
+"""Row readers for the three official BAGEL raw formats (t2i parquet, unified_edit parquet + parquet_info, vlm jsonl).
+
+Each reader first validates its inputs (so a bad file fails before anything is written), then yields one
+:class:`RawSample` per row the official reader can ever read, with the official coordinate, the ``meta.json``
+dict of the layout contract and the original encoded image bytes. Rows the official reader never reads are
+recorded in :class:`ScanLog` (``skipped``), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, VIDEO_UNSUPPORTED, VLM
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ConvertError", "RawSample", "ScanLog", "T2IReader", "EditReader", "VlmReader", "relpath", "match_parquet_info"]
+
+
+class ConvertError(Exception):
+    """Bad converter input (unreadable/corrupt file, missing column, missing jsonl, non-empty output, ...)."""
+
+
+@dataclass
+class RawSample:
+    """One row: the official coordinate (manifest ``samples`` entry), meta.json dict, ``(image index, bytes)``."""
+
+    coord: list[int]
+    meta: dict[str, Any]
+    images: list[tuple[int, bytes]]
+
+
+@dataclass
+class ScanLog:
+    """What a reader learned besides the samples: manifest fields, skipped rows, conversion warnings."""
+
+    manifest: dict[str, Any] = field(default_factory=dict)
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def warn(self, msg: str) -> None:
+        if len(self.warnings) < 10:
+            logger.warning("%s", msg)
+        elif len(self.warnings) == 10:
+            logger.warning("further conversion warnings are only counted (see the summary)")
+        self.warnings.append(msg)
+
+
+def relpath(path: str, root: str) -> str:
+    """``path`` relative to ``root`` with ``/`` separators (the form stored in meta.json and the manifest)."""
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(root)).replace(os.sep, "/")
+
+
+def _parquet_names(data_dir: str) -> list[str]:
+    """Sorted ``*.parquet`` file names of a directory (other files are ignored, like the official lister)."""
+    if not os.path.isdir(data_dir):
+        raise ConvertError(f"{data_dir}: parquet data directory does not exist")
+    return sorted(n for n in os.listdir(data_dir) if n.endswith(".parquet") and os.path.isfile(os.path.join(data_dir, n)))
+
+
+def _open_parquet(path: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for corrupt or truncated files
+        raise ConvertError(f"{path}: unreadable parquet file ({type(e).__name__}: {e})") from e
+
+
+def _is_binary(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t) or pa.types.is_null(t)
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_list_view(t)
+
+
+def _check_columns(path: str, pf: pq.ParquetFile, required: Mapping[str, Any]) -> None:
+    """Raise ConvertError naming the file when a required column is missing or has an unusable type."""
+    schema = pf.schema_arrow
+    for name, (ok, what) in required.items():
+        if name not in schema.names:
+            raise ConvertError(f"{path}: missing required column {name!r} (columns: {schema.names})")
+        if not ok(schema.field(name).type):
+            raise ConvertError(f"{path}: column {name!r} has type {schema.field(name).type}, expected {what}")
+
+
+def _read_row_group(path: str, pf: pq.ParquetFile, g: int, columns: list[str]) -> pa.Table:
+    try:
+        return pf.read_row_group(g, columns=columns)
+    except Exception as e:
+        raise ConvertError(f"{path}: cannot read row group {g} ({type(e).__name__}: {e})") from e
+
+
+class T2IReader:
+    """t2i_pretrain: every ``*.parquet`` of ``data_dir``; all row groups, all rows (columns image, captions)."""
+
+    columns = {
+        "image": (_is_binary, "binary (encoded image bytes)"),
+        "captions": (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+                     or _is_binary(t), "string (JSON captions)"),
+    }
+
+    def __init__(self, data_dir: str, source_root: str, log: ScanLog) -> None:
+        self.data_dir, self.source_root, self.log = data_dir, source_root, log
+        self.files: list[tuple[int, str, pq.ParquetFile]] = []
+        entries = []
+        for fi, name in enumerate(_parquet_names(data_dir)):
+            path = os.path.join(data_dir, name)
+            pf = _open_parquet(path)
+            _check_columns(path, pf, self.columns)
+            rgs = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+            entries.append({"file": relpath(path, source_root), "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs})
+            self.files.append((fi, path, pf))
+        if not self.files:
+            raise ConvertError(f"{data_dir}: no *.parquet files")
+        log.manifest.update(files=entries, data_dir=relpath(data_dir, source_root))
+        self.total = sum(e["num_rows"] for e in entries)
+
+    def __iter__(self) -> Iterator[RawSample]:
+        for fi, path, pf in self.files:
+            rel, k = relpath(path, self.source_root), 0
+            for g in range(pf.metadata.num_row_groups):
+                tbl = _read_row_group(path, pf, g, ["image", "captions"])
+                for r, (img, cap) in enumerate(zip(tbl.column("image").to_pylist(), tbl.column("captions").to_pylist())):
+                    if isinstance(cap, bytes):
+                        cap = cap.decode("utf-8", errors="replace")
+                    meta = {"group": T2I, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
+                            "captions": cap, "image_null": img is None}
+                    yield RawSample([fi, g, r], meta, [] if img is None else [(0, img)])
+                    k += 1
+
+
+def match_parquet_info(parquet_info: Mapping[str, Any], data_dir: str, names: list[str], roots: list[str],
+                       info_file: str) -> dict[str, int]:
+    """Map file names of ``data_dir`` to their declared ``num_row_groups``.
+
+    A key matches when it equals ``os.path.join(data_dir, name)`` as given (the official rule), or when it
+    names the same file after resolving a relative key against each of ``roots`` (``parquet_info_root``,
+    the source root) and the working directory.
+    """
+    exact = {os.path.join(data_dir, n): n for n in names}
+    by_abs = {os.path.normpath(os.path.abspath(os.path.join(data_dir, n))): n for n in names}
+    out: dict[str, int] = {}
+    for key, val in parquet_info.items():
+        name = exact.get(key)
+        if name is None:
+            cands = [key] if os.path.isabs(key) else [os.path.join(r, key) for r in roots] + [key]
+            name = next((by_abs[a] for a in (os.path.normpath(os.path.abspath(c)) for c in cands) if a in by_abs), None)
+        if name is None:
+            continue
+        n = val.get("num_row_groups") if isinstance(val, Mapping) else None
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConvertError(f"{info_file}: entry {key!r} needs an integer num_row_groups >= 0, got {val!r}")
+        if name in out and out[name] != n:
+            raise ConvertError(f"{info_file}: conflicting num_row_groups for {name!r} ({out[name]} vs {n})")
+        out[name] = n
+    return out
+
+
+class EditReader:
+    """unified_edit: only files listed in parquet_info, only row groups ``range(declared)`` that exist."""
+
+    columns = {
+        "image_list": (lambda t: pa.types.is_null(t) or (_is_list(t) and _is_binary(t.value_type)), "list<binary>"),
+        "instruction_list": (lambda t: pa.types.is_null(t) or _is_list(t), "list<list<string>>"),
+    }
+
+    def __init__(self, data_dir: str, parquet_info: Mapping[str, Any], info_file: str, info_roots: list[str],
+                 source_root: str, log: ScanLog) -> None:
+        self.source_root, self.log = source_root, log
+        names = _parquet_names(data_dir)
+        declared = match_parquet_info(parquet_info, data_dir, names, info_roots, info_file)
+        if not declared:
+            log.warn(f"{info_file}: no parquet_info key names a file of {data_dir}; every row is skipped "
+                     f"(keys must equal os.path.join(data_dir, file), see convert docs)")
+        self.units: list[tuple[int, str, pq.ParquetFile, list[int]]] = []
+        entries, missing = [], []
+        for fi, name in enumerate(names):
+            path, rel = os.path.join(data_dir, name), relpath(os.path.join(data_dir, name), source_root)
+            n_decl = declared.get(name)
+            if n_decl is None:
+                try:  # the official reader never opens this file; count its rows for the skip report only
+                    md = pq.ParquetFile(path).metadata
+                    rgs = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+                except Exception as e:
+                    log.warn(f"{path}: unlisted in parquet_info and unreadable ({type(e).__name__}: {e})")
+                    rgs = []
+                    log.skipped.append({"coordinate": [fi, None, None], "reason": SKIP_NOT_IN_PARQUET_INFO})
+                self._skip_rows(fi, rgs, range(len(rgs)), SKIP_NOT_IN_PARQUET_INFO)
+                entries.append({"file": rel, "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs,
+                                "declared_row_groups": None})
+                continue
+            pf = _open_parquet(path)
+            _check_columns(path, pf, self.columns)
+            rgs = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+            entries.append({"file": rel, "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs,
+                            "declared_row_groups": n_decl})
+            self._skip_rows(fi, rgs, range(n_decl, len(rgs)), SKIP_ROW_GROUP_BEYOND_INFO)
+            for g in range(len(rgs), n_decl):
+                missing.append({"file": rel, "file_index": fi, "row_group": g})
+                log.warn(f"{path}: parquet_info declares {n_decl} row groups but the file has {len(rgs)}; "
+                         f"row group {g} does not exist (the official reader skips that unit)")
+            self.units.append((fi, path, pf, [g for g in range(min(n_decl, len(rgs)))]))
+        if not self.units:
+            log.warn(f"{data_dir}: no file of this directory is listed in {info_file}")
+        log.manifest.update(files=entries, missing_row_groups=missing, data_dir=relpath(data_dir, source_root),
+                            parquet_info={e["file"]: e["declared_row_groups"] for e in entries
+                                          if e["declared_row_groups"] is not None})
+        self.total = sum(sum(u[2].metadata.row_group(g).num_rows for g in u[3]) for u in self.units)
+
+    def _skip_rows(self, fi: int, rgs: list[int], groups: range, reason: str) -> None:
+        for g in groups:
+            for r in range(rgs[g]):
+                self.log.skipped.append({"coordinate": [fi, g, r], "reason": reason})
+
+    def __iter__(self) -> Iterator[RawSample]:
+        for fi, path, pf, groups in self.units:
+            rel, k = relpath(path, self.source_root), 0  # groups always start at row group 0
+            for g in groups:
+                tbl = _read_row_group(path, pf, g, ["image_list", "instruction_list"])
+                for r, (imgs, instr) in enumerate(zip(tbl.column("image_list").to_pylist(),
+                                                      tbl.column("instruction_list").to_pylist())):
+                    imgs = imgs if imgs is not None else []
+                    meta = {"group": EDIT, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
+                            "instruction_list": instr, "num_images": len(imgs),
+                            "null_images": [i for i, b in enumerate(imgs) if b is None]}
+                    yield RawSample([fi, g, r], meta, [(i, b) for i, b in enumerate(imgs) if b is not None])
+                    k += 1
+
+
+def _os_error_message(e: OSError, shown_path: str) -> str:
+    """The ``Type: message`` the official reader prints when PIL cannot open ``shown_path``."""
+    if e.errno is not None and e.strerror:
+        return f"{type(e).__name__}: [Errno {e.errno}] {e.strerror}: {shown_path!r}"
+    return f"{type(e).__name__}: {e}"
+
+
+class VlmReader:
+    """vlm_sft: every physical line of the jsonl (as ``readlines()`` gives it) is one sample, broken ones too."""
+
+    def __init__(self, jsonl_path: str, image_dir: str, source_root: str, log: ScanLog) -> None:
+        if not os.path.isfile(jsonl_path):
+            raise ConvertError(f"{jsonl_path}: jsonl file does not exist")
+        try:
+            with open(jsonl_path, encoding="utf-8") as f:
+                self.lines = f.readlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConvertError(f"{jsonl_path}: cannot read jsonl ({type(e).__name__}: {e})") from e
+        if not os.path.isdir(image_dir):
+            log.warn(f"{image_dir}: image directory does not exist; every referenced image is recorded as an error")
+        self.image_dir, self.log = image_dir, log
+        self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
+        self.total = len(self.lines)
+        log.manifest.update(files=[{"file": self.rel_file, "num_lines": len(self.lines)}], num_lines=len(self.lines),
+                            image_dir=self.rel_image_dir)
+
+    def __iter__(self) -> Iterator[RawSample]:
+        for i, line in enumerate(self.lines):
+            names, errors, images, video = None, {}, [], None
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict):
+                if "image" in rec:
+                    names = rec["image"] if isinstance(rec["image"], list) else [rec["image"]]
+                else:
+                    names = []
+                    if "video" in rec:
+                        video = rec["video"]
+                        errors[VIDEO_ERROR_KEY] = VIDEO_UNSUPPORTED
+            for idx, name in enumerate(names or []):
+                if not isinstance(name, str):
+                    errors[str(idx)] = f"TypeError: expected str, bytes or os.PathLike object, not {type(name).__name__}"
+                    continue
+                try:
+                    with open(os.path.join(self.image_dir, name), "rb") as f:
+                        images.append((idx, f.read()))
+                except OSError as e:
+                    errors[str(idx)] = _os_error_message(e, os.path.join(self.rel_image_dir, name))
+            for idx, msg in errors.items():
+                self.log.warn(f"{self.rel_file} line {i}: image {idx}: {msg}")
+            meta = {"group": VLM, "source": {"file": self.rel_file, "line": i}, "raw_line": line,
+                    "image_dir": self.rel_image_dir, "image_names": names, "image_errors": errors}
+            if video is not None:
+                meta["video"] = video
+            yield RawSample([i], meta, images)
