@@ -1,0 +1,132 @@
+"""The only module that imports Megatron-Bridge (lazily), and the Bridge-dependent provider classes.
+
+Every ``megatron.bridge`` import runs the package ``__init__``, which reaches
+``megatron.bridge.peft.lora_layers`` and its unconditional ``import transformer_engine.pytorch``. Where
+Transformer Engine is not installed (CPU machines), ``import_bridge()`` first registers a stand-in for that
+one module whose LoRA classes refuse construction; nothing else changes and Transformer Engine itself is
+never faked (Megatron-Core would then believe it is present).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import logging
+import sys
+import types
+from typing import Any
+
+__all__ = ["BridgeAPI", "import_bridge", "megatron_mimo_provider_class",
+           "install_lora_layers_standin"]
+
+logger = logging.getLogger(__name__)
+
+_LORA_MODULE = "megatron.bridge.peft.lora_layers"
+_LORA_CLASSES = ("LinearAdapter", "LoRALinear", "LoRATopKRouter", "TEFusedLoRALinear")
+
+
+def _refusing_class(name: str) -> type:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            f"{name} needs transformer_engine (GPU build), which is not installed; LoRA PEFT is unavailable here"
+        )
+
+    return type(name, (), {"__init__": __init__, "__module__": _LORA_MODULE,
+                           "__doc__": f"Stand-in for {name}: transformer_engine is not installed."})
+
+
+def install_lora_layers_standin() -> bool:
+    """Register the ``lora_layers`` stand-in when Transformer Engine is absent; True if it was installed."""
+    if importlib.util.find_spec("transformer_engine") is not None or _LORA_MODULE in sys.modules:
+        return False
+    module = types.ModuleType(_LORA_MODULE, "Stand-in: transformer_engine is not installed (CPU).")
+    for name in _LORA_CLASSES:
+        setattr(module, name, _refusing_class(name))
+    sys.modules[_LORA_MODULE] = module
+    logger.info("transformer_engine is not installed: registered a stand-in for %s (LoRA layers refuse "
+                "construction; everything else in Megatron-Bridge is the real code)", _LORA_MODULE)
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeAPI:
+    """The Megatron-Bridge pieces this package uses (checkpoint helpers are None where unimportable)."""
+
+    MegatronMIMODatasetProvider: type
+    DatasetProvider: type
+    DatasetBuildContext: type
+    build_pretraining_data_loader: Any
+    energon_torch_load: Any
+    maybe_save_dataloader_state: Any
+    maybe_load_dataloader_state: Any
+    checkpointing_error: str | None
+
+
+@functools.cache
+def import_bridge() -> BridgeAPI:
+    """Import Megatron-Bridge (installing the CPU stand-in first where needed) and return what we use.
+
+    ``maybe_save/load_dataloader_state`` live only in ``megatron.bridge.training.checkpointing``, which
+    imports ``modelopt`` (package ``nvidia-modelopt``) at module level; without it they are None and
+    ``checkpointing_error`` says why.
+    """
+    install_lora_layers_standin()
+    base_provider = importlib.import_module("megatron.bridge.data.megatron_mimo.base_provider")
+    data_base = importlib.import_module("megatron.bridge.data.base")
+    samplers = importlib.import_module("megatron.bridge.data.samplers")
+    safe_pickle = importlib.import_module("megatron.bridge.utils.safe_pickle")
+    save = load = None
+    error = None
+    try:
+        ckpt = importlib.import_module("megatron.bridge.training.checkpointing")
+        save, load = ckpt.maybe_save_dataloader_state, ckpt.maybe_load_dataloader_state
+    except ImportError as exc:  # e.g. nvidia-modelopt missing
+        error = f"megatron.bridge.training.checkpointing is not importable: {exc}"
+        logger.warning("%s (install the 'train' extra: nvidia-modelopt)", error)
+    return BridgeAPI(
+        MegatronMIMODatasetProvider=base_provider.MegatronMIMODatasetProvider,
+        DatasetProvider=data_base.DatasetProvider,
+        DatasetBuildContext=data_base.DatasetBuildContext,
+        build_pretraining_data_loader=samplers.build_pretraining_data_loader,
+        energon_torch_load=safe_pickle.energon_torch_load,
+        maybe_save_dataloader_state=save,
+        maybe_load_dataloader_state=load,
+        checkpointing_error=error,
+    )
+
+
+@functools.cache
+def megatron_mimo_provider_class() -> type:
+    """``BagelMegatronMIMODatasetProvider``: a MegatronMIMO dataset provider handing out a live loader."""
+    from .external import BagelExternalLoader, _reject_collate
+
+    base = import_bridge().MegatronMIMODatasetProvider
+
+    @dataclasses.dataclass(kw_only=True)
+    class BagelMegatronMIMODatasetProvider(base):
+        """MIMO dataset provider for an already built ``BagelExternalLoader`` (``dataloader_type="external"``).
+
+        ``seq_length`` is read by Bridge's MIMO training loop and throughput logging; set it to the
+        packer's ``max_num_tokens``.
+        """
+
+        train_loader: BagelExternalLoader
+        seq_length: int = 36864
+        dataloader_type: str | None = "external"
+        num_workers: int = 0
+        persistent_workers: bool = False
+        pin_memory: bool = False
+
+        def build_datasets(self, context: Any) -> tuple[Any, None, None]:
+            """(the train loader, or None when no training samples are requested; no valid; no test)."""
+            return (self.train_loader if context.train_samples > 0 else None, None, None)
+
+        def get_collate_fn(self) -> Any:
+            """A guard that raises: Megatron requires the method but never collates external batches."""
+            return _reject_collate
+
+    BagelMegatronMIMODatasetProvider.__module__ = "bridge.models.bagel.data.external"
+    BagelMegatronMIMODatasetProvider.__qualname__ = "BagelMegatronMIMODatasetProvider"
+    return BagelMegatronMIMODatasetProvider
