@@ -1,0 +1,247 @@
+"""Shared pieces of the BAGEL cookers: recorded/replayed random choices, tombstones, image decoding.
+
+The official source datasets draw from Python's global ``random`` (``choice`` / ``random()``).
+:class:`Draws` makes exactly the same calls on a given generator (the ``random`` module itself for
+official-order reproduction, a private per-sample ``random.Random`` in the Energon reader) and records
+the outcome, or replays recorded outcomes without touching any generator (``restore_sample``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import io
+import json
+import logging
+import random as _random_module
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.energon.task_encoder.cooking import basic_sample_keys
+
+from PIL import Image
+
+from ..transforms import ImageTransform, configure_pil, pil_img2rgb
+from .layout import META_PART, VLM, image_part
+from .sample import BagelSample
+
+__all__ = [
+    "CookContext", "Draws", "DropSample", "ReplayError", "current_replay", "replaying",
+    "cook_with", "decode_image", "global_random", "load_meta", "plan_item", "source_coordinate",
+    "transform_image", "DROP_REASONS",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Every tombstone reason a cooker can produce (stable snake_case strings).
+DROP_REASONS: tuple[str, ...] = (
+    "bad_meta",            # meta.json part missing / not JSON / wrong group
+    "missing_image",       # image null in the raw data, or the referenced file did not exist at conversion
+    "image_decode_error",  # image bytes PIL cannot decode (or convert / resize)
+    "bad_captions_json",   # t2i: captions null / not JSON / not a {key: str} object
+    "too_few_images",      # edit: fewer than 2 images (official: IndexError on the first draw)
+    "bad_instructions",    # edit: instruction_list null / too short / not lists of str
+    "empty_alternatives",  # edit: the alternatives list of a step that is reached is empty
+    "bad_json",            # vlm: the line is not valid JSON
+    "bad_record",          # vlm: JSON but not a usable record (no conversations list, bad image entry ...)
+    "video_unsupported",   # vlm: a video record (the official frame sampler needs decord)
+    "no_loss_item",        # vlm: no plan item carries a loss ("No loss defined, skipped.")
+)
+
+
+class ReplayError(RuntimeError):
+    """Recorded choices do not fit the sample being replayed (different data or cooker code)."""
+
+
+class DropSample(Exception):
+    """Raised inside a cooker core to turn the sample into a tombstone with ``reason``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in DROP_REASONS, reason
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class Draws:
+    """The random choices of one sample: drawn from ``rng`` (and recorded) or replayed.
+
+    ``choice_index(n)`` makes the same generator call as ``random.choice`` on a length-``n`` sequence
+    (and raises ``IndexError`` without drawing when ``n == 0``); ``random()`` as ``random.random``.
+    """
+
+    def __init__(self, rng: Any = None, replay: tuple | list | None = None) -> None:
+        if (rng is None) == (replay is None):
+            raise ValueError("Draws: give exactly one of rng (draw) or replay (recorded choices)")
+        self._rng = rng
+        self._replay = None if replay is None else list(replay)
+        self._pos = 0
+        self.record: list[int | float] = []
+
+    @property
+    def replaying(self) -> bool:
+        return self._replay is not None
+
+    def _next_recorded(self, kind: type) -> Any:
+        if self._pos >= len(self._replay):
+            raise ReplayError(f"replay needs more than the {len(self._replay)} recorded choices {self._replay}")
+        v = self._replay[self._pos]
+        self._pos += 1
+        if type(v) is not kind:
+            raise ReplayError(f"replayed choice #{self._pos - 1} is {v!r}, expected a {kind.__name__}")
+        return v
+
+    def choice_index(self, n: int) -> int:
+        """Index drawn like ``random.choice(seq)`` with ``len(seq) == n``."""
+        if n <= 0:
+            raise IndexError("Cannot choose from an empty sequence")
+        if self._replay is not None:
+            v = self._next_recorded(int)
+            if not 0 <= v < n:
+                raise ReplayError(f"replayed index {v} out of range for a choice over {n} items")
+        else:
+            v = self._rng.choice(range(n))
+        self.record.append(v)
+        return v
+
+    def random(self) -> float:
+        """A float drawn like ``random.random()``."""
+        v = self._next_recorded(float) if self._replay is not None else self._rng.random()
+        self.record.append(v)
+        return v
+
+    def finish(self) -> tuple:
+        """The recorded choices; in replay mode also checks that every recorded choice was used."""
+        if self._replay is not None and self._pos != len(self._replay):
+            raise ReplayError(f"replay used {self._pos} of the recorded choices {self._replay}")
+        return tuple(self.record)
+
+
+_REPLAY: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("bagel_cook_replay", default=None)
+
+
+@contextlib.contextmanager
+def replaying(choices: tuple | list) -> Iterator[None]:
+    """Within this block, cookers replay ``choices`` instead of drawing (used around ``restore_sample``)."""
+    token = _REPLAY.set(tuple(choices))
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
+
+
+def current_replay() -> tuple | None:
+    """The choices to replay, or None when cookers should draw."""
+    return _REPLAY.get()
+
+
+@dataclass
+class CookContext:
+    """What a group cooker needs besides the crude sample: transforms, tokenizer, group name."""
+
+    group: str
+    tokenizer: Any
+    transform: ImageTransform
+    vit_transform: ImageTransform | None = None
+
+    def __post_init__(self) -> None:
+        configure_pil()  # official import-time PIL globals (2e8 pixels, truncated images load)
+
+    def encode(self, text: str) -> list[int]:
+        """``tokenizer.encode`` exactly as the official datasets call it (no chat template)."""
+        return list(self.tokenizer.encode(text))
+
+
+def plan_item(type_: str, enable_cfg: int, loss: int) -> dict:
+    """One ``sequence_plan`` entry as the source datasets build it (no special-token loss)."""
+    return {"type": type_, "enable_cfg": enable_cfg, "loss": loss, "special_token_loss": 0,
+            "special_token_label": None}
+
+
+def load_meta(crude: Mapping[str, Any], group: str) -> dict:
+    """The parsed ``meta.json`` part; ``DropSample('bad_meta')`` when missing, not JSON or another group."""
+    raw = crude.get(META_PART)
+    if raw is None:
+        raise DropSample("bad_meta", f"sample {crude.get('__key__')!r} has no {META_PART} part")
+    try:
+        meta = json.loads(raw)
+    except (ValueError, TypeError) as e:
+        raise DropSample("bad_meta", f"sample {crude.get('__key__')!r}: {META_PART} is not JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("group") != group:
+        got = meta.get("group") if isinstance(meta, dict) else type(meta).__name__
+        raise DropSample("bad_meta", f"sample {crude.get('__key__')!r}: meta group {got!r}, expected {group!r}")
+    return meta
+
+
+def decode_image(crude: Mapping[str, Any], i: int, what: str) -> Image.Image:
+    """Image part ``img{i}`` opened and converted like the official loader (``pil_img2rgb``).
+
+    A missing part is ``missing_image``; anything PIL raises is ``image_decode_error``.
+    """
+    data = crude.get(image_part(i))
+    if data is None:
+        raise DropSample("missing_image", f"{what}: image {i} is null / absent")
+    try:
+        return pil_img2rgb(Image.open(io.BytesIO(data)))
+    except Exception as e:  # noqa: BLE001 - the official loader skips on any decode error
+        raise DropSample("image_decode_error", f"{what}: image {i}: {type(e).__name__}: {e}") from None
+
+
+def transform_image(transform: ImageTransform, img: Image.Image, what: str, img_num: int = 1):
+    """``transform(img, img_num)`` with failures turned into ``image_decode_error`` tombstones."""
+    try:
+        return transform(img, img_num=img_num)
+    except Exception as e:  # noqa: BLE001
+        raise DropSample("image_decode_error", f"{what}: transform failed: {type(e).__name__}: {e}") from None
+
+
+def source_coordinate(group: str, source: Mapping[str, Any]) -> list:
+    """The manifest coordinate of a sample: t2i/edit ``[file_index, row_group, row]``, vlm ``[line]``."""
+    if group == VLM:
+        return [source["line"]]
+    return [source["file_index"], source["row_group"], source["row"]]
+
+
+def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookContext, draws: Draws,
+              worker_id: int) -> BagelSample:
+    """Run a group core on a crude sample: a complete ``BagelSample``, or a tombstone on bad data.
+
+    ``core(crude, meta, ctx, draws)`` returns the official fields (plan, texts, images, num_tokens)
+    or raises :class:`DropSample`. ``data_indexes`` is the reader form {source coordinate, worker id,
+    group}; the official-order reader replaces it with the official positions.
+    """
+    basic = basic_sample_keys(crude)
+    source: dict = {}
+    coord: list = []
+    try:
+        meta = load_meta(crude, ctx.group)
+        source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
+        try:
+            coord = source_coordinate(ctx.group, source)
+        except KeyError as e:
+            raise DropSample("bad_meta", f"sample {crude.get('__key__')!r}: source lacks {e}") from None
+        fields = core(crude, meta, ctx, draws)
+    except DropSample as d:
+        data_indexes = {"data_indexes": coord, "worker_id": worker_id, "dataset_name": ctx.group}
+        return BagelSample(**basic, sequence_plan=[], text_ids_list=[], image_tensor_list=[], num_tokens=0,
+                           data_indexes=data_indexes, source=source, rng_choices=tuple(draws.record),
+                           drop_reason=d.reason, drop_detail=f"{_where(ctx.group, source, crude)}: {d.detail}")
+    data_indexes = {"data_indexes": coord, "worker_id": worker_id, "dataset_name": ctx.group}
+    return BagelSample(**basic, **fields, data_indexes=data_indexes, source=source, rng_choices=draws.finish())
+
+
+def _where(group: str, source: Mapping[str, Any], crude: Mapping[str, Any]) -> str:
+    """Human-readable location of a sample for drop details."""
+    key = crude.get("__key__")
+    if "file" in source and "line" in source:
+        return f"{group} {source['file']} line {source['line']} (key {key})"
+    if "file" in source:
+        return (f"{group} {source['file']} row group {source.get('row_group')} row {source.get('row')} "
+                f"(key {key})")
+    return f"{group} sample {key}"
+
+
+def global_random() -> Any:
+    """The ``random`` module itself: official-order cooking draws from the global Python RNG."""
+    return _random_module

@@ -1,0 +1,104 @@
+"""vlm_sft cooker core: one JSONL conversation as the official ``SftJSONLIterableDataset`` yields it.
+
+Per line: parse the JSON, load every referenced image (``pil_img2rgb``), transform each with the
+pixel budget divided by the number of images (also images without a placeholder), turn the
+conversation into text / image elements (``change_format`` rules: human turns split on ``<image>``,
+pieces stripped, extra placeholders dropped; gpt turns carry the loss; other roles ignored), tokenize
+with ``tokenizer.encode`` (no chat template), drop empty texts, and skip when nothing has a loss.
+No random choices (video records, the only random path, are tombstoned as ``video_unsupported``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .cook_common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
+from .layout import VIDEO_ERROR_KEY
+
+__all__ = ["cook_vlm_core", "conversation_elements"]
+
+IMAGE_TOKEN = "<image>"
+
+
+def _image_names(rec: dict) -> list:
+    if "image" in rec:
+        v = rec["image"]
+        names = v if isinstance(v, list) else [v]
+        for i, name in enumerate(names):
+            if not isinstance(name, str):
+                raise DropSample("bad_record", f"image entry {i} is {type(name).__name__}, not a path string")
+        return names
+    if "video" in rec:
+        raise DropSample("video_unsupported", "video records are not supported (the official frame sampler needs decord)")
+    return []
+
+
+def conversation_elements(conversations: Any, num_images: int) -> list[tuple[str, str | None, int]]:
+    """``(kind, text, has_loss)`` elements of a conversation, per the official ``change_format`` rules."""
+    if not isinstance(conversations, list):
+        raise DropSample("bad_record", f"conversations is {type(conversations).__name__}, not a list")
+    out: list[tuple[str, str | None, int]] = []
+    for t, turn in enumerate(conversations):
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise DropSample("bad_record", f"conversation turn {t} is not {{'from': ..., 'value': str}}")
+        role, value = turn.get("from"), turn["value"]
+        if role == "human":
+            if IMAGE_TOKEN not in value:
+                out.append(("text", value, 0))
+                continue
+            pieces = value.split(IMAGE_TOKEN)
+            for idx, piece in enumerate(pieces):
+                if piece.strip() != "":
+                    out.append(("text", piece.strip(), 0))
+                if idx != len(pieces) - 1 and idx < num_images:
+                    out.append(("image", None, 0))
+        elif role == "gpt":
+            out.append(("text", value, 1))
+    return out
+
+
+def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws: Draws) -> dict:
+    """Official fields of a vlm sample; raises ``DropSample`` where the official loader skips the line."""
+    raw_line = meta.get("raw_line")
+    if not isinstance(raw_line, str):
+        raise DropSample("bad_meta", "raw_line missing")
+    try:
+        rec = json.loads(raw_line)
+    except ValueError as e:
+        raise DropSample("bad_json", f"{type(e).__name__}: {e}") from None
+    if not isinstance(rec, dict):
+        raise DropSample("bad_record", f"the line is a JSON {type(rec).__name__}, not an object")
+    errors = meta.get("image_errors") or {}
+    if VIDEO_ERROR_KEY in errors and "image" not in rec:
+        raise DropSample("video_unsupported", "video records are not supported")
+    names = _image_names(rec)
+
+    images = []
+    for i, name in enumerate(names):
+        err = errors.get(str(i))
+        if err is not None:
+            reason = ("missing_image" if err.startswith("FileNotFoundError") else
+                      "bad_record" if err.startswith("TypeError") else "image_decode_error")
+            raise DropSample(reason, f"image {i} ({name}): {err}")
+        images.append(decode_image(crude, i, f"image {i} ({name})"))
+    tensors = [transform_image(ctx.transform, img, f"image {i}", img_num=len(images)) for i, img in enumerate(images)]
+    stride2 = ctx.transform.stride ** 2
+    num_tokens = sum(t.shape[1] * t.shape[2] // stride2 for t in tensors)
+
+    plan: list[dict] = []
+    texts: list[list[int]] = []
+    for kind, text, has_loss in conversation_elements(rec.get("conversations"), len(images)):
+        if kind == "text":
+            ids = ctx.encode(text)
+            if len(ids) == 0:
+                continue
+            texts.append(ids)
+            num_tokens += len(ids)
+            plan.append(plan_item("text", 0, has_loss))
+        else:
+            plan.append(plan_item("vit_image", 0, 0))
+    if not any(item["loss"] for item in plan):
+        raise DropSample("no_loss_item", "No loss defined, skipped.")
+    return {"sequence_plan": plan, "text_ids_list": texts, "image_tensor_list": tensors, "num_tokens": num_tokens}

@@ -1,0 +1,195 @@
+"""Reproduce the OFFICIAL BAGEL iteration order over converted datasets (spec bagel_packer.md §4.1–§4.5).
+
+The official source datasets build a list of sharding units (t2i: parquet files; edit: (file, row
+group) of the files in parquet_info; vlm: (raw line, image dir)), sort it, shuffle it with
+``random.Random(seed)``, keep the rank's contiguous ``len // world_size`` slice and, inside a DataLoader
+worker, the worker's ``per_rank // num_workers`` slice *reversed*. Rows are then read unit by unit and
+cooked with the global ``random`` module, and ``data_indexes`` are positions in that unit list.
+
+:class:`OfficialOrderReader` does the same from the converter's manifest, fetching crude samples by
+key through Energon's sqlite index, so its output can be compared sample by sample with the official
+classes (the golden tests). Listing order: the official reader selects ``num_used_data`` files in
+``os.listdir`` order (file-system dependent); here the manifest's (sorted) file order is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.energon.epathlib import EPath
+from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
+
+from ..stats import DropCounter
+from .cook_common import CookContext, Draws, cook_with, global_random
+from .cookers import CORES
+from .layout import EDIT, SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
+from .sample import BagelSample
+
+__all__ = ["OfficialOrderReader", "Unit", "official_units", "select_files", "shard_units"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One official sharding unit: its sort key and the rows it holds as ``(row id suffix, dataset, key index)``.
+
+    ``sort_key`` is what the official ``sort`` compares (t2i: the file path; edit: (path, row group);
+    vlm: (raw line, image dir)). ``rows`` is None for a unit the official reader fails to read (a
+    row group declared in parquet_info but absent from the file).
+    """
+
+    sort_key: Any
+    rows: tuple[tuple[tuple, int, int], ...] | None
+    label: str
+
+
+def select_files(files: Sequence[Any], n: int) -> list[Any]:
+    """``get_parquet_data_paths``: the listing repeated ``n // len + 1`` times, first ``n`` entries."""
+    if not files:
+        return []
+    return (list(files) * (n // len(files) + 1))[:n]
+
+
+def _coord_index(manifest: Mapping[str, Any]) -> dict[tuple, int]:
+    return {tuple(c): i for i, c in enumerate(manifest["samples"])}
+
+
+def _file_units(ds: int, manifest: Mapping[str, Any], n: int, group: str) -> list[Unit]:
+    """t2i / edit units of one converted dataset (``n`` = the group's ``num_used_data`` entry)."""
+    where = _coord_index(manifest)
+    units: list[Unit] = []
+    for f in select_files(manifest["files"], n):
+        fi, path, rgs = f["file_index"], f["file"], f["row_groups"]
+        if group == T2I:
+            rows = tuple(((g, r), ds, where[(fi, g, r)]) for g in range(len(rgs)) for r in range(rgs[g]))
+            units.append(Unit(path, rows, path))
+            continue
+        declared = f.get("declared_row_groups")
+        if declared is None:  # not in parquet_info: the official reader never opens it
+            continue
+        for g in range(declared):
+            rows = None if g >= len(rgs) else tuple(((r,), ds, where[(fi, g, r)]) for r in range(rgs[g]))
+            units.append(Unit((path, g), rows, f"{path} row group {g}"))
+    return units
+
+
+def _vlm_units(ds: int, manifest: Mapping[str, Any], reader: SqliteITarEntryReader, n: int,
+               shuffle_lines: bool, shuffle_seed: int) -> list[Unit]:
+    """vlm units: every line (raw text from meta.json), optionally shuffled, first ``n`` kept."""
+    import json
+
+    image_dir = manifest.get("image_dir", "")
+    lines = []
+    for idx, (line_no,) in enumerate(manifest["samples"]):
+        meta = json.loads(reader[sample_key(idx)]["meta.json"])
+        lines.append((meta["raw_line"], line_no, idx))
+    lines.sort(key=lambda x: x[1])
+    if shuffle_lines:
+        random.Random(shuffle_seed).shuffle(lines)
+    return [Unit((raw, image_dir), (((), ds, idx),), f"{manifest['files'][0]['file']} line {no}")
+            for raw, no, idx in lines[:n]]
+
+
+def shard_units(units: list[Unit], *, seed: int, rank: int, world_size: int, num_workers: int,
+                worker_id: int) -> list[Unit]:
+    """``set_epoch`` + the per-worker split: sort, ``Random(seed).shuffle``, rank slice, worker slice reversed."""
+    units = sorted(units, key=lambda u: u.sort_key)  # stable: equal units keep their (equivalent) order
+    random.Random(seed).shuffle(units)
+    per_rank = len(units) // world_size
+    mine = units[rank * per_rank:(rank + 1) * per_rank]
+    if num_workers > 0:
+        per_worker = per_rank // num_workers
+        mine = mine[worker_id * per_worker:(worker_id + 1) * per_worker][::-1]
+    return mine
+
+
+def official_units(group: str, manifests: Sequence[Mapping[str, Any]], readers: Sequence[SqliteITarEntryReader],
+                   num_used_data: Sequence[int], *, shuffle_lines: bool = False, shuffle_seed: int = 0) -> list[Unit]:
+    """All units of a group over its converted datasets, before sorting/shuffling."""
+    if len(num_used_data) != len(manifests):
+        raise ValueError(f"{group}: num_used_data has {len(num_used_data)} entries for {len(manifests)} datasets")
+    units: list[Unit] = []
+    for ds, (man, n) in enumerate(zip(manifests, num_used_data)):
+        if man["group"] != group:
+            raise ValueError(f"dataset {man.get('dataset_name')!r} is group {man['group']!r}, expected {group!r}")
+        if group == VLM:
+            units += _vlm_units(ds, man, readers[ds], n, shuffle_lines, shuffle_seed)
+        else:
+            units += _file_units(ds, man, n, group)
+    return units
+
+
+class OfficialOrderReader:
+    """Cooked samples of converted datasets in the official order, with the official ``data_indexes``.
+
+    Draws from the global ``random`` module like the official classes (seed it as the official run
+    does). Iterating gives one pass (``repeat=True``: endless, the same order each pass, as official).
+    Dropped rows are counted in ``drops`` and listed in ``skipped`` as ``{row_id, reason, detail}``.
+    """
+
+    def __init__(self, paths: Sequence[str], ctx: CookContext, num_used_data: Sequence[int], *, seed: int = 42,
+                 rank: int = 0, world_size: int = 1, num_workers: int = 0, worker_id: int = 0,
+                 shuffle_lines: bool = False, shuffle_seed: int = 0, repeat: bool = False) -> None:
+        if isinstance(paths, str):
+            paths = [paths]
+        self.ctx = ctx
+        self.group = ctx.group
+        self.core = CORES[ctx.group]
+        self.repeat = repeat
+        self.worker_id = worker_id if num_workers > 0 else 0
+        self.paths = [str(p) for p in paths]
+        self.readers = [SqliteITarEntryReader(EPath(p)) for p in self.paths]
+        manifests = [load_manifest(p) for p in self.paths]
+        units = official_units(self.group, manifests, self.readers, num_used_data,
+                               shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed)
+        self.units = shard_units(units, seed=seed, rank=rank, world_size=world_size, num_workers=num_workers,
+                                 worker_id=worker_id)
+        if not self.units:
+            raise ValueError(f"{self.group}: no units for rank {rank}/{world_size} worker {worker_id}/{num_workers} "
+                             f"({len(units)} units in {self.paths}); the official reader would hang here")
+        self.drops = DropCounter(f"official-order reader {self.group}", logger)
+        self.skipped: list[dict[str, Any]] = []
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+    def _row_id(self, pos: int, suffix: tuple) -> Any:
+        return pos if self.group == VLM else [pos, *suffix]
+
+    def _cook(self, ds: int, idx: int) -> BagelSample:
+        crude = dict(self.readers[ds][sample_key(idx)])
+        crude["__subflavors__"] = {SUBFLAVOR_KEY: self.group}
+        return cook_with(self.core, crude, self.ctx, Draws(rng=global_random()), self.worker_id)
+
+    def one_pass(self) -> Iterator[BagelSample]:
+        """The samples of one pass over this worker's units (drops counted, not yielded)."""
+        for pos, unit in enumerate(self.units):
+            if unit.rows is None:
+                logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official",
+                               self.group, unit.label)
+                self.skipped.append({"row_id": self._row_id(pos, ()), "reason": "missing_row_group",
+                                     "detail": unit.label})
+                continue
+            for suffix, ds, idx in unit.rows:
+                sample = self._cook(ds, idx)
+                row_id = self._row_id(pos, suffix)
+                if sample.drop_reason is not None:
+                    self.drops.drop(sample.drop_reason, sample.drop_detail)
+                    self.skipped.append({"row_id": row_id, "reason": sample.drop_reason, "detail": sample.drop_detail})
+                    continue
+                sample.data_indexes = {"data_indexes": row_id, "worker_id": self.worker_id,
+                                       "dataset_name": self.group}
+                yield sample
+
+    def __iter__(self) -> Iterator[BagelSample]:
+        while True:
+            yield from self.one_pass()
+            if not self.repeat:
+                return
+            logger.info("%s repeat in worker %d", self.group, self.worker_id)

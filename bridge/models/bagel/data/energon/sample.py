@@ -1,0 +1,60 @@
+"""The cooked BAGEL sample: the official per-sample dict as an Energon ``Sample``.
+
+Cookers never raise on bad data: they return a *tombstone* (``drop_reason`` set) so that drops are
+counted by the reader in the main process, also when cooking runs in worker processes.
+``restore_key`` (builtins only) lets the packer persist buffered samples as keys and rebuild them
+bit-exactly: it pairs Energon's own restore key with the random choices the cooker made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron.energon import Sample
+from megatron.energon.edataclass import edataclass
+
+__all__ = ["BagelSample", "PLAN_KEYS"]
+
+#: Keys of every ``sequence_plan`` item the source datasets produce (exactly these, official order).
+PLAN_KEYS: tuple[str, ...] = ("type", "enable_cfg", "loss", "special_token_loss", "special_token_label")
+
+
+@edataclass
+class BagelSample(Sample):
+    """One source sample of a BAGEL group (t2i_pretrain / unified_edit / vlm_sft).
+
+    ``sequence_plan``, ``text_ids_list``, ``image_tensor_list`` (float32 (3, H, W)), ``num_tokens`` and
+    ``data_indexes`` are exactly the official sample dict's entries; ``source`` is the converted
+    sample's coordinate in the raw data and ``rng_choices`` the random choices made while cooking
+    (indices for ``choice``, floats for ``random()``), used to replay the sample without drawing.
+    """
+
+    sequence_plan: list
+    text_ids_list: list
+    image_tensor_list: list
+    num_tokens: int
+    data_indexes: dict
+    source: dict
+    rng_choices: tuple
+    drop_reason: str | None = None
+    drop_detail: str = ""
+
+    @property
+    def restore_key(self) -> tuple:
+        """``(energon restore key, rng choices)``: builtins only; the group reader's ``restore_sample`` input."""
+        return (self.__restore_key__, self.rng_choices)
+
+    @property
+    def is_tombstone(self) -> bool:
+        """True when the cooker dropped this sample (``drop_reason`` names why)."""
+        return self.drop_reason is not None
+
+    def to_official(self) -> dict[str, Any]:
+        """The official sample dict (what ``PackedDataset`` consumes from a source dataset)."""
+        return {
+            "sequence_plan": self.sequence_plan,
+            "text_ids_list": self.text_ids_list,
+            "image_tensor_list": self.image_tensor_list,
+            "num_tokens": self.num_tokens,
+            "data_indexes": self.data_indexes,
+        }
