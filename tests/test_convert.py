@@ -1,0 +1,242 @@
+"""Converter round trip on the golden raw data: one sample per readable row, exact bytes, valid Energon dataset."""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from megatron.energon import (
+    Cooker, DefaultTaskEncoder, Sample, WorkerConfig, basic_sample_keys, edataclass, get_loader, get_val_dataset,
+    reraise_exception, stateless,
+)
+
+from bridge.models.bagel.data.energon.convert import ConvertError, convert_edit, convert_group, convert_t2i, convert_vlm
+from bridge.models.bagel.data.energon.layout import (
+    EDIT, META_PART, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, SUBFLAVOR_KEY, T2I, VLM, image_index,
+    load_manifest, sample_key,
+)
+
+# energon's prepare forks its indexing pool while pyarrow threads exist; harmless here
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+
+RAW = Path(__file__).parent / "fixtures" / "bagel_readers" / "raw"
+RAW_MANIFEST = json.loads((RAW / "manifest.json").read_text())
+
+
+@edataclass
+class PartsSample(Sample):
+    """Test-local sample: the crude parts as raw bytes."""
+
+    parts: dict
+
+
+@stateless
+def _cook(crude: dict) -> PartsSample:
+    return PartsSample(**basic_sample_keys(crude), parts={k: v for k, v in crude.items() if not k.startswith("__")})
+
+
+class PartsEncoder(DefaultTaskEncoder):
+    decoder = None
+    cookers = [Cooker(_cook)]
+
+
+def read_energon(root: str) -> list[PartsSample]:
+    """Read one sequential pass of a converted dataset through Energon's public API."""
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+    ds = get_val_dataset(root, split_part="train", worker_config=wc, batch_size=None, task_encoder=PartsEncoder())
+    return list(get_loader(ds, watchdog_timeout_seconds=None))
+
+
+def read_tars(root: str) -> dict[str, dict[str, bytes]]:
+    """All samples of the shards, key -> {part: bytes}, in tar order (checked ascending)."""
+    out: dict[str, dict[str, bytes]] = {}
+    man = load_manifest(root)
+    for sh in man["shards"]:
+        with tarfile.open(os.path.join(root, sh["path"])) as tf:
+            keys = set()
+            for m in tf.getmembers():
+                assert (m.mtime, m.uid, m.gid, m.uname, m.gname, m.mode) == (0, 0, 0, "", "", 0o644)
+                key, part = m.name.split(".", 1)
+                keys.add(key)
+                out.setdefault(key, {})[part] = tf.extractfile(m).read()
+            assert len(keys) == sh["count"]
+    assert list(out) == [sample_key(i) for i in range(len(out))]
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("conv")
+    s1 = convert_t2i(str(RAW / "t2i"), out, samples_per_shard=4, progress=False)
+    s2 = convert_edit(str(RAW / "unified_edit"), str(RAW / "parquet_info" / "unified_edit.json"), out,
+                      samples_per_shard=5, progress=False)
+    s3 = convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(RAW / "vlm" / "images"), out, progress=False)
+    return {T2I: s1, EDIT: s2, VLM: s3, "out": out}
+
+
+def _rows(group: str) -> list[dict]:
+    return RAW_MANIFEST[group]["rows"]
+
+
+def test_t2i_every_row_once_with_exact_bytes(converted):
+    s = converted[T2I]
+    assert (s.samples, s.shards, s.skipped) == (21, 6, {})
+    tars = read_tars(s.path)
+    man = load_manifest(s.path)
+    assert man["num_samples"] == 21 and len(man["samples"]) == 21
+    assert [f["file"] for f in man["files"]] == [f"t2i/part-000{i}.parquet" for i in range(4)]  # .crc ignored
+    seen = set()
+    for i, (key, parts) in enumerate(tars.items()):
+        meta = json.loads(parts[META_PART])
+        src = meta["source"]
+        assert meta["group"] == T2I and man["samples"][i] == [src["file_index"], src["row_group"], src["row"]]
+        pf = pq.ParquetFile(RAW / src["file"])
+        row = pf.read_row_group(src["row_group"]).to_pylist()[src["row"]]
+        assert pf.read().to_pylist()[src["file_row"]] == row
+        assert meta["captions"] == row["captions"] and meta["image_null"] == (row["image"] is None)
+        if row["image"] is None:
+            assert set(parts) == {META_PART}
+        else:
+            assert set(parts) == {META_PART, "img0"} and parts["img0"] == row["image"]
+        seen.add((src["file"], src["file_row"]))
+    assert seen == {(r["file"], r["row_in_file"]) for r in _rows(T2I)}
+    assert len(tars["00000003"]["img0"]) == 0  # empty bytes stay a zero-length member
+
+
+def test_edit_official_rows_only(converted):
+    s = converted[EDIT]
+    assert s.samples == 13 and s.shards == 3
+    assert s.skipped == {SKIP_NOT_IN_PARQUET_INFO: 1, SKIP_ROW_GROUP_BEYOND_INFO: 1}
+    man = load_manifest(s.path)
+    assert man["parquet_info"] == {"unified_edit/shard-a.parquet": 2, "unified_edit/shard-b.parquet": 3,
+                                   "unified_edit/shard-c.parquet": 2}
+    assert sorted((x["coordinate"], x["reason"]) for x in man["skipped"]) == [
+        ([2, 2, 0], SKIP_ROW_GROUP_BEYOND_INFO), ([3, 0, 0], SKIP_NOT_IN_PARQUET_INFO)]
+    assert man["missing_row_groups"] == []
+    tars = read_tars(s.path)
+    for i, parts in enumerate(tars.values()):
+        meta = json.loads(parts[META_PART])
+        src = meta["source"]
+        assert man["samples"][i] == [src["file_index"], src["row_group"], src["row"]]
+        row = pq.ParquetFile(RAW / src["file"]).read_row_group(src["row_group"]).to_pylist()[src["row"]]
+        assert meta["instruction_list"] == row["instruction_list"] and meta["num_images"] == len(row["image_list"])
+        imgs = {image_index(p): b for p, b in parts.items() if p != META_PART}
+        assert imgs == {j: b for j, b in enumerate(row["image_list"]) if b is not None}
+        assert meta["null_images"] == [j for j, b in enumerate(row["image_list"]) if b is None]
+    # every declared, existing (file, row group) unit is covered
+    units = {(m[0], m[1]) for m in man["samples"]}
+    assert units == {(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)}
+
+
+def test_vlm_every_line_once(converted):
+    s = converted[VLM]
+    assert s.samples == 25 and s.skipped == {}
+    assert any("missing/none.png" in w for w in s.warnings)
+    man = load_manifest(s.path)
+    assert man["samples"] == [[i] for i in range(25)] and man["num_lines"] == 25
+    lines = (RAW / "vlm" / "vlm_sft.jsonl").open(encoding="utf-8").readlines()
+    for i, parts in enumerate(read_tars(s.path).values()):
+        meta = json.loads(parts[META_PART])
+        assert meta["source"] == {"file": "vlm/vlm_sft.jsonl", "line": i} and meta["raw_line"] == lines[i]
+        assert meta["image_dir"] == "vlm/images"
+        try:
+            rec = json.loads(lines[i])
+        except ValueError:
+            assert meta["image_names"] is None and set(parts) == {META_PART}
+            continue
+        names = rec.get("image", [])
+        names = names if isinstance(names, list) else [names]
+        assert meta["image_names"] == names
+        for j, n in enumerate(names):
+            p = RAW / "vlm" / "images" / n
+            if p.exists():
+                assert parts[f"img{j}"] == p.read_bytes()
+            else:
+                assert f"img{j}" not in parts
+                assert meta["image_errors"][str(j)] == (
+                    f"FileNotFoundError: [Errno 2] No such file or directory: 'vlm/images/{n}'")
+
+
+def test_energon_reads_back_everything(converted):
+    for group in (T2I, EDIT, VLM):
+        root = converted[group].path
+        tars = read_tars(root)
+        got = read_energon(root)
+        assert [x.__key__ for x in got] == list(tars)
+        for x in got:
+            assert x.__subflavors__ == {SUBFLAVOR_KEY: group}
+            assert x.parts == tars[x.__key__]
+
+
+def test_deterministic_bytes(converted, tmp_path):
+    s = convert_t2i(str(RAW / "t2i"), tmp_path, samples_per_shard=4, progress=False)
+    s2 = convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(RAW / "vlm" / "images"), tmp_path, progress=False)
+    for new, old in ((s, converted[T2I]), (s2, converted[VLM])):
+        names = ["manifest.json"] + [sh["path"] for sh in load_manifest(new.path)["shards"]]
+        match, mismatch, errors = filecmp.cmpfiles(new.path, old.path, names, shallow=False)
+        assert mismatch == [] and errors == [] and len(match) == len(names)
+
+
+def test_output_dir_not_empty(tmp_path, converted):
+    (tmp_path / T2I / "t2i").mkdir(parents=True)
+    (tmp_path / T2I / "t2i" / "junk").write_text("x")
+    with pytest.raises(ConvertError, match="t2i.*not empty"):
+        convert_t2i(str(RAW / "t2i"), tmp_path, progress=False)
+    s = convert_t2i(str(RAW / "t2i"), tmp_path, progress=False, overwrite=True)
+    assert s.samples == 21 and not (tmp_path / T2I / "t2i" / "junk").exists()
+    assert not (tmp_path / T2I / "t2i.partial").exists()
+
+
+def _t2i_dir(tmp_path: Path, table: pa.Table, name: str = "part.parquet") -> Path:
+    d = tmp_path / "in"
+    d.mkdir(exist_ok=True)
+    pq.write_table(table, d / name)
+    return d
+
+
+def test_missing_column(tmp_path):
+    d = _t2i_dir(tmp_path, pa.table({"image": pa.array([b"x"], pa.binary())}))
+    with pytest.raises(ConvertError, match=r"part\.parquet.*missing required column 'captions'"):
+        convert_t2i(str(d), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / T2I / "in").exists()
+
+
+def test_corrupt_parquet(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    good = (RAW / "t2i" / "part-0000.parquet").read_bytes()
+    (d / "bad.parquet").write_bytes(good[: len(good) // 2])
+    with pytest.raises(ConvertError, match=r"bad\.parquet.*unreadable parquet"):
+        convert_t2i(str(d), tmp_path / "out", progress=False)
+
+
+def test_missing_jsonl_and_missing_edit_column(tmp_path):
+    with pytest.raises(ConvertError, match=r"nope\.jsonl.*does not exist"):
+        convert_vlm(str(tmp_path / "nope.jsonl"), str(tmp_path), tmp_path / "out", progress=False)
+    d = _t2i_dir(tmp_path, pa.table({"image_list": pa.array([[b"a", b"b"]], pa.list_(pa.binary()))}), "e.parquet")
+    info = tmp_path / "info.json"
+    info.write_text(json.dumps({"e.parquet": {"num_row_groups": 1}}))
+    with pytest.raises(ConvertError, match=r"e\.parquet.*missing required column 'instruction_list'"):
+        convert_edit(str(d), str(info), tmp_path / "out", parquet_info_root=str(d), progress=False)
+
+
+def test_edit_missing_declared_row_group_and_info_root(tmp_path):
+    """Keys relative to parquet_info_root match; a declared row group the file lacks is recorded, not fatal."""
+    d = tmp_path / "edit"
+    d.mkdir()
+    shutil.copy(RAW / "unified_edit" / "shard-c.parquet", d / "c.parquet")
+    info = tmp_path / "info.json"
+    info.write_text(json.dumps({"c.parquet": {"num_row_groups": 5}}))
+    s = convert_group(EDIT, tmp_path / "out", data_dir=str(d), parquet_info_path=str(info), parquet_info_root=str(d),
+                      dataset_name="x", progress=False)
+    man = load_manifest(s.path)
+    assert s.samples == 3 and s.skipped == {}
+    assert man["missing_row_groups"] == [{"file": "edit/c.parquet", "file_index": 0, "row_group": g} for g in (3, 4)]
+    assert any("row group 3 does not exist" in w for w in s.warnings)
