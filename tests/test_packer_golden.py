@@ -38,3 +38,22 @@ def test_drop_counters_match_official_trace(name: str) -> None:
     assert drops.get("flush_drop_buffered", 0) == stats["flush_yield_dropping_buffered_candidate"]
     assert len(packer.buffer) == stats["buffer_len_at_end"]
     assert packer.num_batches == cfg["num_batches"]
+
+
+def test_digest_and_comparator_are_bit_exact() -> None:
+    """Our comparator/digest (used by benchmarks and the resume demo) agree with the golden rule."""
+    import torch
+
+    from bridge.models.bagel.data.packing import batch_digest
+    from bridge.models.bagel.data.packing import first_difference as ours
+
+    case = load_case(CASES[0])
+    a = case["batches"][0]
+    b = {**a, "packed_text_ids": a["packed_text_ids"].clone()}
+    assert ours(a, b) is None and batch_digest(a) == batch_digest(b)
+    b["packed_text_ids"][0] += 1
+    assert ours(a, b) is not None and batch_digest(a) != batch_digest(b)
+    z = {"x": torch.tensor([0.0])}
+    nz = {"x": torch.tensor([-0.0])}
+    assert ours(z, nz) is not None and batch_digest(z) != batch_digest(nz)
+    assert first_difference(z, nz) is not None

@@ -1,5 +1,6 @@
 """Packing stage: the official BAGEL packer (bit-exact) and its building blocks."""
 
+from .digest import batch_digest, first_difference
 from .masks import dense_attention_mask
 from .packer import SPECIAL_TOKEN_KEYS, BagelPacker, restore_key_of
 from .sequence import PackLayout, SequenceBuilder
@@ -11,6 +12,8 @@ __all__ = [
     "PackLayout",
     "SequenceBuilder",
     "SPECIAL_TOKEN_KEYS",
+    "batch_digest",
     "dense_attention_mask",
+    "first_difference",
     "restore_key_of",
 ]

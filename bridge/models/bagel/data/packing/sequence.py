@@ -18,7 +18,6 @@ from ..transforms import (
     get_flattened_position_ids_extrapolate,
     get_flattened_position_ids_interpolate,
     len2weight,
-    patchify,
 )
 from .masks import dense_attention_mask
 
@@ -67,6 +66,32 @@ def _repeat(values: list, lengths: list[int], dtype) -> np.ndarray:
     return np.repeat(np.asarray(values, dtype=dtype), np.asarray(lengths, dtype=np.int64))
 
 
+def _patchify_into(out: torch.Tensor, image: torch.Tensor, p: int) -> None:
+    """Write ``transforms.patchify(image, p)`` into ``out`` (N, p*p*C) without intermediates.
+
+    Going through an HWC copy first keeps both copies cache-friendly (rows of p*C contiguous floats).
+    """
+    c, h, w = image.shape
+    hwc = image.permute(1, 2, 0).contiguous()
+    out.view(h // p, w // p, p, p * c).copy_(hwc.view(h // p, p, w // p, p * c).permute(0, 2, 1, 3))
+
+
+def _pad_stack(images: list[torch.Tensor]) -> torch.Tensor:
+    """Official ``padded_images``: zero-padded bottom/right to the per-dim maximum, float32.
+
+    Allocated uninitialised and written once (image + padding strips) instead of zeros-then-copy.
+    """
+    dims = [max(sizes) for sizes in zip(*(img.shape for img in images))]
+    out = torch.empty((len(images), *dims), dtype=torch.float32)
+    for i, img in enumerate(images):
+        c, h, w = img.shape
+        out[i, :c, :h, :w] = img
+        out[i, :c, :h, w:] = 0.0
+        out[i, :c, h:, :] = 0.0
+        out[i, c:] = 0.0
+    return out
+
+
 def _tensor(arr: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
     """``torch.tensor(list)`` semantics: an empty list becomes float32, otherwise ``dtype``."""
     if len(arr) == 0:
@@ -99,7 +124,7 @@ class SequenceBuilder:
         self.vae_idx_runs: tuple[list[int], list[int]] = ([], [])
         self.timestep_runs: tuple[list[float], list[int]] = ([], [])
         self.mse_runs: tuple[list[int], list[int]] = ([], [])
-        self.vit_tokens: list[torch.Tensor] = []
+        self.vit_images: list[torch.Tensor] = []
         self.vit_pos: list[torch.Tensor] = []
         self.vit_idx_runs: tuple[list[int], list[int]] = ([], [])
         self.vit_seqlens: list[int] = []
@@ -181,10 +206,15 @@ class SequenceBuilder:
                 if item["enable_cfg"] == 1 and random.random() < lay.vit_cond_dropout_prob:
                     rope += 1
                     continue
-                tokens = patchify(image, lay.vit_patch_size)
-                n = tokens.shape[0]
+                p = lay.vit_patch_size
+                if image.dim() != 3 or image.shape[1] % p or image.shape[2] % p:
+                    raise ValueError(
+                        f"vit_image of shape {tuple(image.shape)} is not a (C, H, W) tensor divisible by the "
+                        f"patch size {p} (sample {sample_field(sample, 'data_indexes')})"
+                    )
+                n = (image.shape[1] // p) * (image.shape[2] // p)
                 self._add_run(self.vit_idx_runs, curr + 1, n)
-                self.vit_tokens.append(tokens)
+                self.vit_images.append(image)
                 self.vit_seqlens.append(n)
                 self.vit_pos.append(
                     self._pos_fn(image.size(1), image.size(2), lay.vit_patch_size, lay.max_num_patch_per_side)
@@ -278,16 +308,18 @@ class SequenceBuilder:
         else:
             data["nested_attention_masks"] = self.masks
         if self.vae_images:
-            dims = [max(sizes) for sizes in zip(*(img.shape for img in self.vae_images))]
-            padded = torch.zeros((len(self.vae_images), *dims), dtype=torch.float32)
-            for i, img in enumerate(self.vae_images):
-                padded[i, :, : img.shape[1], : img.shape[2]] = img
-            data["padded_images"] = padded
+            data["padded_images"] = _pad_stack(self.vae_images)
             data["patchified_vae_latent_shapes"] = self.vae_shapes
             data["packed_latent_position_ids"] = torch.cat(self.latent_pos, dim=0)
             data["packed_vae_token_indexes"] = _tensor(_runs(*self.vae_idx_runs), torch.int64)
-        if self.vit_tokens:
-            data["packed_vit_tokens"] = torch.cat(self.vit_tokens, dim=0)
+        if self.vit_images:
+            p = lay.vit_patch_size
+            tokens = torch.empty((sum(self.vit_seqlens), p * p * self.vit_images[0].shape[0]), dtype=torch.float32)
+            start = 0
+            for image, n in zip(self.vit_images, self.vit_seqlens):
+                _patchify_into(tokens[start : start + n], image, p)
+                start += n
+            data["packed_vit_tokens"] = tokens
             data["packed_vit_position_ids"] = torch.cat(self.vit_pos, dim=0)
             data["packed_vit_token_indexes"] = _tensor(_runs(*self.vit_idx_runs), torch.int64)
             data["vit_token_seqlens"] = _tensor(self.vit_seqlens, torch.int64)

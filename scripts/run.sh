@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One entry point for the two commands that matter, on a fresh machine with only Python 3.12:
+#   bash scripts/run.sh test   -> builds .venv from uv.lock (if needed) and runs the whole test suite
+#   bash scripts/run.sh demo   -> builds .venv, generates the embedded demo data, runs the main job
+# Extra arguments are passed to pytest / the demo script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  for c in "${PYTHON:-}" python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12; do
+    [ -n "$c" ] || continue
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+      command -v "$c"; return 0
+    fi
+  done
+  echo "error: Python 3.12 not found (set PYTHON=/path/to/python3.12)" >&2; return 1
+}
+
+setup_env() {
+  local py; py=$(find_python)
+  if [ ! -x .tools/bin/uv ]; then
+    "$py" -m venv .tools
+    .tools/bin/pip install -q --disable-pip-version-check uv
+  fi
+  UV_PYTHON_DOWNLOADS=never .tools/bin/uv sync --frozen --python "$py" -q
+}
+
+cmd=${1:-}; shift || true
+case "$cmd" in
+  setup) setup_env ;;
+  test)
+    setup_env
+    set +e
+    .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+    rc=$?
+    set -e
+    [ $rc -eq 5 ] && { echo "error: pytest collected no tests" >&2; exit 1; }
+    exit $rc ;;
+  demo)
+    setup_env
+    exec .venv/bin/python scripts/demo.py "$@" ;;
+  *) echo "usage: bash scripts/run.sh {setup|test|demo} [args...]" >&2; exit 2 ;;
+esac
