@@ -1,0 +1,109 @@
+"""Offline Qwen2.5 tokenizer (build, disk cache, memo) and BAGEL's special-token ids."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from bridge.models.bagel.data import tokenizer as tk
+from bridge.models.bagel.data.tokenizer import (
+    QWEN2_LEN,
+    add_special_tokens,
+    build_qwen2_tokenizer,
+    load_tokenizer,
+)
+
+SPECIAL_IDS = {"bos_token_id": 151644, "eos_token_id": 151645, "start_of_image": 151652, "end_of_image": 151653}
+# probe encodings recorded with the official run (golden bagel_readers config["tokenizer"]["probes"])
+PROBES = {
+    "Hello world": [9707, 1879],
+    " ": [220],
+    "": [],
+    "Soft edges fading into white.": [30531, 12822, 58517, 1119, 4158, 13],
+    "Что на картинке? 🌈 naïve": [72819, 24634, 13073, 134341, 52571, 30, 11162, 234, 230, 94880, 586],
+    "add rain.. tilt 5 degrees.": [718, 11174, 496, 36200, 220, 20, 12348, 13],
+}
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tokcache")
+
+
+@pytest.fixture(scope="module")
+def tok(cache_root):
+    return build_qwen2_tokenizer(cache_root)
+
+
+def test_built_tokenizer_vocab_and_probes(tok):
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    assert len(tok) == QWEN2_LEN == 151665
+    for text, ids in PROBES.items():
+        assert tok.encode(text) == ids, text
+    assert tok.encode("<|im_start|>hi<|im_end|>") == [151644, 6023, 151645]
+
+
+def test_add_special_tokens_official_semantics(tok):
+    tok2, ids, n_new = add_special_tokens(tok)
+    assert tok2 is tok
+    assert ids == SPECIAL_IDS
+    # transformers 5: special_tokens_map lacks the additional special tokens, so add_tokens gets all 4
+    # and reports 4 (as the official function did in the golden run), but nothing is really added
+    assert "<|im_start|>" not in str(tok.special_tokens_map)
+    assert n_new == 4
+    assert len(tok) == QWEN2_LEN
+    assert tok.encode("Hello world") == [9707, 1879]
+
+
+def test_cache_reload_gives_identical_ids(cache_root, tok):
+    key_dirs = [p for p in cache_root.iterdir() if not p.name.startswith(".")]
+    assert len(key_dirs) == 1 and (key_dirs[0] / "tokenizer.json").is_file()
+    assert not [p for p in cache_root.iterdir() if p.name.startswith(".")], "temp dir left behind"
+    tk._MEMO.clear()                                   # force a load from disk
+    t0 = time.perf_counter()
+    reloaded = build_qwen2_tokenizer(cache_root)
+    assert time.perf_counter() - t0 < 30
+    assert len(reloaded) == QWEN2_LEN
+    for text in [*PROBES, "<|vision_start|><|vision_end|>", "日本語のテキスト\n\ttabs  ", "emoji 👩‍👩‍👧 ok"]:
+        assert reloaded.encode(text) == tok.encode(text), text
+    assert add_special_tokens(reloaded)[1] == SPECIAL_IDS
+
+
+def test_memo_per_process(cache_root):
+    t0 = time.perf_counter()
+    assert build_qwen2_tokenizer(cache_root) is build_qwen2_tokenizer(cache_root)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_concurrent_writer_keeps_existing_cache(cache_root, tok):
+    (target,) = [p for p in cache_root.iterdir() if not p.name.startswith(".")]
+    before = (target / "tokenizer.json").stat().st_mtime_ns
+    tk._save_atomically(tok, target)                   # loses the rename race: must not raise or clobber
+    assert (target / "tokenizer.json").stat().st_mtime_ns == before
+    assert not [p for p in cache_root.iterdir() if p.name.startswith(".")]
+
+
+def test_env_var_default_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("BAGEL_TOKENIZER_CACHE", str(tmp_path / "envcache"))
+    assert tk.default_cache_dir() == tmp_path / "envcache"
+    monkeypatch.delenv("BAGEL_TOKENIZER_CACHE")
+    assert tk.default_cache_dir().parts[-2:] == ("bagel-megatron-data", "qwen2-tokenizer")
+
+
+def test_load_tokenizer_paths(cache_root, tok, monkeypatch, tmp_path):
+    monkeypatch.setenv("BAGEL_TOKENIZER_CACHE", str(cache_root))
+    assert load_tokenizer(None).encode("Hello world") == [9707, 1879]
+    assert len(load_tokenizer("qwen2-offline")) == QWEN2_LEN
+    saved = tmp_path / "saved"
+    tok.save_pretrained(str(saved))
+    assert load_tokenizer(str(saved)).encode(" ") == [220]
+    with pytest.raises(FileNotFoundError, match="not a local directory"):
+        load_tokenizer(str(tmp_path / "missing"))
+    with pytest.raises(FileNotFoundError, match="Qwen/Qwen2.5-7B"):
+        load_tokenizer("Qwen/Qwen2.5-7B")
+    empty = tmp_path / "empty"
+    os.mkdir(empty)
+    with pytest.raises(ValueError, match="could not be loaded"):
+        load_tokenizer(str(empty))
