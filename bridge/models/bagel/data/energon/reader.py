@@ -1,0 +1,221 @@
+"""The per-group sample reader the packer consumes: Energon loader + BAGEL cookers, exact save/restore.
+
+One :class:`BagelGroupReader` per group and DP rank. It reads the group's converted datasets through
+``get_train_dataset`` (unbatched, no shuffle buffer, endless) and a savable loader, cooks every crude
+sample into a :class:`BagelSample`, counts tombstones by reason and yields the rest.
+
+Several datasets of one group are combined as an Energon ``MetadatasetV2`` weighted blend with
+weight = sample count (each sample equally likely, like the official reader that merges all units of
+a group into one list). The blend YAML lives in a private temporary directory of the reader.
+Sharding is by DP rank only (``WorkerConfig(rank=dp_rank, world_size=dp_size)``): TP/CP peers that
+pass the same DP rank read identical data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import megatron.energon as energon
+from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, reraise_exception
+
+from ..state import Savable, StateError
+from ..stats import DropCounter
+from .cook_common import replaying
+from .cookers import BagelTaskEncoder
+from .layout import MANIFEST_NAME, load_manifest
+from .sample import BagelSample
+
+__all__ = ["BagelGroupReader", "dataset_num_samples", "strip_paths"]
+
+logger = logging.getLogger(__name__)
+
+_PIN_MEMORY_WARNING = ".*pin_memory.*"
+
+
+def dataset_num_samples(path: str) -> tuple[str, int]:
+    """``(group, sample count)`` of a converted dataset, from its manifest (or ``.nv-meta/.info.json``)."""
+    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+        man = load_manifest(path)
+        return man["group"], int(man["num_samples"])
+    info = os.path.join(path, ".nv-meta", ".info.json")
+    if not os.path.isfile(info):
+        raise ValueError(f"{path}: not a converted BAGEL dataset (no {MANIFEST_NAME} and no .nv-meta/.info.json)")
+    with open(info, encoding="utf-8") as f:
+        counts = json.load(f).get("shard_counts", {})
+    return "", int(sum(counts.values()))
+
+
+def strip_paths(obj: Any) -> Any:
+    """``obj`` without machine-specific values: keys starting with ``_`` (energon's convention for paths)
+    and absolute path strings are dropped, so fingerprints compare across mount points."""
+    if isinstance(obj, Mapping):
+        return {k: strip_paths(v) for k, v in obj.items()
+                if not (isinstance(k, str) and k.startswith("_")) and not (isinstance(v, str) and os.path.isabs(v))}
+    if isinstance(obj, (list, tuple)):
+        return [strip_paths(v) for v in obj if not (isinstance(v, str) and os.path.isabs(v))]
+    return obj
+
+
+class BagelGroupReader(Savable):
+    """Endless iterator over the cooked, non-dropped samples of one BAGEL group on one DP rank.
+
+    ``save_state_rank()`` / ``restore_state_rank(state)`` save and restore the Energon loader plus the
+    drop counts (restore only on a fresh reader, before iterating); ``restore_sample(key)`` rebuilds a
+    sample from ``sample.restore_key`` bit-exactly by replaying its recorded choices (no RNG is drawn).
+    """
+
+    _savable_fields = ("energon", "drops", "fingerprint")
+
+    def __init__(self, paths: str | Sequence[str], *, tokenizer: Any, image_transform_args: Mapping[str, Any],
+                 vit_image_transform_args: Mapping[str, Any] | None = None, dp_rank: int = 0, dp_size: int = 1,
+                 num_workers: int = 0, seed: int = 0, max_samples_per_sequence: int | None = 100,
+                 checkpoint_every_sec: float = 60, group: str | None = None) -> None:
+        self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
+        if not self.paths:
+            raise ValueError("BagelGroupReader needs at least one dataset path")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        self.group_name = self._check_sizes(group, dp_size * max(num_workers, 1))
+        self.transform_args = {"image_transform_args": dict(image_transform_args),
+                               "vit_image_transform_args": None if vit_image_transform_args is None
+                               else dict(vit_image_transform_args)}
+        self.seed, self.dp_rank, self.dp_size, self.num_workers = seed, dp_rank, dp_size, num_workers
+        self._tmpdir: str | None = None
+        ds_path = self.paths[0] if len(self.paths) == 1 else self._write_blend()
+        self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
+        wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
+                          global_error_handler=reraise_exception)
+        ds = get_train_dataset(ds_path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
+                               max_samples_per_sequence=max_samples_per_sequence, task_encoder=self.task_encoder,
+                               repeat=True)
+        self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
+                                         checkpoint_every_sec=checkpoint_every_sec)
+        self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger)
+        self._it: Iterator[BagelSample] | None = None
+        self._fingerprint = self._compute_fingerprint()
+
+    # -- construction helpers -------------------------------------------------------------------
+    def _check_sizes(self, group: str | None, min_samples: int) -> str:
+        """Every dataset must give each global worker at least one sample (the official reader hangs otherwise)."""
+        groups = set()
+        self._counts = []
+        for p in self.paths:
+            g, n = dataset_num_samples(p)
+            if n < min_samples:
+                raise ValueError(
+                    f"{p}: {n} samples, fewer than dp_size x max(num_workers, 1) = {min_samples}; some data-parallel "
+                    "workers would get no data. Use fewer ranks/workers or more data.")
+            groups.add(g or group)
+            self._counts.append(n)
+        groups.discard(None)
+        if group is not None:
+            groups.add(group)
+        if len(groups) != 1:
+            raise ValueError(f"datasets {self.paths} are not all of one group: {sorted(map(str, groups))}")
+        return groups.pop()
+
+    def _write_blend(self) -> str:
+        """A MetadatasetV2 blend of all paths, weight = sample count, in a private temporary directory."""
+        self._tmpdir = tempfile.mkdtemp(prefix=f"bagel-blend-{self.group_name}-")
+        lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:", "    blend:"]
+        for p, n in zip(self.paths, self._counts):
+            lines += [f"      - weight: {n}", f"        path: {json.dumps(p)}"]
+        path = os.path.join(self._tmpdir, "blend.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
+
+    def _compute_fingerprint(self) -> dict:
+        return {
+            "group": self.group_name,
+            "energon_version": energon.__version__,
+            "seed": self.seed,
+            "transform_args": self.transform_args,
+            "datasets": [{"name": os.path.basename(p), "num_samples": n} for p, n in zip(self.paths, self._counts)],
+            "loader": strip_paths(self.loader.config()),
+        }
+
+    def fingerprint(self) -> dict:
+        """Everything that must match for a saved state to resume this reader (JSON-able, no absolute paths)."""
+        return self._fingerprint
+
+    # -- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> BagelGroupReader:
+        return self
+
+    def __next__(self) -> BagelSample:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_PIN_MEMORY_WARNING, category=UserWarning)
+            if self._it is None:
+                self._it = iter(self.loader)
+            while True:
+                sample = next(self._it)
+                if sample.drop_reason is None:
+                    return sample
+                self.drops.drop(sample.drop_reason, sample.drop_detail)
+
+    # -- state -------------------------------------------------------------------------------
+    def reset_state(self) -> None:
+        """Drop counts back to zero (the Energon position is reset by building a fresh reader)."""
+        self.drops.reset_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.save_state_rank()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.restore_state_rank(state)
+
+    def save_state_rank(self) -> dict[str, Any]:
+        """``{"energon": loader state, "drops": counts, "fingerprint": ...}`` of the samples handed out so far."""
+        return {"energon": self.loader.save_state_rank(), "drops": self.drops.state_dict(),
+                "fingerprint": self.fingerprint()}
+
+    def restore_state_rank(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`save_state_rank` output; only on a fresh reader (before the first ``next``)."""
+        if self._it is not None:
+            raise RuntimeError(f"reader {self.group_name}: restore_state_rank must be called before iterating "
+                               "(build a fresh reader to restore)")
+        if not isinstance(state, dict) or set(state) != set(self._savable_fields):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise StateError(f"reader {self.group_name}: state must have fields {list(self._savable_fields)}, got {got}")
+        if state["fingerprint"] != self.fingerprint():
+            diff = sorted(k for k in set(state["fingerprint"]) | set(self.fingerprint())
+                          if state["fingerprint"].get(k) != self.fingerprint().get(k))
+            raise StateError(f"reader {self.group_name}: saved state is from a different configuration "
+                             f"(differs in {diff}); refusing to resume")
+        self.loader.restore_state_rank(state["energon"])
+        self.drops.load_state_dict(state["drops"])
+
+    def restore_sample(self, restore_key: tuple) -> BagelSample:
+        """Rebuild a sample from ``sample.restore_key`` (energon key + recorded choices), drawing no RNG."""
+        try:
+            key, choices = restore_key
+        except (TypeError, ValueError):
+            raise ValueError(f"reader {self.group_name}: bad restore key {restore_key!r} "
+                             "(expected (energon restore key, rng choices))") from None
+        with replaying(choices), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_PIN_MEMORY_WARNING, category=UserWarning)
+            sample = self.loader.restore_sample(key)
+        if sample.drop_reason is not None:
+            raise ValueError(f"reader {self.group_name}: restore key {restore_key!r} names a dropped sample "
+                             f"({sample.drop_reason}: {sample.drop_detail})")
+        return sample
+
+    def close(self) -> None:
+        """Remove the blend's temporary directory (the loader's workers end with the loader)."""
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
