@@ -1,0 +1,414 @@
+"""Configuration: packer knobs, the official grouped-dataset YAML, the dataset registry and the top config.
+
+The grouped YAML (``configs/example.yaml``) and the dataset-info registry keep the official BAGEL
+formats (spec ``bagel_packer.md`` §3), but are parsed without mutating the input and with errors that
+name the file, group and key. ``BagelDataConfig`` is an OmegaConf-structured dataclass, so YAML files and
+``key=value`` overrides are type-checked and unknown keys are rejected.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from .transforms import ImageTransform
+
+__all__ = [
+    "KNOWN_GROUPS",
+    "BagelDataConfig",
+    "ConfigError",
+    "DatasetInfoEntry",
+    "GroupConfig",
+    "PackerConfig",
+    "ResolvedGroup",
+    "load_config",
+    "load_dataset_info",
+    "load_grouped_yaml",
+    "resolve_groups",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Group names with a reader (the official ``DATASET_REGISTRY`` keys).
+KNOWN_GROUPS: tuple[str, ...] = ("t2i_pretrain", "unified_edit", "vlm_sft")
+
+_TRANSFORM_KEYS = frozenset(
+    ("max_image_size", "min_image_size", "image_stride", "max_pixels", "image_mean", "image_std"))
+#: Pass-through keys some readers accept, with their expected type.
+_EXTRA_TYPES: dict[str, type | tuple[type, ...]] = {"shuffle_lines": bool, "shuffle_seed": int}
+#: Registry fields each group's readers need besides ``data_dir``.
+_REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_path",)}
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the file and key."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Packer
+
+
+@dataclass
+class PackerConfig:
+    """Every BagelPacker knob with the official defaults (``DataConfig`` + ``PackedDataset``)."""
+
+    expected_num_tokens: int = 32768
+    max_num_tokens_per_sample: int = 16384
+    max_num_tokens: int = 36864
+    prefer_buffer_before: int = 16384
+    max_buffer_size: int = 50
+    interpolate_pos: bool = False
+    use_flex: bool = False
+    text_cond_dropout_prob: float = 0.1
+    vit_cond_dropout_prob: float = 0.4
+    vae_cond_dropout_prob: float = 0.1
+    vae_image_downsample: int = 16
+    max_latent_size: int = 32
+    vit_patch_size: int = 14
+    max_num_patch_per_side: int = 70
+
+    def validate(self, where: str = "packer") -> None:
+        """Raise ConfigError for values the packer cannot work with (names the key)."""
+        for name in ("expected_num_tokens", "max_num_tokens_per_sample", "max_num_tokens", "prefer_buffer_before",
+                     "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side"):
+            v = getattr(self, name)
+            if not _is_int(v) or v <= 0:
+                raise ConfigError(f"{where}.{name}: must be a positive integer, got {v!r}")
+        if not _is_int(self.max_buffer_size) or self.max_buffer_size < 0:
+            raise ConfigError(f"{where}.max_buffer_size: must be a non-negative integer, got {self.max_buffer_size!r}")
+        for name in ("interpolate_pos", "use_flex"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{where}.{name}: must be a bool, got {getattr(self, name)!r}")
+        for name in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):
+            v = getattr(self, name)
+            if not _is_number(v) or not 0.0 <= v <= 1.0:
+                raise ConfigError(f"{where}.{name}: must be a probability in [0, 1], got {v!r}")
+        if self.prefer_buffer_before >= self.max_num_tokens:
+            raise ConfigError(f"{where}.prefer_buffer_before ({self.prefer_buffer_before}) must be smaller than "
+                              f"max_num_tokens ({self.max_num_tokens})")
+        if self.expected_num_tokens > self.max_num_tokens:
+            raise ConfigError(f"{where}.expected_num_tokens ({self.expected_num_tokens}) exceeds max_num_tokens "
+                              f"({self.max_num_tokens}): packs could never reach the target")
+        if self.max_num_tokens_per_sample > self.max_num_tokens:
+            raise ConfigError(f"{where}.max_num_tokens_per_sample ({self.max_num_tokens_per_sample}) exceeds "
+                              f"max_num_tokens ({self.max_num_tokens}): such samples could never be packed")
+        if self.prefer_buffer_before + self.max_num_tokens_per_sample > self.max_num_tokens:
+            logger.warning("%s: prefer_buffer_before + max_num_tokens_per_sample > max_num_tokens: a buffered "
+                           "sample can overflow a pack and is then discarded by the official flush", where)
+
+    def packer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``BagelPacker`` (validated)."""
+        self.validate()
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------------
+# Grouped datasets YAML (official example.yaml format)
+
+
+@dataclass
+class GroupConfig:
+    """One top-level group of the grouped YAML; unknown per-group keys are kept in ``extra``."""
+
+    name: str
+    dataset_names: list[str]
+    weight: float = 0.0
+    is_mandatory: bool = False
+    image_transform_args: dict[str, Any] | None = None
+    vit_image_transform_args: dict[str, Any] | None = None
+    frame_sampler_args: dict[str, Any] | None = None
+    num_used_data: list[int] | None = None
+    resume_data_status: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def transform(self) -> ImageTransform | None:
+        """The group's ``ImageTransform`` (the official ``transform`` kwarg), or None."""
+        return ImageTransform(**self.image_transform_args) if self.image_transform_args else None
+
+    def vit_transform(self) -> ImageTransform | None:
+        """The group's ViT ``ImageTransform`` (edit groups), or None."""
+        return ImageTransform(**self.vit_image_transform_args) if self.vit_image_transform_args else None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (YAML would silently keep the last one)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:
+    """Deep copy of a mapping, or the parsed YAML/JSON file; returns (data, source name)."""
+    if isinstance(path_or_dict, Mapping):
+        return copy.deepcopy(dict(path_or_dict)), source
+    path = Path(path_or_dict)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read: {exc}") from exc
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_StrictLoader)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{source}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
+    return data, source
+
+
+def _check_transform_args(args: Any, where: str) -> dict | None:
+    if args is None:
+        return None
+    if not isinstance(args, dict):
+        raise ConfigError(f"{where}: must be a mapping of ImageTransform arguments, got {type(args).__name__}")
+    unknown = sorted(set(args) - _TRANSFORM_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown ImageTransform argument(s) {unknown} (known: {sorted(_TRANSFORM_KEYS)})")
+    try:
+        ImageTransform(**args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return args
+
+
+def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
+    where = f"{src}: group {name!r}"
+    if name not in KNOWN_GROUPS:
+        raise ConfigError(f"{where}: unknown group (known groups: {', '.join(KNOWN_GROUPS)})")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a mapping, got {type(raw).__name__}")
+    raw = dict(raw)
+    if "dataset_names" not in raw:
+        raise ConfigError(f"{where}: missing required key 'dataset_names'")
+    names = raw.pop("dataset_names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{where}: key 'dataset_names' must be a non-empty list of names, got {names!r}")
+    weight = raw.pop("weight", 0.0)
+    if not _is_number(weight) or weight < 0:
+        raise ConfigError(f"{where}: key 'weight' must be a non-negative number, got {weight!r}")
+    flags = {}
+    for key, default in (("is_mandatory", False), ("resume_data_status", True)):
+        flags[key] = raw.pop(key, default)
+        if not isinstance(flags[key], bool):
+            raise ConfigError(f"{where}: key {key!r} must be true/false, got {flags[key]!r}")
+    image_args = _check_transform_args(raw.pop("image_transform_args", None), f"{where}: key 'image_transform_args'")
+    vit_args = _check_transform_args(raw.pop("vit_image_transform_args", None),
+                                     f"{where}: key 'vit_image_transform_args'")
+    frame_args = raw.pop("frame_sampler_args", None)
+    if frame_args is not None and not isinstance(frame_args, dict):
+        raise ConfigError(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
+    num_used = raw.pop("num_used_data", None)
+    if num_used is not None:
+        if not isinstance(num_used, list) or not all(_is_int(n) and n >= 0 for n in num_used):
+            raise ConfigError(f"{where}: key 'num_used_data' must be a list of non-negative integers, got {num_used!r}")
+        if len(num_used) != len(names):
+            raise ConfigError(f"{where}: key 'num_used_data' has {len(num_used)} entries but 'dataset_names' has "
+                              f"{len(names)}")
+    for key, value in raw.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{where}: key {key!r} is not a string")
+        expected = _EXTRA_TYPES.get(key)
+        if expected is bool and not isinstance(value, bool) or expected is int and not _is_int(value):
+            raise ConfigError(f"{where}: key {key!r} must be of type {expected.__name__}, got {value!r}")
+        if expected is None:
+            logger.warning("%s: passing unknown key %r through to the reader", where, key)
+    return GroupConfig(name=name, dataset_names=names, weight=float(weight), image_transform_args=image_args,
+                       vit_image_transform_args=vit_args, frame_sampler_args=frame_args, num_used_data=num_used,
+                       extra=raw, **flags)
+
+
+def load_grouped_yaml(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>") -> list[GroupConfig]:
+    """Parse the official grouped-datasets YAML (top-level keys = groups, in order); input is not mutated."""
+    data, src = _read_mapping(path_or_dict, source)
+    if not data:
+        raise ConfigError(f"{src}: no groups defined")
+    groups = [_parse_group(name, raw, src) for name, raw in data.items()]
+    total = sum(g.weight for g in groups)
+    if total <= 0:
+        raise ConfigError(f"{src}: the group weights sum to {total}; at least one 'weight' must be positive")
+    return groups
+
+
+# --------------------------------------------------------------------------------------------------
+# Dataset registry (official DATASET_INFO)
+
+
+@dataclass
+class DatasetInfoEntry:
+    """One sub-dataset of the registry; ``energon_path`` is our converted Energon dataset directory."""
+
+    data_dir: str
+    jsonl_path: str | None = None
+    parquet_info_path: str | None = None
+    json_dir: str | None = None
+    num_files: int | None = None
+    num_total_samples: int | None = None
+    energon_path: str | None = None
+
+
+_INFO_FIELDS = {f.name: f for f in dataclasses.fields(DatasetInfoEntry)}
+
+
+def _parse_info_entry(group: str, name: str, raw: Any, src: str) -> DatasetInfoEntry:
+    where = f"{src}: {group}.{name}"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: must be a mapping, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(_INFO_FIELDS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {unknown} (known: {sorted(_INFO_FIELDS)})")
+    for key in ("data_dir", *_REQUIRED_INFO.get(group, ())):
+        if not raw.get(key):
+            raise ConfigError(f"{where}: missing required key {key!r}")
+    for key, value in raw.items():
+        if value is None:
+            continue
+        if key in ("num_files", "num_total_samples"):
+            if not _is_int(value) or value < 0:
+                raise ConfigError(f"{where}: key {key!r} must be a non-negative integer, got {value!r}")
+        elif not isinstance(value, str):
+            raise ConfigError(f"{where}: key {key!r} must be a path string, got {value!r}")
+    return DatasetInfoEntry(**raw)
+
+
+def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>"
+                      ) -> dict[str, dict[str, DatasetInfoEntry]]:
+    """Parse the registry ``{group: {name: {data_dir, ...}}}`` from YAML/JSON or a mapping (not mutated).
+
+    Paths are kept as written (the official code resolves them against the working directory).
+    """
+    data, src = _read_mapping(path_or_dict, source)
+    out: dict[str, dict[str, DatasetInfoEntry]] = {}
+    for group, entries in data.items():
+        if group not in KNOWN_GROUPS:
+            raise ConfigError(f"{src}: unknown group {group!r} (known groups: {', '.join(KNOWN_GROUPS)})")
+        if not isinstance(entries, dict):
+            raise ConfigError(f"{src}: group {group!r} must map dataset names to entries")
+        out[group] = {str(name): _parse_info_entry(group, str(name), raw, src) for name, raw in entries.items()}
+    return out
+
+
+@dataclass
+class ResolvedGroup:
+    """A group with its registry entries, in ``dataset_names`` order."""
+
+    group: GroupConfig
+    datasets: list[DatasetInfoEntry]
+
+
+def resolve_groups(groups: Sequence[GroupConfig], dataset_info: Mapping[str, Mapping[str, DatasetInfoEntry]],
+                   *, source: str = "dataset_info") -> list[ResolvedGroup]:
+    """Look up every ``dataset_names`` entry in the registry; a missing group or name is a clear error."""
+    out = []
+    for g in groups:
+        if g.name not in dataset_info:
+            raise ConfigError(f"{source}: no entries for group {g.name!r} (groups present: {sorted(dataset_info)})")
+        known = dataset_info[g.name]
+        missing = [n for n in g.dataset_names if n not in known]
+        if missing:
+            raise ConfigError(f"{source}: group {g.name!r}: dataset name(s) {missing} not registered "
+                              f"(registered: {sorted(known)})")
+        out.append(ResolvedGroup(group=g, datasets=[known[n] for n in g.dataset_names]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Top-level data config (OmegaConf)
+
+
+@dataclass
+class BagelDataConfig:
+    """Everything the data pipeline needs: file paths, packer knobs, data seed, workers, tokenizer."""
+
+    groups: str = "???"                 # grouped-datasets YAML (official example.yaml format)
+    dataset_info: str = "???"           # registry YAML/JSON {group: {name: DatasetInfoEntry}}
+    packer: PackerConfig = field(default_factory=PackerConfig)
+    seed: int = 42                      # data seed (official set_epoch(data_seed))
+    num_workers: int = 0
+    tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
+    tokenizer_cache_dir: str | None = None
+
+    def validate(self) -> None:
+        """Raise ConfigError for invalid values (names the key)."""
+        self.packer.validate("packer")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError(f"seed: must be a non-negative integer, got {self.seed!r}")
+        if not _is_int(self.num_workers) or self.num_workers < 0:
+            raise ConfigError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+
+    def load_groups(self) -> list[ResolvedGroup]:
+        """Load and cross-check the grouped YAML and the registry named by this config."""
+        groups = load_grouped_yaml(self.groups)
+        return resolve_groups(groups, load_dataset_info(self.dataset_info), source=str(self.dataset_info))
+
+    @classmethod
+    def from_omegaconf(cls, cfg: Any, *, source: str = "<config>") -> "BagelDataConfig":
+        """Build from a DictConfig or plain mapping, checked against this schema."""
+        return _to_config([cfg], source)
+
+
+def _to_config(parts: list[Any], source: str) -> BagelDataConfig:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(BagelDataConfig), *parts)
+        obj = OmegaConf.to_object(merged)
+    except MissingMandatoryValue as exc:
+        raise ConfigError(f"{source}: required key {exc.full_key!r} is not set") from exc
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
+        msg = getattr(exc, "msg", None) or str(exc)
+        raise ConfigError(f"{source}: key {key!r}: {msg.splitlines()[0]}") from exc
+    assert isinstance(obj, BagelDataConfig)
+    try:
+        obj.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+    return obj
+
+
+def load_config(yaml_path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> BagelDataConfig:
+    """Load a ``BagelDataConfig`` from a YAML file merged with ``key=value`` dotlist overrides."""
+    from omegaconf import OmegaConf
+
+    parts: list[Any] = []
+    sources = []
+    if yaml_path is not None:
+        data, src = _read_mapping(yaml_path, str(yaml_path))
+        parts.append(OmegaConf.create(data))
+        sources.append(src)
+    if overrides:
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides: expected key=value, got {bad}")
+        parts.append(OmegaConf.from_dotlist(list(overrides)))
+        sources.append(f"overrides {list(overrides)}")
+    return _to_config(parts, " + ".join(sources) or "<defaults>")
