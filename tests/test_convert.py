@@ -240,3 +240,35 @@ def test_edit_missing_declared_row_group_and_info_root(tmp_path):
     assert s.samples == 3 and s.skipped == {}
     assert man["missing_row_groups"] == [{"file": "edit/c.parquet", "file_index": 0, "row_group": g} for g in (3, 4)]
     assert any("row group 3 does not exist" in w for w in s.warnings)
+
+
+def test_convert_from_config_and_cli(tmp_path, monkeypatch, capsys):
+    """Official dataset_info (paths relative to the working directory) + grouped YAML -> all groups, CLI table."""
+    from bridge.models.bagel.data.cli import main
+
+    info = {T2I: {"golden_t2i": {"data_dir": "t2i", "num_files": 4}},
+            EDIT: {"golden_edit": {"data_dir": "unified_edit", "parquet_info_path": "parquet_info/unified_edit.json"}},
+            VLM: {"golden_vlm": {"data_dir": "vlm/images", "jsonl_path": "vlm/vlm_sft.jsonl"}}}
+    groups = {g: {"dataset_names": list(info[g]), "weight": 1} for g in info}
+    (tmp_path / "info.yaml").write_text(json.dumps(info))
+    (tmp_path / "groups.yaml").write_text(json.dumps(groups))
+    monkeypatch.chdir(RAW)  # like the official run: relative paths against the working directory
+    rc = main(["convert", "config", "--dataset-info", str(tmp_path / "info.yaml"), "--groups",
+               str(tmp_path / "groups.yaml"), "--out", str(tmp_path / "out"), "--no-progress"])
+    table = capsys.readouterr().out
+    assert rc == 0
+    assert "unified_edit/golden_edit" in table and "file not in parquet_info: 1" in table
+    assert table.splitlines()[-1].split()[:3] == ["TOTAL", "59", "3"]
+    written = json.loads((tmp_path / "out" / "dataset_info.json").read_text())
+    for g, names in info.items():
+        for name in names:
+            path = written[g][name]["energon_path"]
+            assert path == str(tmp_path / "out" / g / name) and load_manifest(path)["dataset_name"] == name
+    edit_man = load_manifest(written[EDIT]["golden_edit"]["energon_path"])
+    assert edit_man["files"][0]["file"] == "unified_edit/shard-a.parquet" and edit_man["skipped"]
+    # same conversion again: refused (exit 2, the path named), then accepted with --overwrite
+    args = ["convert", "t2i", "--data-dir", "t2i", "--out", str(tmp_path / "out"), "--name", "golden_t2i"]
+    assert main(args) == 2
+    assert main(args + ["--overwrite", "--samples-per-shard", "10"]) == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines()]
+    assert ["t2i_pretrain/golden_t2i", "21", "3"] in [r[:3] for r in rows]

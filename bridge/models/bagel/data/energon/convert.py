@@ -32,7 +32,7 @@ from .layout import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["ConvertError", "ConvertSummary", "convert_group", "convert_t2i", "convert_edit", "convert_vlm",
-           "dumps_json"]
+           "convert_from_config", "dumps_json"]
 
 
 @dataclass
@@ -228,3 +228,78 @@ def convert_edit(data_dir: str, parquet_info_path: str, out_dir: str | os.PathLi
 def convert_vlm(jsonl_path: str, image_dir: str, out_dir: str | os.PathLike, **kw: Any) -> ConvertSummary:
     """vlm_sft jsonl + image root → ``<out_dir>/vlm_sft/<name>/``."""
     return convert_group(VLM, out_dir, jsonl_path=jsonl_path, image_dir=image_dir, **kw)
+
+
+def _load_mapping(path: str, what: str) -> dict[str, Any]:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)  # YAML is a superset of JSON: both formats are accepted
+    except (OSError, yaml.YAMLError) as e:
+        raise ConvertError(f"{path}: cannot read {what} ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: {what} must be a mapping")
+    return data
+
+
+def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir: str | os.PathLike, *,
+                        source_root: str | None = None, samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
+                        progress: bool = True, overwrite: bool = False) -> list[ConvertSummary]:
+    """Convert every sub-dataset the grouped YAML names, reading paths from an official dataset_info file.
+
+    ``dataset_info_path``: YAML/JSON ``{group: {name: {data_dir, jsonl_path?, parquet_info_path?, ...}}}``
+    (the official ``DATASET_INFO`` layout). Relative paths are resolved against ``source_root`` (default:
+    the working directory, as in the official training script) and stored relative to it. The parquet_info
+    files of all edit datasets of the grouped YAML are merged, as the official ``build_datasets`` does.
+    Writes ``<out_dir>/dataset_info.json``: the input with ``energon_path`` (absolute) on every converted entry.
+    """
+    # Parsed here with pyyaml: no shared config module existed when this was written.
+    info = _load_mapping(dataset_info_path, "dataset_info")
+    groups = _load_mapping(grouped_yaml_path, "grouped dataset YAML")
+    root = os.path.abspath(source_root or os.getcwd())
+    out_dir = os.fspath(out_dir)
+
+    def resolve(p: str) -> str:
+        return os.path.join(root, p)
+
+    summaries: list[ConvertSummary] = []
+    result = json.loads(json.dumps(info))
+    for group, gcfg in groups.items():
+        if group not in GROUPS:
+            raise ConvertError(f"{grouped_yaml_path}: unknown group {group!r} (expected one of {GROUPS})")
+        names = (gcfg or {}).get("dataset_names")
+        if not isinstance(names, list) or not names:
+            raise ConvertError(f"{grouped_yaml_path}: group {group!r} needs a non-empty dataset_names list")
+        entries = {}
+        for name in names:
+            entry = (info.get(group) or {}).get(name)
+            if not isinstance(entry, dict) or "data_dir" not in entry:
+                raise ConvertError(f"{dataset_info_path}: no entry {group}.{name} with a data_dir")
+            entries[name] = entry
+        merged_info: dict[str, Any] = {}
+        if group == EDIT:
+            for name, entry in entries.items():
+                if not entry.get("parquet_info_path"):
+                    raise ConvertError(f"{dataset_info_path}: {group}.{name} needs parquet_info_path")
+                merged_info.update(_load_parquet_info(resolve(entry["parquet_info_path"])))
+        for name, entry in entries.items():
+            kw: dict[str, Any] = dict(dataset_name=name, source_root=root, samples_per_shard=samples_per_shard,
+                                      progress=progress, overwrite=overwrite)
+            if group == VLM:
+                if not entry.get("jsonl_path"):
+                    raise ConvertError(f"{dataset_info_path}: {group}.{name} needs jsonl_path")
+                s = convert_group(group, out_dir, jsonl_path=resolve(entry["jsonl_path"]),
+                                  image_dir=resolve(entry["data_dir"]), **kw)
+            elif group == EDIT:
+                s = convert_group(group, out_dir, data_dir=resolve(entry["data_dir"]), parquet_info=merged_info,
+                                  parquet_info_path=resolve(entry["parquet_info_path"]), parquet_info_root=root, **kw)
+            else:
+                s = convert_group(group, out_dir, data_dir=resolve(entry["data_dir"]), **kw)
+            result[group][name]["energon_path"] = os.path.abspath(s.path)
+            summaries.append(s)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "dataset_info.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1, sort_keys=True, ensure_ascii=False)
+        f.write("\n")
+    return summaries

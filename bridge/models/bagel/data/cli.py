@@ -1,0 +1,109 @@
+"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, or generate the demo dataset."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from .energon.convert import ConvertError, ConvertSummary, convert_from_config, convert_group
+from .energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
+
+logger = logging.getLogger(__name__)
+
+
+def format_summary(summaries: Sequence[ConvertSummary]) -> str:
+    """A plain-text table: one line per converted dataset plus a total line."""
+    head = ("dataset", "samples", "shards", "bytes", "warnings", "skipped (by reason)")
+    rows = [(f"{s.group}/{s.dataset_name}", str(s.samples), str(s.shards), str(s.bytes), str(len(s.warnings)),
+             ", ".join(f"{r}: {n}" for r, n in s.skipped.items()) or "-") for s in summaries]
+    tot_skip: dict[str, int] = {}
+    for s in summaries:
+        for r, n in s.skipped.items():
+            tot_skip[r] = tot_skip.get(r, 0) + n
+    rows.append(("TOTAL", str(sum(s.samples for s in summaries)), str(sum(s.shards for s in summaries)),
+                 str(sum(s.bytes for s in summaries)), str(sum(len(s.warnings) for s in summaries)),
+                 ", ".join(f"{r}: {n}" for r, n in sorted(tot_skip.items())) or "-"))
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:{'<' if i in (0, 5) else '>'}{w}}}" for i, w in enumerate(widths))
+    lines = [fmt.format(*head), "  ".join("-" * w for w in widths)] + [fmt.format(*r) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagel-data", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    conv = sub.add_parser("convert", help="official raw format -> <out>/<group>/<name>/ crude WebDataset")
+    csub = conv.add_subparsers(dest="fmt", required=True)
+
+    def common(sp: argparse.ArgumentParser, named: bool = True) -> None:
+        sp.add_argument("--out", required=True, help="output root; datasets go to OUT/<group>/<name>/")
+        if named:
+            sp.add_argument("--name", help="dataset name (default: data dir basename / jsonl stem)")
+            sp.add_argument("--source-root", help="root that stored paths are relative to (default: see docs)")
+        sp.add_argument("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD)
+        sp.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
+        sp.add_argument("--no-progress", action="store_true")
+
+    t2i = csub.add_parser("t2i", help="t2i_pretrain parquet folder")
+    t2i.add_argument("--data-dir", required=True)
+    common(t2i)
+    edit = csub.add_parser("edit", help="unified_edit parquet folder + parquet_info JSON")
+    edit.add_argument("--data-dir", required=True)
+    edit.add_argument("--parquet-info", required=True)
+    edit.add_argument("--parquet-info-root", help="directory that relative parquet_info keys are relative to")
+    common(edit)
+    vlm = csub.add_parser("vlm", help="vlm_sft jsonl + image folder")
+    vlm.add_argument("--jsonl", required=True)
+    vlm.add_argument("--image-dir", required=True)
+    common(vlm)
+    cfg = csub.add_parser("config", help="every sub-dataset a grouped YAML names, paths from dataset_info")
+    cfg.add_argument("--dataset-info", required=True, help="YAML/JSON {group: {name: {data_dir, ...}}}")
+    cfg.add_argument("--groups", required=True, help="grouped YAML (official example.yaml format)")
+    cfg.add_argument("--source-root", help="directory relative dataset_info paths are relative to (default: cwd)")
+    common(cfg, named=False)
+
+    demo = sub.add_parser("demo-data", help="generate the small procedural demo dataset (raw + converted)")
+    demo.add_argument("out")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--scale", choices=("small", "medium"), default="small")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.cmd == "demo-data":
+            from .energon.demo import make_demo_data
+
+            summaries = make_demo_data(args.out, seed=args.seed, scale=args.scale)
+            if not summaries:
+                print(f"demo data already complete in {args.out} (seed {args.seed}, scale {args.scale})")
+                return 0
+        else:
+            kw = dict(samples_per_shard=args.samples_per_shard, progress=not args.no_progress, overwrite=args.overwrite)
+            if args.fmt == "config":
+                summaries = convert_from_config(args.dataset_info, args.groups, args.out, source_root=args.source_root,
+                                                **kw)
+            else:
+                kw.update(dataset_name=args.name, source_root=args.source_root)
+                if args.fmt == "t2i":
+                    summaries = [convert_group(T2I, args.out, data_dir=args.data_dir, **kw)]
+                elif args.fmt == "edit":
+                    summaries = [convert_group(EDIT, args.out, data_dir=args.data_dir, parquet_info_path=args.parquet_info,
+                                               parquet_info_root=args.parquet_info_root, **kw)]
+                else:
+                    summaries = [convert_group(VLM, args.out, jsonl_path=args.jsonl, image_dir=args.image_dir, **kw)]
+    except ConvertError as e:
+        logger.error("%s", e)
+        return 2
+    print(format_summary(summaries))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

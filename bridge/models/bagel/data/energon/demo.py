@@ -1,0 +1,236 @@
+"""Embedded demo dataset: procedural raw data in the three official BAGEL formats, converted to Energon.
+
+``make_demo_data(out, seed)`` writes ``out/raw/`` (t2i parquet, unified_edit parquet + parquet_info, vlm jsonl
++ images), converts it into ``out/energon/<group>/<name>/`` and writes ``out/dataset_info.yaml`` (official
+dataset_info layout + ``energon_path``) and ``out/groups.yaml`` (official grouped format), so a training config
+can point at them. Deterministic (seeded ``numpy.random.Generator``), a few MB, a few seconds; idempotent via
+a stamp file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from . import demo_scenes as ds
+from .convert import ConvertSummary, convert_from_config
+from .layout import EDIT, T2I, VLM
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SCALES", "DEMO_NAMES", "generate_demo_raw", "make_demo_data"]
+
+DEMO_VERSION = 1
+STAMP = ".bagel_demo_stamp.json"
+#: rows per group: t2i (files, rows per file), edit (files, row groups per file, rows per row group), vlm lines
+SCALES: dict[str, dict[str, Any]] = {
+    "small": {"t2i": (8, 8), "edit": (4, 2, 4), "vlm": 48},
+    "medium": {"t2i": (16, 16), "edit": (8, 2, 8), "vlm": 192},
+}
+DEMO_NAMES = {T2I: "demo_t2i", EDIT: "demo_edit", VLM: "demo_vlm"}
+
+
+def _fmt(rng: np.random.Generator) -> tuple[str, bool]:
+    """(format, transparent background): mostly JPEG, some PNG, some RGBA PNG."""
+    u = rng.random()
+    return ("JPEG", False) if u < 0.55 else ("PNG", False) if u < 0.8 else ("PNG", True)
+
+
+def _write_parquet(path: str, schema: pa.Schema, groups: list[dict[str, list]]) -> None:
+    with pq.ParquetWriter(path, schema) as w:
+        for cols in groups:
+            tbl = pa.Table.from_arrays([pa.array(cols[f.name], type=f.type) for f in schema], schema=schema)
+            w.write_table(tbl, row_group_size=len(tbl))
+
+
+def _gen_t2i(rng: np.random.Generator, d: str, n_files: int, rows: int) -> int:
+    schema = pa.schema([("image", pa.binary()), ("captions", pa.string())])
+    os.makedirs(d)
+    for f in range(n_files):
+        cuts = sorted(rng.choice(np.arange(1, rows), size=int(rng.integers(0, 3)), replace=False).tolist())
+        bounds = [0, *cuts, rows]
+        groups = []
+        for a, b in zip(bounds, bounds[1:]):
+            imgs, caps = [], []
+            for _ in range(b - a):
+                fmt, transparent = _fmt(rng)
+                scene = ds.random_scene(rng, transparent=transparent and fmt == "PNG")
+                imgs.append(ds.encode(ds.render(scene), fmt))
+                caps.append(json.dumps(ds.captions(rng, scene)))
+            groups.append({"image": imgs, "captions": caps})
+        _write_parquet(os.path.join(d, f"part-{f:04d}.parquet"), schema, groups)
+    return n_files * rows
+
+
+def _gen_edit(rng: np.random.Generator, d: str, info_path: str, n_files: int, n_groups: int, rows: int) -> int:
+    schema = pa.schema([("image_list", pa.list_(pa.binary())), ("instruction_list", pa.list_(pa.list_(pa.string())))])
+    os.makedirs(d)
+    info = {}
+    for f in range(n_files):
+        groups = []
+        for _ in range(n_groups):
+            imgs, instrs = [], []
+            for _ in range(rows):
+                fmt, _t = _fmt(rng)
+                scene = ds.random_scene(rng, size=ds.random_size(rng, 128, 512))
+                chain, steps = [ds.encode(ds.render(scene), fmt)], []
+                for _ in range(int(rng.integers(1, 4))):  # 2-4 images
+                    scene, phrasings = ds.edit_step(rng, scene)
+                    chain.append(ds.encode(ds.render(scene), fmt))
+                    steps.append(phrasings)
+                imgs.append(chain)
+                instrs.append(steps)
+            groups.append({"image_list": imgs, "instruction_list": instrs})
+        name = f"edit-{f:04d}.parquet"
+        _write_parquet(os.path.join(d, name), schema, groups)
+        info[os.path.join(d, name)] = {"num_row_groups": n_groups}  # keys as the official reader joins them
+    os.makedirs(os.path.dirname(info_path), exist_ok=True)
+    with open(info_path, "w", encoding="utf-8") as fh:
+        json.dump(info, fh, indent=1)
+    return n_files * n_groups * rows
+
+
+def _vlm_qa(rng: np.random.Generator, scene: ds.Scene) -> list[tuple[str, str]]:
+    """Question/answer pairs about one scene (shuffled; the caller takes a prefix)."""
+    s = scene.shapes[int(rng.integers(len(scene.shapes)))]
+    n = len(scene.shapes)
+    qa = [
+        ("What shapes do you see?", ds.captions(rng, scene)["caption"]),
+        (f"What colour is the {s.kind}?", f"The {s.kind} is {s.colour}."),
+        ("How many shapes are there?", f"There {'is one shape' if n == 1 else f'are {n} shapes'}."),
+        ("Describe the background.", f"It is {scene.background_words()}."),
+        (f"Where is the {s.describe()}?", f"It is {ds.position_words(s)}."),
+        ("Is the image wider than it is tall?", "Yes." if scene.width > scene.height else
+         "No, it is taller than it is wide." if scene.height > scene.width else "No, it is square."),
+    ]
+    return [qa[i] for i in rng.permutation(len(qa))]
+
+
+def _gen_vlm(rng: np.random.Generator, img_dir: str, jsonl: str, n_lines: int) -> int:
+    os.makedirs(img_dir)
+    lines = []
+    n_img = 0
+    for i in range(n_lines):
+        u = rng.random()
+        k = 0 if u < 0.06 else 1 if u < 0.7 else int(rng.integers(2, 4))  # text-only / single / multi-image
+        names, scenes = [], []
+        for _ in range(k):
+            fmt, transparent = _fmt(rng)
+            scene = ds.random_scene(rng, transparent=transparent and fmt == "PNG")
+            name = f"img_{n_img:05d}.{'jpg' if fmt == 'JPEG' else 'png'}"
+            with open(os.path.join(img_dir, name), "wb") as fh:
+                fh.write(ds.encode(ds.render(scene), fmt))
+            names.append(name)
+            scenes.append(scene)
+            n_img += 1
+        if k == 0:
+            a, b = ds._pick(rng, ["blue", "red"]), "yellow"
+            conv = [("human", f"What colour do you get by mixing {a} and {b}?"),
+                    ("gpt", "Green." if a == "blue" else "Orange.")]
+        elif k == 1:
+            qa = _vlm_qa(rng, scenes[0])[: int(rng.integers(1, 4))]  # 1-3 rounds
+            conv = []
+            for j, (q, a) in enumerate(qa):
+                conv += [("human", ("<image>\n" if j == 0 else "") + q), ("gpt", a)]
+        else:
+            counts = [len(sc.shapes) for sc in scenes]
+            per = "; ".join(f"image {j + 1}: {', '.join(sh.describe() for sh in sc.shapes)}"
+                            for j, sc in enumerate(scenes))
+            most = int(np.argmax(counts))
+            conv = [("human", "<image>\n" * k + "List the shapes in each image."), ("gpt", per.capitalize() + ".")]
+            if rng.random() < 0.5:
+                conv += [("human", "Which image has the most shapes?"),
+                         ("gpt", "They have the same number." if counts.count(counts[most]) > 1
+                          else f"Image {most + 1}, with {counts[most]}.")]
+        rec: dict[str, Any] = {"id": f"demo-{i:05d}"}
+        if names:
+            rec["image"] = names[0] if len(names) == 1 and rng.random() < 0.5 else names
+        rec["conversations"] = [{"from": f, "value": v} for f, v in conv]
+        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+    with open(jsonl, "w", encoding="utf-8") as fh:
+        fh.writelines(lines)
+    return n_lines
+
+
+def generate_demo_raw(out_raw: str, seed: int = 0, scale: str = "small") -> dict[str, dict[str, Any]]:
+    """Write the raw demo data into ``out_raw`` (must not exist); return the official dataset_info entries."""
+    if scale not in SCALES:
+        raise ValueError(f"unknown demo scale {scale!r} (expected one of {sorted(SCALES)})")
+    out_raw = os.path.abspath(out_raw)
+    os.makedirs(out_raw)
+    cfg = SCALES[scale]
+    rngs = [np.random.default_rng([seed, i]) for i in range(3)]  # one stream per group: independent sizes
+    t2i_dir, edit_dir = os.path.join(out_raw, "t2i"), os.path.join(out_raw, "unified_edit")
+    info_path = os.path.join(out_raw, "parquet_info", f"{DEMO_NAMES[EDIT]}.json")
+    img_dir, jsonl = os.path.join(out_raw, "vlm", "images"), os.path.join(out_raw, "vlm", f"{DEMO_NAMES[VLM]}.jsonl")
+    n_t2i = _gen_t2i(rngs[0], t2i_dir, *cfg["t2i"])
+    n_edit = _gen_edit(rngs[1], edit_dir, info_path, *cfg["edit"])
+    n_vlm = _gen_vlm(rngs[2], img_dir, jsonl, cfg["vlm"])
+    return {
+        T2I: {DEMO_NAMES[T2I]: {"data_dir": t2i_dir, "num_files": cfg["t2i"][0], "num_total_samples": n_t2i}},
+        EDIT: {DEMO_NAMES[EDIT]: {"data_dir": edit_dir, "parquet_info_path": info_path, "num_files": cfg["edit"][0],
+                                  "num_total_samples": n_edit}},
+        VLM: {DEMO_NAMES[VLM]: {"data_dir": img_dir, "jsonl_path": jsonl, "num_total_samples": n_vlm}},
+    }
+
+
+def demo_groups(scale: str = "small") -> dict[str, Any]:
+    """The grouped YAML (official example.yaml format): t2i and vlm mandatory, edit weight 1."""
+    cfg = SCALES[scale]
+    return {
+        T2I: {"dataset_names": [DEMO_NAMES[T2I]],
+              "image_transform_args": {"image_stride": 16, "max_image_size": 1024, "min_image_size": 512},
+              "is_mandatory": True, "num_used_data": [cfg["t2i"][0]], "weight": 1},
+        EDIT: {"dataset_names": [DEMO_NAMES[EDIT]],
+               "image_transform_args": {"image_stride": 16, "max_image_size": 1024, "min_image_size": 512},
+               "vit_image_transform_args": {"image_stride": 14, "max_image_size": 518, "min_image_size": 224},
+               "is_mandatory": False, "num_used_data": [cfg["edit"][0]], "weight": 1},
+        VLM: {"dataset_names": [DEMO_NAMES[VLM]],
+              "image_transform_args": {"image_stride": 14, "max_image_size": 980, "min_image_size": 378,
+                                       "max_pixels": 2007040},
+              "frame_sampler_args": {"max_num_frames": 12, "min_num_frames": 8},
+              "is_mandatory": True, "shuffle_lines": True, "shuffle_seed": 0, "num_used_data": [cfg["vlm"]],
+              "weight": 1},
+    }
+
+
+def _write_yaml(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(data, fh, sort_keys=False, allow_unicode=True)
+
+
+def make_demo_data(out: str, seed: int = 0, scale: str = "small") -> list[ConvertSummary]:
+    """Generate + convert the demo set into ``out``; a no-op (returns ``[]``) if ``out`` already holds it."""
+    out = os.path.abspath(out)
+    stamp_path = os.path.join(out, STAMP)
+    want = {"version": DEMO_VERSION, "seed": seed, "scale": scale}
+    if os.path.isfile(stamp_path):
+        with open(stamp_path, encoding="utf-8") as fh:
+            if json.load(fh) == want:
+                logger.info("demo data in %s is complete (seed %d, scale %s); nothing to do", out, seed, scale)
+                return []
+        os.remove(stamp_path)
+    for sub in ("raw", "energon"):  # only what this generator owns
+        shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
+    os.makedirs(out, exist_ok=True)
+    info = generate_demo_raw(os.path.join(out, "raw"), seed, scale)
+    info_path, groups_path = os.path.join(out, "dataset_info.yaml"), os.path.join(out, "groups.yaml")
+    _write_yaml(info_path, info)
+    _write_yaml(groups_path, demo_groups(scale))
+    summaries = convert_from_config(info_path, groups_path, os.path.join(out, "energon"),
+                                    source_root=os.path.join(out, "raw"), progress=False, overwrite=True)
+    for s in summaries:
+        info[s.group][s.dataset_name]["energon_path"] = os.path.abspath(s.path)
+    _write_yaml(info_path, info)
+    with open(stamp_path, "w", encoding="utf-8") as fh:
+        json.dump(want, fh)
+    logger.info("demo data written to %s: %s", out, {f"{s.group}/{s.dataset_name}": s.samples for s in summaries})
+    return summaries
