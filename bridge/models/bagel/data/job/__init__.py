@@ -1,0 +1,1 @@
+"""The main job's building blocks: batch contract checks, telemetry, job config and checkpoints."""
