@@ -178,7 +178,9 @@ def test_energon_reads_back_everything(converted):
 def test_deterministic_bytes(converted, tmp_path):
     s = convert_t2i(str(RAW / "t2i"), tmp_path, samples_per_shard=4, progress=False)
     s2 = convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(RAW / "vlm" / "images"), tmp_path, progress=False)
-    for new, old in ((s, converted[T2I]), (s2, converted[VLM])):
+    s3 = convert_edit(str(RAW / "unified_edit"), str(RAW / "parquet_info" / "unified_edit.json"), tmp_path,
+                      samples_per_shard=5, progress=False)
+    for new, old in ((s, converted[T2I]), (s2, converted[VLM]), (s3, converted[EDIT])):
         names = ["manifest.json"] + [sh["path"] for sh in load_manifest(new.path)["shards"]]
         match, mismatch, errors = filecmp.cmpfiles(new.path, old.path, names, shallow=False)
         assert mismatch == [] and errors == [] and len(match) == len(names)
@@ -272,3 +274,42 @@ def test_convert_from_config_and_cli(tmp_path, monkeypatch, capsys):
     assert main(args + ["--overwrite", "--samples-per-shard", "10"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()]
     assert ["t2i_pretrain/golden_t2i", "21", "3"] in [r[:3] for r in rows]
+
+
+def test_vlm_edge_records(tmp_path):
+    """video, non-string names, a directory as image, CRLF line endings and a blank last line: one sample each."""
+    img_dir = tmp_path / "imgs"
+    (img_dir / "sub").mkdir(parents=True)
+    (img_dir / "a.png").write_bytes(b"not really a png")
+    recs = [{"id": 0, "video": "clip.mp4", "conversations": []},
+            {"id": 1, "image": ["a.png", 7, "sub"], "conversations": []},
+            {"id": 2, "image": "a.png", "conversations": []}]
+    data = "\r\n".join(json.dumps(r) for r in recs) + "\r\n\n"
+    (tmp_path / "x.jsonl").write_bytes(data.encode())
+    s = convert_vlm(str(tmp_path / "x.jsonl"), str(img_dir), tmp_path / "out", source_root=str(tmp_path), progress=False)
+    metas = [json.loads(p[META_PART]) for p in read_tars(s.path).values()]
+    assert s.samples == 4 and [m["source"]["line"] for m in metas] == [0, 1, 2, 3]
+    assert all(m["raw_line"].endswith("\n") and "\r" not in m["raw_line"] for m in metas)
+    assert metas[0]["video"] == "clip.mp4" and metas[0]["image_errors"] == {"video": "video unsupported"}
+    assert metas[1]["image_names"] == ["a.png", 7, "sub"]
+    assert metas[1]["image_errors"] == {
+        "1": "TypeError: expected str, bytes or os.PathLike object, not int",
+        "2": "IsADirectoryError: [Errno 21] Is a directory: 'imgs/sub'"}
+    assert metas[2]["image_names"] == ["a.png"] and metas[3]["image_names"] is None and metas[3]["raw_line"] == "\n"
+    parts = list(read_tars(s.path).values())
+    assert parts[1]["img0"] == parts[2]["img0"] == b"not really a png" and "img1" not in parts[1]
+
+
+def test_edit_null_entries(tmp_path):
+    d = tmp_path / "e"
+    d.mkdir()
+    tbl = pa.table({"image_list": pa.array([[b"a", None, b"c"], None], pa.list_(pa.binary())),
+                    "instruction_list": pa.array([[["x"], ["y", "z"]], None], pa.list_(pa.list_(pa.string())))})
+    pq.write_table(tbl, d / "p.parquet")
+    s = convert_group(EDIT, tmp_path / "out", data_dir=str(d), parquet_info={str(d / "p.parquet"): {"num_row_groups": 1}},
+                      progress=False)
+    parts = list(read_tars(s.path).values())
+    m0, m1 = (json.loads(p[META_PART]) for p in parts)
+    assert (m0["num_images"], m0["null_images"], m0["instruction_list"]) == (3, [1], [["x"], ["y", "z"]])
+    assert set(parts[0]) == {META_PART, "img0", "img2"} and parts[0]["img2"] == b"c"
+    assert (m1["num_images"], m1["null_images"], m1["instruction_list"], set(parts[1])) == (0, [], None, {META_PART})
