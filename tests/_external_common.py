@@ -1,0 +1,58 @@
+"""Helpers shared by the external-loader tests: real packers over golden streams, batch comparison, gloo PGs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+
+from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
+from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
+from packer_golden import PACKER_KEYS, load_case
+
+FLEX_CASE = "c02_flex_extrap_3g2m_s14"
+DENSE_CASE = "c01_dense_extrap_3g2m_s14"
+
+
+def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: int = 14,
+                  fingerprint: dict | None = None) -> BagelExternalLoader:
+    """Real packer over a golden case's sample streams (cycled), RNG-isolated, as an external loader."""
+    case = load_case(case_name)
+    cfg = case["config"]
+    sources = [ListGroupSource(case["groups"][g], cycle=True, name=g) for g in cfg["group_names"]]
+    packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
+                         group_names=cfg["group_names"], **{k: cfg[k] for k in PACKER_KEYS})
+    fp = {"case": case_name, "rank_seed": rank_seed} if fingerprint is None else fingerprint
+    return BagelExternalLoader(BagelRNGIterator(packer, rank_seed), length=length, stateful_loaders=sources,
+                               fingerprint=fp)
+
+
+def assert_same(a: Any, b: Any, path: str = "batch") -> None:
+    """Exact equality: tensors by torch.equal with dtype and shape; containers recursively."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b).__name__}"
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{path}: tensor values differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} vs {sorted(b) if isinstance(b, dict) else b}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a).__name__}/{len(a)} vs {b!r:.80}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+
+
+def single_process_pg_collection():
+    """A one-rank gloo world and a ProcessGroupCollection with tp/pp/cp/dp all on it (what Bridge's helpers need)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not torch.distributed.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="bagel_pg_"), "store")
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    world = torch.distributed.group.WORLD
+    return ProcessGroupCollection(tp=world, pp=world, cp=world, dp=world)

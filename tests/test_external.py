@@ -1,0 +1,211 @@
+"""BagelExternalLoader: Megatron's external-iterator protocol, exact resume, fingerprints, safe state files."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+
+import pytest
+import torch
+
+from _external_common import DENSE_CASE, FLEX_CASE, assert_same, golden_loader, single_process_pg_collection
+from bridge.models.bagel.data.external import (
+    BagelExternalLoader,
+    ResumeMismatchError,
+    energon_state_classes,
+)
+from bridge.models.bagel.data.state import StateError, check_restricted
+
+
+# -- protocol ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [0, -3, True, 2.5, None])
+def test_length_must_be_a_positive_int(length):
+    with pytest.raises(ValueError, match="length must be a positive int"):
+        golden_loader(length=length)
+
+
+def test_is_its_own_iterator_with_length_hint_and_position():
+    loader = golden_loader(length=2)
+    assert iter(loader) is loader and len(loader) == 2
+    batches = [next(loader) for _ in range(3)]  # length is only a hint: iteration is not bounded by it
+    assert loader.position == 3
+    assert all("packed_text_ids" in b for b in batches)
+
+
+def test_close_is_idempotent_and_stops_iteration():
+    with golden_loader() as loader:
+        next(loader)
+    loader.close()
+    with pytest.raises(RuntimeError, match="after close"):
+        next(loader)
+
+
+def test_fingerprint_must_be_restricted_types():
+    from pathlib import Path
+
+    with pytest.raises(StateError, match="pathlib"):
+        golden_loader(fingerprint={"root": Path("/data")})
+
+
+# -- in-memory resume -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", [FLEX_CASE, DENSE_CASE])
+@pytest.mark.parametrize("save_after", [1, 3, 7])
+def test_restore_into_fresh_loader_continues_exactly(case, save_after):
+    ref = golden_loader(case)
+    for _ in range(save_after):
+        next(ref)
+    state = ref.save_state()
+    check_restricted(state, allow=energon_state_classes())
+    expected = [next(ref) for _ in range(10)]
+    fresh = golden_loader(case, length=3)  # a different length (train_iters) must not matter
+    fresh.restore_state(pickle.loads(pickle.dumps(state)))
+    assert fresh.position == save_after
+    for i, want in enumerate(expected):
+        assert_same(next(fresh), want, f"resumed[{i}]")
+
+
+def test_save_is_side_effect_free():
+    a, b = golden_loader(), golden_loader()
+    for i in range(6):
+        a.save_state()
+        assert_same(next(a), next(b), f"batch{i}")
+
+
+# -- bad states -------------------------------------------------------------------------------------------
+
+
+def test_fingerprint_mismatch_names_every_differing_key():
+    saved = golden_loader(fingerprint={"seed": 1, "groups": {"t2i": 0.5, "vlm": 0.5}, "dp_size": 8}).save_state()
+    other = golden_loader(fingerprint={"seed": 2, "groups": {"t2i": 0.7, "vlm": 0.5}, "dp_size": 8})
+    with pytest.raises(ResumeMismatchError) as err:
+        other.restore_state(saved)
+    msg = str(err.value)
+    assert "loader.seed: saved=1 current=2" in msg
+    assert "loader.groups.t2i: saved=0.5 current=0.7" in msg
+    assert "dp_size" not in msg and "vlm" not in msg
+    assert isinstance(err.value, ValueError)
+    assert other.position == 0  # nothing was restored
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda s: [s], "must be a dict, got list"),
+        (lambda s: {k: v for k, v in s.items() if k not in ("packer", "loaders")}, r"lacks keys \['packer', 'loaders'\]"),
+        (lambda s: {**s, "version": 99}, "version 99"),
+        (lambda s: {**s, "loaders": s["loaders"][:2]}, "group count differs"),
+        (lambda s: {**s, "position": -1}, "position must be"),
+        (lambda s: {**s, "packer": {**s["packer"], "python_rng": [3, [0], None]}}, "python_rng"),
+        (lambda s: {**s, "packer": {k: v for k, v in s["packer"].items() if k != "inner"}}, "'inner'"),
+    ],
+)
+def test_malformed_state_raises_a_clear_error(mutate, match):
+    state = golden_loader().save_state()
+    with pytest.raises(StateError, match=match):
+        golden_loader().restore_state(mutate(state))
+
+
+# -- through Megatron-Bridge's own save/load functions ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bridge_ckpt():
+    from bridge.models.bagel.data._bridge import import_bridge
+
+    api = import_bridge()
+    if api.maybe_save_dataloader_state is None:
+        pytest.skip(api.checkpointing_error)
+    return api, single_process_pg_collection()
+
+
+def _state_file(root, step):
+    return os.path.join(root, f"iter_{step:07d}", "train_dataloader_dprank000.pt")
+
+
+@pytest.mark.parametrize("case", [FLEX_CASE, DENSE_CASE])
+def test_bridge_save_and_load_resume_exactly(bridge_ckpt, tmp_path, case):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    api, pgs = bridge_ckpt
+    root = str(tmp_path / "energon")
+    it = RerunDataIterator(golden_loader(case))
+    for _ in range(3):
+        next(it)
+    api.maybe_save_dataloader_state(None, it, 3, root, pg_collection=pgs)
+    assert os.path.isfile(_state_file(root, 3))
+    expected = [next(it) for _ in range(10)]
+    payload = api.energon_torch_load(_state_file(root, 3))
+    assert set(payload) == {"dataloader_state_dict"}
+    resumed = RerunDataIterator(golden_loader(case, length=1))
+    api.maybe_load_dataloader_state(resumed, 3, root, pg_collection=pgs)
+    assert resumed.iterable.position == 3
+    for i, want in enumerate(expected):
+        assert_same(next(resumed), want, f"resumed[{i}]")
+
+
+def test_truncated_state_file_fails_clearly(bridge_ckpt, tmp_path):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    api, pgs = bridge_ckpt
+    root = str(tmp_path / "energon")
+    api.maybe_save_dataloader_state(None, RerunDataIterator(golden_loader()), 2, root, pg_collection=pgs)
+    path = _state_file(root, 2)
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+    fresh = RerunDataIterator(golden_loader())
+    with pytest.raises(zipfile.BadZipFile):
+        api.maybe_load_dataloader_state(fresh, 2, root, pg_collection=pgs)
+    assert fresh.iterable.position == 0
+
+
+class _WritesAFile:
+    """A pickle payload that, if ever unpickled by a permissive loader, creates ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_code_carrying_state_file_is_refused_and_never_runs(bridge_ckpt, tmp_path):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    api, pgs = bridge_ckpt
+    # the payload is live: a permissive loader would run it
+    live = tmp_path / "live.pt"
+    torch.save({"dataloader_state_dict": _WritesAFile(str(tmp_path / "proof"))}, live)
+    torch.load(live, weights_only=False)
+    assert (tmp_path / "proof").exists()
+
+    root = tmp_path / "energon"
+    path = _state_file(str(root), 5)
+    os.makedirs(os.path.dirname(path))
+    marker = tmp_path / "pwned"
+    state = golden_loader().save_state()
+    state["packer"]["inner"]["evil"] = _WritesAFile(str(marker))
+    torch.save({"dataloader_state_dict": state}, path)
+    fresh = RerunDataIterator(golden_loader())
+    with pytest.raises(pickle.UnpicklingError, match="system"):
+        api.maybe_load_dataloader_state(fresh, 5, str(root), pg_collection=pgs)
+    assert not marker.exists()
+    assert fresh.iterable.position == 0
+
+
+def test_tampered_fingerprint_in_file_is_refused(bridge_ckpt, tmp_path):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    api, pgs = bridge_ckpt
+    root = tmp_path / "energon"
+    path = _state_file(str(root), 4)
+    os.makedirs(os.path.dirname(path))
+    state = golden_loader().save_state()
+    state["fingerprint"]["loader"]["rank_seed"] = 15
+    torch.save({"dataloader_state_dict": state}, path)
+    with pytest.raises(ResumeMismatchError, match="loader.rank_seed: saved=15 current=14"):
+        api.maybe_load_dataloader_state(RerunDataIterator(golden_loader()), 4, str(root), pg_collection=pgs)
