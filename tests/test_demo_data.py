@@ -120,3 +120,12 @@ def test_converted_vlm_meta(demo):
     with tarfile.open(root / man["shards"][0]["path"]) as tf:
         meta = json.loads(tf.extractfile("00000000." + META_PART).read())
     assert meta["source"] == {"file": "vlm/demo_vlm.jsonl", "line": 0} and meta["image_errors"] == {}
+
+
+def test_config_loaders_accept_demo_files(demo):
+    from bridge.models.bagel.data.config import load_dataset_info, load_grouped_yaml, resolve_groups
+
+    groups = load_grouped_yaml(str(demo / "groups.yaml"))
+    resolved = resolve_groups(groups, load_dataset_info(str(demo / "dataset_info.yaml")))
+    assert [r.group.name for r in resolved] == [T2I, EDIT, VLM]
+    assert all(os.path.isdir(d.energon_path) for r in resolved for d in r.datasets)
