@@ -18,7 +18,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["BridgeAPI", "import_bridge", "megatron_mimo_provider_class",
+__all__ = ["BridgeAPI", "dataset_provider_class", "import_bridge", "megatron_mimo_provider_class",
            "install_lora_layers_standin"]
 
 logger = logging.getLogger(__name__)
@@ -130,3 +130,44 @@ def megatron_mimo_provider_class() -> type:
     BagelMegatronMIMODatasetProvider.__module__ = "bridge.models.bagel.data.external"
     BagelMegatronMIMODatasetProvider.__qualname__ = "BagelMegatronMIMODatasetProvider"
     return BagelMegatronMIMODatasetProvider
+
+
+@functools.cache
+def dataset_provider_class() -> type:
+    """``BagelDatasetProvider``: a plain Bridge ``DatasetProvider`` building the loader for ``pretrain()``."""
+    from .build import build_bagel_train_loader
+    from .config import BagelDataConfig
+    from .external import BagelExternalLoader
+
+    base = import_bridge().DatasetProvider
+
+    @dataclasses.dataclass(kw_only=True)
+    class BagelDatasetProvider(base):
+        """Builds this rank's ``BagelExternalLoader`` from ``data`` (DP rank/size from ``context.pg_collection``).
+
+        ``tokenizer`` is the HF tokenizer used for the BAGEL text (Bridge's own tokenizer in the context is a
+        Megatron wrapper and is not used). ``seq_length`` = the packer's ``max_num_tokens``.
+        """
+
+        data: BagelDataConfig
+        tokenizer: Any = None
+        seq_length: int = 36864
+        dataloader_type: str | None = "external"
+        num_workers: int = 0
+        persistent_workers: bool = False
+        pin_memory: bool = False
+
+        def build_datasets(self, context: Any) -> tuple[BagelExternalLoader | None, None, None]:
+            """(this rank's loader, or None when no training samples are requested; no valid; no test)."""
+            if context.train_samples <= 0:
+                return None, None, None
+            tokenizer = self.tokenizer
+            if tokenizer is None:
+                from .tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(self.data.tokenizer)
+            return build_bagel_train_loader(self.data, tokenizer, context), None, None
+
+    BagelDatasetProvider.__module__ = "bridge.models.bagel.data.build"
+    BagelDatasetProvider.__qualname__ = "BagelDatasetProvider"
+    return BagelDatasetProvider

@@ -1,0 +1,131 @@
+"""Config-driven assembly: per-group Energon readers → BagelPacker → BagelRNGIterator → BagelExternalLoader.
+
+``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML.
+``BagelDatasetProvider`` (created lazily through ``_bridge``, so importing this module needs no
+Megatron-Bridge) is a plain ``DatasetProvider`` for Bridge's standard ``pretrain()`` path, which passes the
+DP process group in the build context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from importlib import metadata
+from typing import Any
+
+from .config import BagelDataConfig, ConfigError, ResolvedGroup
+from .energon.reader import BagelGroupReader
+from .external import BagelExternalLoader, BagelRNGIterator
+from .packing import BagelPacker
+from .tokenizer import add_special_tokens
+
+__all__ = ["BagelDatasetProvider", "build_bagel_train_loader", "dp_rank_size", "package_version", "rank_seed"]
+
+logger = logging.getLogger(__name__)
+
+PACKAGE_NAME = "bagel-megatron-data"
+
+
+def package_version() -> str:
+    """Installed version of this package ("unknown" when run from an uninstalled tree)."""
+    try:
+        return metadata.version(PACKAGE_NAME)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def dp_rank_size(context_or_dp: Any) -> tuple[int, int]:
+    """(DP rank, DP size) from a ``(rank, size)`` pair or a build context (``context.pg_collection.dp``).
+
+    A context without ``pg_collection`` (Bridge's MIMO path) means every data rank reads the same global
+    stream: (0, 1).
+    """
+    if isinstance(context_or_dp, (tuple, list)):
+        rank, size = (int(v) for v in context_or_dp)
+    else:
+        pgs = getattr(context_or_dp, "pg_collection", None)
+        dp = getattr(pgs, "dp", None) if pgs is not None else None
+        if dp is None:
+            logger.info("build context has no pg_collection.dp: reading the single global stream (DP rank 0 of 1)")
+            return 0, 1
+        rank, size = int(dp.rank()), int(dp.size())
+    if not 0 <= rank < size:
+        raise ValueError(f"data-parallel rank {rank} out of range for size {size}")
+    return rank, size
+
+
+def rank_seed(seed: int, dp_rank: int, dp_size: int) -> int:
+    """Seed of one DP rank's data RNG (official ``global_seed * world_size + rank``, over DP ranks)."""
+    return int(seed) * int(dp_size) + int(dp_rank)
+
+
+def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_rank: int, dp_size: int
+            ) -> BagelGroupReader:
+    g = group.group
+    paths = []
+    for name, entry in zip(g.dataset_names, group.datasets):
+        if not entry.energon_path:
+            raise ConfigError(f"{config.dataset_info}: {g.name}.{name} has no 'energon_path'; convert it first "
+                              "(bagel-data convert) and register the converted directory")
+        paths.append(entry.energon_path)
+    if not g.image_transform_args:
+        raise ConfigError(f"{config.groups}: group {g.name!r} needs 'image_transform_args'")
+    return BagelGroupReader(paths, tokenizer=tokenizer, image_transform_args=g.image_transform_args,
+                            vit_image_transform_args=g.vit_image_transform_args, dp_rank=dp_rank, dp_size=dp_size,
+                            num_workers=config.num_workers, seed=config.seed, group=g.name)
+
+
+def _fingerprint(config: BagelDataConfig, groups: list[ResolvedGroup], special: dict[str, int], dp_rank: int,
+                 dp_size: int) -> dict[str, Any]:
+    return {
+        "package_version": package_version(),
+        "seed": config.seed,
+        "dp_rank": dp_rank,
+        "dp_size": dp_size,
+        "num_workers": config.num_workers,
+        "packer": dataclasses.asdict(config.packer),
+        "special_tokens": dict(special),
+        "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
+                    "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,
+                    "image_transform_args": r.group.image_transform_args,
+                    "vit_image_transform_args": r.group.vit_image_transform_args} for r in groups],
+    }
+
+
+def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or_dp: Any = (0, 1), *,
+                             length: int | None = None) -> BagelExternalLoader:
+    """One rank's external loader from ``config`` (groups YAML + registry + packer knobs + seed + workers).
+
+    ``context_or_dp`` is ``(dp_rank, dp_size)`` or a Bridge ``DatasetBuildContext``; ``length`` (a hint for
+    Megatron) defaults to the context's ``train_samples``, or 1.
+    """
+    config.validate()
+    dp_rank, dp_size = dp_rank_size(context_or_dp)
+    if length is None:
+        length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
+    groups = config.load_groups()
+    tokenizer, special, _ = add_special_tokens(tokenizer)
+    readers: list[BagelGroupReader] = []
+    try:
+        for g in groups:
+            readers.append(_reader(g, tokenizer, config, dp_rank, dp_size))
+        packer = BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
+                             special, group_names=[g.group.name for g in groups], **config.packer.packer_kwargs())
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+    seed = rank_seed(config.seed, dp_rank, dp_size)
+    logger.info("BAGEL loader: DP rank %d/%d, groups %s, rank seed %d, %d Energon workers", dp_rank, dp_size,
+                [g.group.name for g in groups], seed, config.num_workers)
+    return BagelExternalLoader(BagelRNGIterator(packer, seed), length=length, stateful_loaders=readers,
+                               fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))
+
+
+def __getattr__(name: str) -> Any:
+    """Create the Bridge-dependent ``BagelDatasetProvider`` on first use."""
+    if name == "BagelDatasetProvider":
+        from ._bridge import dataset_provider_class
+
+        return dataset_provider_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
