@@ -132,7 +132,7 @@ def _gen_vlm(rng: np.random.Generator, img_dir: str, jsonl: str, n_lines: int) -
             scenes.append(scene)
             n_img += 1
         if k == 0:
-            a, b = ds._pick(rng, ["blue", "red"]), "yellow"
+            a, b = ds.pick(rng, ["blue", "red"]), "yellow"
             conv = [("human", f"What colour do you get by mixing {a} and {b}?"),
                     ("gpt", "Green." if a == "blue" else "Orange.")]
         elif k == 1:

@@ -51,7 +51,7 @@ class Scene:
         return f"a {self.direction} {self.bg[0]}-to-{self.bg[1]} gradient"
 
 
-def _pick(rng: np.random.Generator, seq, exclude=()) -> str:
+def pick(rng: np.random.Generator, seq, exclude=()) -> str:
     options = [x for x in seq if x not in exclude]
     return options[int(rng.integers(len(options)))]
 
@@ -65,16 +65,16 @@ def random_size(rng: np.random.Generator, lo: int = 96, hi: int = 640) -> tuple[
 
 
 def random_shape(rng: np.random.Generator, avoid_colours=()) -> Shape:
-    return Shape(_pick(rng, KINDS), _pick(rng, COLOURS, avoid_colours), float(rng.uniform(0.2, 0.8)),
+    return Shape(pick(rng, KINDS), pick(rng, COLOURS, avoid_colours), float(rng.uniform(0.2, 0.8)),
                  float(rng.uniform(0.2, 0.8)), float(rng.uniform(0.08, 0.22)))
 
 
 def random_scene(rng: np.random.Generator, size: tuple[int, int] | None = None, max_shapes: int = 3,
                  transparent: bool = False) -> Scene:
     w, h = size or random_size(rng)
-    c1 = _pick(rng, COLOURS)
-    c2 = c1 if rng.random() < 0.25 else _pick(rng, COLOURS, (c1,))
-    scene = Scene(w, h, (c1, c2), _pick(rng, ("horizontal", "vertical", "diagonal")), transparent_bg=transparent)
+    c1 = pick(rng, COLOURS)
+    c2 = c1 if rng.random() < 0.25 else pick(rng, COLOURS, (c1,))
+    scene = Scene(w, h, (c1, c2), pick(rng, ("horizontal", "vertical", "diagonal")), transparent_bg=transparent)
     for _ in range(int(rng.integers(1, max_shapes + 1))):
         scene.shapes.append(random_shape(rng, avoid_colours=(c1, c2) + tuple(s.colour for s in scene.shapes)))
     return scene
@@ -153,10 +153,10 @@ def edit_step(rng: np.random.Generator, scene: Scene) -> tuple[Scene, list[str]]
     """Apply one random edit (move / recolour / add / remove / background); return the new scene and 1-3 phrasings."""
     new = copy.deepcopy(scene)
     ops = ["move", "recolour", "add", "background"] + (["remove"] if len(new.shapes) > 1 else [])
-    op = _pick(rng, ops)
+    op = pick(rng, ops)
     if op == "move":
         s = new.shapes[int(rng.integers(len(new.shapes)))]
-        d = _pick(rng, DIRECTIONS)
+        d = pick(rng, DIRECTIONS)
         dx, dy = DIRECTIONS[d]
         s.cx, s.cy = float(np.clip(s.cx + 0.25 * dx, 0.1, 0.9)), float(np.clip(s.cy + 0.25 * dy, 0.1, 0.9))
         phr = [f"move the {s.describe()} {d}", f"shift the {s.kind} a bit to the {d}" if d in ("left", "right")
@@ -164,7 +164,7 @@ def edit_step(rng: np.random.Generator, scene: Scene) -> tuple[Scene, list[str]]
     elif op == "recolour":
         s = new.shapes[int(rng.integers(len(new.shapes)))]
         old = s.describe()
-        s.colour = _pick(rng, COLOURS, (s.colour, *new.bg))
+        s.colour = pick(rng, COLOURS, (s.colour, *new.bg))
         phr = [f"make the {old} {s.colour}", f"recolour the {old} to {s.colour}", f"Paint the {s.kind} {s.colour}."]
     elif op == "add":
         s = random_shape(rng, avoid_colours=new.bg)
@@ -176,7 +176,7 @@ def edit_step(rng: np.random.Generator, scene: Scene) -> tuple[Scene, list[str]]
         s = new.shapes.pop(int(rng.integers(len(new.shapes))))
         phr = [f"remove the {s.describe()}", f"delete the {s.kind}", f"Take the {s.describe()} away."]
     else:
-        c = _pick(rng, COLOURS, (*new.bg, *(s.colour for s in new.shapes)))
+        c = pick(rng, COLOURS, (*new.bg, *(s.colour for s in new.shapes)))
         new.bg, new.transparent_bg = (c, c), False
         phr = [f"make the background plain {c}", f"replace the background with solid {c}",
                f"Use {article(c)} {c} backdrop."]
