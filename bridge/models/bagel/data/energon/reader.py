@@ -99,6 +99,7 @@ class BagelGroupReader(Savable):
                                          checkpoint_every_sec=checkpoint_every_sec)
         self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger)
         self._it: Iterator[BagelSample] | None = None
+        self._closed = False
         self._fingerprint = self._compute_fingerprint()
 
     # -- construction helpers -------------------------------------------------------------------
@@ -154,6 +155,8 @@ class BagelGroupReader(Savable):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_PIN_MEMORY_WARNING, category=UserWarning)
             if self._it is None:
+                if self._closed:
+                    raise RuntimeError(f"reader {self.group_name} is closed")
                 self._it = iter(self.loader)
             while True:
                 sample = next(self._it)
@@ -209,8 +212,16 @@ class BagelGroupReader(Savable):
         return sample
 
     def close(self) -> None:
-        """Remove the blend's temporary directory (the loader's workers end with the loader)."""
-        if self._tmpdir is not None:
+        """Stop iterating and remove the blend's temporary directory.
+
+        Closing the loader's generator first lets worker processes exit at once (left to garbage
+        collection, torch waits ~5 s per worker before terminating them).
+        """
+        self._closed = True
+        it, self._it = getattr(self, "_it", None), None
+        if it is not None:
+            it.close()
+        if getattr(self, "_tmpdir", None) is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
 
