@@ -12,14 +12,16 @@ from __future__ import annotations
 import collections
 import hashlib
 import importlib.util
+import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from bridge.models.bagel.data.energon.convert import convert_edit, convert_t2i, convert_vlm
+from bridge.models.bagel.data.energon.convert import convert_edit, convert_group, convert_t2i, convert_vlm
 from bridge.models.bagel.data.energon.cookers import make_cook_context
 from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
 from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
@@ -118,3 +120,47 @@ def test_rank_slices_partition_units(converted, tokenizer):
     finally:
         for r in (full, r0, r1, w1):
             r.close()
+
+
+def test_declared_missing_row_groups(tmp_path, tokenizer):
+    """Declared-but-absent row groups are units that yield nothing (their positions are still used), as official."""
+    d = tmp_path / "edit"
+    d.mkdir()
+    for f in ("shard-b.parquet", "shard-c.parquet"):
+        shutil.copy(RAW / "unified_edit" / f, d / f)
+    info = tmp_path / "info.json"
+    info.write_text(json.dumps({"shard-b.parquet": {"num_row_groups": 3}, "shard-c.parquet": {"num_row_groups": 5}}))
+    s = convert_group("unified_edit", tmp_path / "out", data_dir=str(d), parquet_info_path=str(info),
+                      parquet_info_root=str(d), dataset_name="x", progress=False)
+    ctx = make_cook_context("unified_edit", tokenizer, image_transform_args=VAE, vit_image_transform_args=VIT)
+    r = OfficialOrderReader([s.path], ctx, [2], seed=42)
+    try:
+        assert len(r.units) == 8 and sum(u.rows is None for u in r.units) == 2  # shard-c row groups 3 and 4
+        random.seed(SEED)
+        got = [x.data_indexes["data_indexes"] for x in r]
+        missing = [x["row_id"][0] for x in r.skipped if x["reason"] == "missing_row_group"]
+        assert sorted(missing) == sorted(i for i, u in enumerate(r.units) if u.rows is None)
+        rows = {tuple(x) for x in got} | {tuple(x["row_id"]) for x in r.skipped if x["reason"] != "missing_row_group"}
+        assert rows == {(i, k) for i, u in enumerate(r.units) if u.rows for k in range(len(u.rows))}
+    finally:
+        r.close()
+
+
+def test_unit_selection(converted, tokenizer):
+    """t2i: num_used_data > #files repeats the listing; vlm: the first n lines (after the optional line shuffle)."""
+    ctx = make_cook_context("t2i_pretrain", tokenizer, image_transform_args=VAE)
+    r = OfficialOrderReader([str(converted / "t2i_pretrain/t2i")], ctx, [6], seed=42)
+    keys = sorted(u.sort_key for u in r.units)
+    assert keys == sorted(["t2i/part-0000.parquet", "t2i/part-0001.parquet", "t2i/part-0002.parquet",
+                           "t2i/part-0003.parquet", "t2i/part-0000.parquet", "t2i/part-0001.parquet"])
+    r.close()
+    vctx = make_cook_context("vlm_sft", tokenizer, image_transform_args=VLM_T)
+    path = [str(converted / "vlm_sft/vlm_sft")]
+    plain = OfficialOrderReader(path, vctx, [5], seed=42)
+    assert sorted(u.label for u in plain.units) == sorted(f"vlm/vlm_sft.jsonl line {i}" for i in range(5))
+    shuffled = OfficialOrderReader(path, vctx, [5], seed=42, shuffle_lines=True, shuffle_seed=0)
+    order = list(range(25))
+    random.Random(0).shuffle(order)
+    assert sorted(u.label for u in shuffled.units) == sorted(f"vlm/vlm_sft.jsonl line {i}" for i in order[:5])
+    plain.close()
+    shuffled.close()
