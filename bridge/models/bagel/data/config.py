@@ -374,19 +374,24 @@ class BagelDataConfig:
         return _to_config([cfg], source)
 
 
-def _to_config(parts: list[Any], source: str) -> BagelDataConfig:
+def structured_merge(schema: type, parts: Sequence[Any], source: str) -> Any:
+    """Merge OmegaConf-compatible ``parts`` onto the dataclass ``schema``; errors name the source and key."""
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(BagelDataConfig), *parts)
-        obj = OmegaConf.to_object(merged)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), *parts)
+        return OmegaConf.to_object(merged)
     except MissingMandatoryValue as exc:
         raise ConfigError(f"{source}: required key {exc.full_key!r} is not set") from exc
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         msg = getattr(exc, "msg", None) or str(exc)
         raise ConfigError(f"{source}: key {key!r}: {msg.splitlines()[0]}") from exc
+
+
+def _to_config(parts: list[Any], source: str) -> BagelDataConfig:
+    obj = structured_merge(BagelDataConfig, parts, source)
     assert isinstance(obj, BagelDataConfig)
     try:
         obj.validate()

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..config import BagelDataConfig, ConfigError
+from ..config import BagelDataConfig, ConfigError, structured_merge
 
 __all__ = ["JobConfig", "TrainConfig", "load_job_config"]
 
@@ -53,28 +53,19 @@ class JobConfig:
 def load_job_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> JobConfig:
     """Merge a YAML file and ``key=value`` overrides into a validated ``JobConfig`` (errors name the key)."""
     from omegaconf import OmegaConf
-    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
     source = " + ".join(([str(path)] if path else []) + ([f"overrides {list(overrides)}"] if overrides else []))
     parts: list[Any] = []
-    try:
-        if path is not None:
-            if not os.path.isfile(path):
-                raise ConfigError(f"config file {path} does not exist")
-            parts.append(OmegaConf.load(path))
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"overrides: expected key=value, got {bad}")
-        if overrides:
-            parts.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(OmegaConf.structured(JobConfig), *parts)
-        cfg = OmegaConf.to_object(merged)
-    except MissingMandatoryValue as exc:
-        raise ConfigError(f"{source}: required key {exc.full_key!r} is not set") from exc
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
-        msg = (getattr(exc, "msg", None) or str(exc)).splitlines()[0]
-        raise ConfigError(f"{source}: key {key!r}: {msg}") from exc
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path} does not exist")
+        parts.append(OmegaConf.load(path))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides: expected key=value, got {bad}")
+    if overrides:
+        parts.append(OmegaConf.from_dotlist(list(overrides)))
+    cfg = structured_merge(JobConfig, parts, source or "<defaults>")
     assert isinstance(cfg, JobConfig)
     try:
         cfg.data.validate()
