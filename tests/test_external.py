@@ -209,3 +209,81 @@ def test_tampered_fingerprint_in_file_is_refused(bridge_ckpt, tmp_path):
     torch.save({"dataloader_state_dict": state}, path)
     with pytest.raises(ResumeMismatchError, match="loader.rank_seed: saved=15 current=14"):
         api.maybe_load_dataloader_state(RerunDataIterator(golden_loader()), 4, str(root), pg_collection=pgs)
+
+
+# -- the full stack on the demo dataset (all three groups, real Energon readers) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_setup(tmp_path_factory):
+    from bridge.models.bagel.data.energon.demo import make_demo_data
+    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
+
+    out = tmp_path_factory.mktemp("demo") / "d"
+    make_demo_data(str(out), seed=0)
+    return out, build_qwen2_tokenizer()
+
+
+def _demo_loader(demo_setup, num_workers, use_flex, *, length=100, seed=42):
+    from bridge.models.bagel.data.build import build_bagel_train_loader
+    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
+
+    out, tok = demo_setup
+    cfg = BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
+                          num_workers=num_workers, seed=seed,
+                          packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
+                                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
+                                              use_flex=use_flex))
+    return build_bagel_train_loader(cfg, tok, (0, 1), length=length)
+
+
+DEMO_CONFIGS = [
+    pytest.param(0, True, (3,), id="nw0-flex-save3"),
+    pytest.param(0, True, (1, 3, 7), id="nw0-flex", marks=pytest.mark.slow),
+    pytest.param(0, False, (1, 3, 7), id="nw0-dense", marks=pytest.mark.slow),
+    pytest.param(2, True, (1, 3, 7), id="nw2-flex", marks=pytest.mark.slow),
+    pytest.param(2, False, (1, 3, 7), id="nw2-dense", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+@pytest.mark.parametrize("num_workers, use_flex, save_points", DEMO_CONFIGS)
+def test_demo_resume_through_bridge_is_exact(bridge_ckpt, demo_setup, tmp_path, num_workers, use_flex, save_points):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    api, pgs = bridge_ckpt
+    root = str(tmp_path / "energon")
+    n_after = 10
+    with _demo_loader(demo_setup, num_workers, use_flex) as loader:
+        it = RerunDataIterator(loader)
+        stream = []
+        for step in range(1, max(save_points) + n_after + 1):
+            stream.append(next(it))
+            if step in save_points:
+                api.maybe_save_dataloader_state(None, it, step, root, pg_collection=pgs)
+        buffered = [len(api.energon_torch_load(_state_file(root, s))["dataloader_state_dict"]["packer"]["inner"]
+                        ["buffer"]) for s in save_points]
+    assert set(stream[0]) >= {"packed_text_ids", "sample_lens", "nested_attention_masks" if not use_flex else "split_lens"}
+    for step in save_points:
+        with _demo_loader(demo_setup, num_workers, use_flex, length=7) as fresh:
+            resumed = RerunDataIterator(fresh)
+            api.maybe_load_dataloader_state(resumed, step, root, pg_collection=pgs)
+            for i in range(n_after):
+                assert_same(next(resumed), stream[step + i], f"save@{step} resumed[{i}]")
+    if len(save_points) > 1:
+        assert any(buffered), "some save point should hold buffered samples (restore_sample path)"
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_demo_resume_refuses_other_seed(bridge_ckpt, demo_setup, tmp_path):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    api, pgs = bridge_ckpt
+    root = str(tmp_path / "energon")
+    with _demo_loader(demo_setup, 0, True) as loader:
+        it = RerunDataIterator(loader)
+        next(it)
+        api.maybe_save_dataloader_state(None, it, 1, root, pg_collection=pgs)
+    with _demo_loader(demo_setup, 0, True, seed=43) as other:
+        with pytest.raises(ResumeMismatchError, match="loader.seed: saved=42 current=43"):
+            api.maybe_load_dataloader_state(RerunDataIterator(other), 1, root, pg_collection=pgs)

@@ -1,0 +1,90 @@
+"""Loader-state size and save/restore time at the default budgets (32K expected / 36K max) on the demo data.
+
+Builds one rank's loader over the demo dataset (all three groups), takes some batches so the packer buffer
+is in use, then measures what Bridge's checkpoint hooks do per DP rank: ``save_state()`` + ``torch.save``
+(bytes, ms) and ``energon_torch_load`` + ``restore_state()`` into a freshly built loader (ms; building the
+loader itself is not counted). Targets: <= 64 KiB and <= 1 s. Last line:
+``state: bytes=<n> save_ms=<x> restore_ms=<y>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import logging
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from bridge.models.bagel.data._bridge import import_bridge  # noqa: E402
+from bridge.models.bagel.data.build import build_bagel_train_loader  # noqa: E402
+from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig  # noqa: E402
+from bridge.models.bagel.data.energon.demo import make_demo_data  # noqa: E402
+from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer  # noqa: E402
+
+TARGET_BYTES = 64 * 1024
+TARGET_MS = 1000.0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--demo-dir", default=os.path.join(tempfile.gettempdir(), "bagel_demo_bench_state"))
+    ap.add_argument("--batches", type=int, default=6, help="batches taken before saving")
+    ap.add_argument("--repeats", type=int, default=3, help="save/restore repetitions (median reported)")
+    ap.add_argument("--num-workers", type=int, default=0)
+    ap.add_argument("--flex", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    warnings.filterwarnings("ignore")
+
+    make_demo_data(args.demo_dir, seed=0)
+    tok = build_qwen2_tokenizer()
+    load = import_bridge().energon_torch_load
+    cfg = BagelDataConfig(groups=os.path.join(args.demo_dir, "groups.yaml"),
+                          dataset_info=os.path.join(args.demo_dir, "dataset_info.yaml"),
+                          num_workers=args.num_workers, packer=PackerConfig(use_flex=args.flex))
+
+    loader = build_bagel_train_loader(cfg, tok, (0, 1), length=1000)
+    for _ in range(args.batches):
+        next(loader)
+    sizes, save_ms, restore_ms = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "train_dataloader_dprank000.pt")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            state = loader.save_state()
+            torch.save({"dataloader_state_dict": state}, path)
+            save_ms.append((time.perf_counter() - t0) * 1e3)
+            sizes.append(os.path.getsize(path))
+            fresh = build_bagel_train_loader(cfg, tok, (0, 1), length=1000)
+            t0 = time.perf_counter()
+            fresh.restore_state(load(path)["dataloader_state_dict"])
+            restore_ms.append((time.perf_counter() - t0) * 1e3)
+            fresh.close()
+    parts = {k: len(pickle.dumps(v)) for k, v in state.items()}
+    parts.update({f"packer.{k}": len(pickle.dumps(v)) for k, v in state["packer"].items()})
+    parts.update({f"loaders[{i}]": len(pickle.dumps(v)) for i, v in enumerate(state["loaders"])})
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    loader.close()
+    print(f"budgets: expected {cfg.packer.expected_num_tokens} / max {cfg.packer.max_num_tokens}, "
+          f"{args.batches} batches taken, buffer holds {len(state['packer']['inner']['buffer'])} samples, "
+          f"{args.num_workers} Energon workers")
+    print("pickled bytes by part: " + ", ".join(f"{k}={v}" for k, v in parts.items()))
+    n, s, r = max(sizes), statistics.median(save_ms), statistics.median(restore_ms)
+    ok = n <= TARGET_BYTES and s <= TARGET_MS and r <= TARGET_MS
+    print(f"targets (<= {TARGET_BYTES} bytes, <= {TARGET_MS:.0f} ms): {'met' if ok else 'MISSED'}")
+    print(f"state: bytes={n} save_ms={s:.1f} restore_ms={r:.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
