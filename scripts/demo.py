@@ -29,7 +29,7 @@ def torchrun(nproc: int, args: list[str], log: Path) -> int:
     t0 = time.time()
     with open(log, "w") as fh:
         rc = subprocess.call(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
-    print(f"  -> exit code {rc} in {time.time() - t0:.0f}s (log: {log.relative_to(REPO)})", flush=True)
+    print(f"  -> exit code {rc} in {time.time() - t0:.0f}s (log: {log})", flush=True)
     return rc
 
 

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one clear line per failing rank; --debug for the traceback
         if args.debug:
             raise
-        print(f"error [rank {rank}]: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        message = " ".join(str(exc).split())  # one line, however the exception formats itself
+        print(f"error [rank {rank}]: {type(exc).__name__}: {message}", file=sys.stderr, flush=True)
         return 1
     finally:
         import torch.distributed as dist

@@ -352,6 +352,7 @@ class BagelDataConfig:
     packer: PackerConfig = field(default_factory=PackerConfig)
     seed: int = 42                      # data seed (official set_epoch(data_seed))
     num_workers: int = 0
+    prefetch: int = 0                   # packed batches produced ahead in a background process (0 = synchronous)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
 
@@ -362,6 +363,8 @@ class BagelDataConfig:
             raise ConfigError(f"seed: must be a non-negative integer, got {self.seed!r}")
         if not _is_int(self.num_workers) or self.num_workers < 0:
             raise ConfigError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+        if not _is_int(self.prefetch) or self.prefetch < 0:
+            raise ConfigError(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
 
     def load_groups(self) -> list[ResolvedGroup]:
         """Load and cross-check the grouped YAML and the registry named by this config."""
