@@ -75,3 +75,40 @@ def test_no_train_samples_gives_no_loader_and_collate_refuses(bridge):
     collate = provider.get_collate_fn()
     with pytest.raises(RuntimeError, match="must not be collated"):
         collate([{"a": 1}])
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_dataset_provider_for_pretrain_builds_the_rank_loader(bridge, tmp_path):
+    """Bridge's standard path: a plain DatasetProvider, DP rank/size from context.pg_collection.dp."""
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from _external_common import single_process_pg_collection
+    from bridge.models.bagel.data import build
+    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
+    from bridge.models.bagel.data.energon.demo import make_demo_data
+    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
+
+    make_demo_data(str(tmp_path / "d"), seed=1)
+    tok = build_qwen2_tokenizer()
+    cfg = BagelDataConfig(groups=str(tmp_path / "d" / "groups.yaml"),
+                          dataset_info=str(tmp_path / "d" / "dataset_info.yaml"), seed=5,
+                          packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
+                                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048))
+    cls = build.BagelDatasetProvider
+    assert issubclass(cls, bridge.DatasetProvider) and not issubclass(cls, bridge.MegatronMIMODatasetProvider)
+    provider = cls(data=cfg, tokenizer=tok, seq_length=5120)
+    assert provider.dataloader_type == "external" and provider.num_workers == 0
+    pgs = single_process_pg_collection()
+    ctx = bridge.DatasetBuildContext(train_samples=12, valid_samples=0, test_samples=0, pg_collection=pgs)
+    assert provider.build_datasets(bridge.DatasetBuildContext(0, 0, 0, pg_collection=pgs)) == (None, None, None)
+    train, valid, test = provider.build_datasets(ctx)
+    assert valid is None and test is None and len(train) == 12
+    fp = train.fingerprint()["loader"]
+    assert (fp["dp_rank"], fp["dp_size"], fp["seed"]) == (0, 1, 5)
+    assert [g["name"] for g in fp["groups"]] == ["t2i_pretrain", "unified_edit", "vlm_sft"]
+    assert train.batches.rank_seed == build.rank_seed(5, 0, 1) == 5
+    assert build.rank_seed(5, 3, 8) == 43
+    with train, build.build_bagel_train_loader(cfg, tok, (0, 1)) as direct:
+        it = RerunDataIterator(bridge.build_pretraining_data_loader(train, 0, "external", 1, 0, True))
+        for i in range(2):
+            assert_same(next(it), next(direct), f"batch{i}")
