@@ -17,7 +17,7 @@ DENSE_CASE = "c01_dense_extrap_3g2m_s14"
 
 
 def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: int = 14,
-                  fingerprint: dict | None = None) -> BagelExternalLoader:
+                  fingerprint: dict | None = None, prefetch: int = 0) -> BagelExternalLoader:
     """Real packer over a golden case's sample streams (cycled), RNG-isolated, as an external loader."""
     case = load_case(case_name)
     cfg = case["config"]
@@ -26,7 +26,21 @@ def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: 
                          group_names=cfg["group_names"], **{k: cfg[k] for k in PACKER_KEYS})
     fp = {"case": case_name, "rank_seed": rank_seed} if fingerprint is None else fingerprint
     return BagelExternalLoader(BagelRNGIterator(packer, rank_seed), length=length, stateful_loaders=sources,
-                               fingerprint=fp)
+                               fingerprint=fp, prefetch=prefetch)
+
+
+def demo_loader(out: Any, tok: Any, num_workers: int, use_flex: bool, *, length: int = 100, seed: int = 42,
+                prefetch: int = 0) -> BagelExternalLoader:
+    """The full stack on a generated demo dataset at small budgets (all three groups, real Energon readers)."""
+    from bridge.models.bagel.data.build import build_bagel_train_loader
+    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
+
+    cfg = BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
+                          num_workers=num_workers, seed=seed, prefetch=prefetch,
+                          packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
+                                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
+                                              use_flex=use_flex))
+    return build_bagel_train_loader(cfg, tok, (0, 1), length=length)
 
 
 def assert_same(a: Any, b: Any, path: str = "batch") -> None:

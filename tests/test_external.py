@@ -9,12 +9,9 @@ import zipfile
 import pytest
 import torch
 
-from _external_common import DENSE_CASE, FLEX_CASE, assert_same, golden_loader, single_process_pg_collection
-from bridge.models.bagel.data.external import (
-    BagelExternalLoader,
-    ResumeMismatchError,
-    energon_state_classes,
-)
+from _external_common import (DENSE_CASE, FLEX_CASE, assert_same, demo_loader, golden_loader,
+                              single_process_pg_collection)
+from bridge.models.bagel.data.external import ResumeMismatchError, energon_state_classes
 from bridge.models.bagel.data.state import StateError, check_restricted
 
 
@@ -225,16 +222,8 @@ def demo_setup(tmp_path_factory):
 
 
 def _demo_loader(demo_setup, num_workers, use_flex, *, length=100, seed=42):
-    from bridge.models.bagel.data.build import build_bagel_train_loader
-    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
-
     out, tok = demo_setup
-    cfg = BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
-                          num_workers=num_workers, seed=seed,
-                          packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
-                                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
-                                              use_flex=use_flex))
-    return build_bagel_train_loader(cfg, tok, (0, 1), length=length)
+    return demo_loader(out, tok, num_workers, use_flex, length=length, seed=seed)
 
 
 DEMO_CONFIGS = [

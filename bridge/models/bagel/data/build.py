@@ -119,7 +119,8 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
     logger.info("BAGEL loader: DP rank %d/%d, groups %s, rank seed %d, %d Energon workers", dp_rank, dp_size,
                 [g.group.name for g in groups], seed, config.num_workers)
     return BagelExternalLoader(BagelRNGIterator(packer, seed), length=length, stateful_loaders=readers,
-                               fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))
+                               fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size),
+                               prefetch=config.prefetch)
 
 
 def __getattr__(name: str) -> Any:

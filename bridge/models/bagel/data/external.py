@@ -4,7 +4,7 @@ Megatron's ``dataloader_type="external"`` hands the object returned by ``build_d
 ``RerunDataIterator``: no sampler, no collation, no workers, no fast-forward. Everything that makes a
 resumed run continue bit-identically is therefore done here:
 
-* ``BagelRNGIterator`` gives the packer private Python/NumPy/torch-CPU RNG streams, initialised exactly
+* ``BagelRNGIterator`` (module ``rng``, re-exported here) gives the packer private Python/NumPy/torch-CPU RNG streams, initialised exactly
   as the official one-worker torch DataLoader would, swapped in around every ``next()`` and saved.
 * ``BagelExternalLoader`` is the iterator Megatron receives; its ``save_state()``/``restore_state()``
   (the names Bridge's ``maybe_save/load_dataloader_state`` call) capture the per-group readers, the
@@ -17,13 +17,10 @@ resumed run continue bit-identically is therefore done here:
 from __future__ import annotations
 
 import logging
-import random
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
-import torch
-
+from .rng import BagelRNGIterator, initial_worker_rng_states
 from .state import Savable, StateError, check_restricted
 
 __all__ = [
@@ -53,170 +50,6 @@ def _reject_collate(_: Any) -> Any:
         "passes the BagelExternalLoader through unchanged"
     )
 
-
-# -- RNG state conversion (live form <-> plain restricted form) ----------------------------------------
-
-
-def _python_to_plain(state: tuple) -> list:
-    version, internal, gauss = state
-    return [int(version), [int(x) for x in internal], gauss]
-
-
-def _python_from_plain(value: Any) -> tuple:
-    if not (isinstance(value, (list, tuple)) and len(value) == 3 and isinstance(value[1], (list, tuple))
-            and len(value[1]) == 625):
-        raise StateError("BagelRNGIterator: python_rng must be [version, 625 ints, gauss]")
-    return (int(value[0]), tuple(int(x) for x in value[1]), value[2])
-
-
-def _numpy_to_plain(state: tuple) -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = state
-    return {"bit_generator": str(name), "keys": [int(k) for k in np.asarray(keys).tolist()], "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-
-
-def _numpy_from_plain(value: Any) -> tuple:
-    need = ("bit_generator", "keys", "pos", "has_gauss", "cached_gaussian")
-    if not isinstance(value, dict) or any(k not in value for k in need) or len(value["keys"]) != 624:
-        raise StateError(f"BagelRNGIterator: numpy_rng must be a dict with {list(need)} and 624 keys")
-    keys = np.asarray(value["keys"], dtype=np.uint32)
-    return (value["bit_generator"], keys, int(value["pos"]), int(value["has_gauss"]), float(value["cached_gaussian"]))
-
-
-def _torch_from_plain(value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
-        raise StateError("BagelRNGIterator: torch_rng must be a 1-D uint8 tensor (torch.get_rng_state())")
-    return value.detach().clone()
-
-
-def initial_worker_rng_states(rank_seed: int) -> tuple[tuple, tuple, torch.Tensor]:
-    """(python, numpy, torch) RNG states of worker 0 of a torch DataLoader whose generator is seeded ``rank_seed``.
-
-    Mirrors ``torch.utils.data``: the iterator draws ``base_seed`` as one int64 ``random_`` from the loader's
-    generator; worker 0 then seeds ``random``/torch with ``base_seed + 0`` and NumPy with
-    ``_generate_state(base_seed, 0)``. Computed on private generators: the process RNG is not touched.
-    """
-    from torch.utils.data._utils.worker import _generate_state
-
-    generator = torch.Generator()
-    generator.manual_seed(int(rank_seed))
-    base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    seed = base_seed + 0
-    py_state = random.Random(seed).getstate()
-    np_state = np.random.RandomState(_generate_state(base_seed, 0)).get_state()
-    torch_gen = torch.Generator()
-    torch_gen.manual_seed(seed)
-    return py_state, np_state, torch_gen.get_state()
-
-
-class _ProcessRNG:
-    """Context manager: install given RNG states into the process globals, capture the advanced ones, put back."""
-
-    def __init__(self, owner: "BagelRNGIterator", capture: bool = True) -> None:
-        self.owner = owner
-        self.capture = capture
-
-    def __enter__(self) -> None:
-        self.saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-        try:
-            random.setstate(self.owner._python)
-            np.random.set_state(self.owner._numpy)
-            torch.set_rng_state(self.owner._torch)
-        except BaseException:
-            self._restore()
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            if self.capture:
-                self.owner._python = random.getstate()
-                self.owner._numpy = np.random.get_state()
-                self.owner._torch = torch.get_rng_state()
-        finally:
-            self._restore()
-
-    def _restore(self) -> None:
-        random.setstate(self.saved[0])
-        np.random.set_state(self.saved[1])
-        torch.set_rng_state(self.saved[2])
-
-
-class BagelRNGIterator(Savable):
-    """Runs the wrapped iterator (the packer) with private, saved Python/NumPy/torch-CPU RNG streams.
-
-    The official loader draws packer randomness in a DataLoader worker; here the same initial streams are
-    derived from ``rank_seed`` and swapped into the process globals only while the packer runs, so model
-    code and data code never disturb each other and a resume continues the exact stream.
-    """
-
-    _savable_fields = ("python_rng", "numpy_rng", "torch_rng")
-
-    def __init__(self, iterator: Iterator[Any], rank_seed: int) -> None:
-        self.inner = iterator
-        self.rank_seed = int(rank_seed)
-        self.reset_state()
-
-    def reset_state(self) -> None:
-        self._python, self._numpy, self._torch = initial_worker_rng_states(self.rank_seed)
-
-    # Declared fields map onto the live states; the plain forms are what gets saved.
-    @property
-    def python_rng(self) -> list:
-        return _python_to_plain(self._python)
-
-    @python_rng.setter
-    def python_rng(self, value: tuple) -> None:
-        self._python = value
-
-    @property
-    def numpy_rng(self) -> dict[str, Any]:
-        return _numpy_to_plain(self._numpy)
-
-    @numpy_rng.setter
-    def numpy_rng(self, value: tuple) -> None:
-        self._numpy = value
-
-    @property
-    def torch_rng(self) -> torch.Tensor:
-        return self._torch.clone()
-
-    @torch_rng.setter
-    def torch_rng(self, value: torch.Tensor) -> None:
-        self._torch = value
-
-    def _load_field(self, name: str, value: Any) -> Any:
-        convert = {"python_rng": _python_from_plain, "numpy_rng": _numpy_from_plain, "torch_rng": _torch_from_plain}
-        return convert[name](value)
-
-    def __iter__(self) -> "BagelRNGIterator":
-        return self
-
-    def __next__(self) -> Any:
-        with _ProcessRNG(self):
-            return next(self.inner)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``inner`` (the wrapped iterator's state, taken with the private RNG installed) + the three RNG states.
-
-        Side-effect free: whatever the inner ``state_dict()`` does to the RNG is discarded.
-        """
-        with _ProcessRNG(self, capture=False):
-            inner = self.inner.state_dict()
-        return {"inner": inner, **super().state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the wrapped iterator and the private RNG streams; the process RNG is left unchanged."""
-        if not isinstance(state, dict) or "inner" not in state:
-            raise StateError(f"BagelRNGIterator: state must be a dict with key 'inner', got {type(state).__name__}"
-                             + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
-        super().load_state_dict({k: v for k, v in state.items() if k != "inner"})
-        with _ProcessRNG(self):
-            self.inner.load_state_dict(state["inner"])
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            close()
 
 
 # -- the loader Megatron receives -----------------------------------------------------------------------
@@ -283,7 +116,7 @@ class BagelExternalLoader(Savable):
     _savable_fields = ("position",)
 
     def __init__(self, batches: Iterator[dict[str, Any]], *, length: int, stateful_loaders: Iterable[Any] = (),
-                 fingerprint: Mapping[str, Any] | None = None) -> None:
+                 fingerprint: Mapping[str, Any] | None = None, prefetch: int = 0) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
         self.batches = batches
@@ -295,6 +128,11 @@ class BagelExternalLoader(Savable):
                                 "save_state_rank() nor state_dict()")
         self._fingerprint = dict(fingerprint or {})
         check_restricted(self._fingerprint, "fingerprint")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"BagelExternalLoader: prefetch must be an int >= 0, got {prefetch!r}")
+        self.prefetch = prefetch
+        self._prefetcher: Any = None      # PrefetchedPipeline once the producer process is started
+        self._restored: dict[str, Any] | None = None
         self._closed = False
         self.reset_state()
 
@@ -310,11 +148,30 @@ class BagelExternalLoader(Savable):
     def __iter__(self) -> "BagelExternalLoader":
         return self
 
+    def _pipeline_state(self) -> dict[str, Any]:
+        """Packer (+ private RNG) and reader states of the objects in this process, taken together."""
+        if not hasattr(self.batches, "state_dict"):
+            raise RuntimeError(f"BagelExternalLoader.save_state: the batch stream ({type(self.batches).__name__}) "
+                               "has no state_dict(); wrap the packer in BagelRNGIterator")
+        return {"packer": self.batches.state_dict(), "loaders": [_reader_save(r) for r in self.stateful_loaders]}
+
+    def _source(self) -> Iterator[dict[str, Any]]:
+        """The batch stream: the packer itself, or (prefetch > 0) a producer process running it ahead."""
+        if not self.prefetch:
+            return self.batches
+        if self._prefetcher is None:
+            from .prefetch import PrefetchedPipeline
+
+            initial = self._restored if self._restored is not None else self._pipeline_state()
+            self._prefetcher = PrefetchedPipeline(self.batches, self._pipeline_state, depth=self.prefetch,
+                                                  initial_state=initial)
+        return self._prefetcher
+
     def __next__(self) -> dict[str, Any]:
         if self._closed:
             raise RuntimeError("BagelExternalLoader: next() after close()")
         try:
-            batch = next(self.batches)
+            batch = next(self._source())
         except StopIteration:
             logger.error("BagelExternalLoader: the batch stream ended after %d batches (Megatron expects an "
                          "endless stream; check the readers' cycling)", self.position)
@@ -330,16 +187,11 @@ class BagelExternalLoader(Savable):
 
         Checked against Megatron's restricted unpickler types here, so a bad state fails at save, not at resume.
         """
-        if not hasattr(self.batches, "state_dict"):
-            raise RuntimeError(f"BagelExternalLoader.save_state: the batch stream ({type(self.batches).__name__}) "
-                               "has no state_dict(); wrap the packer in BagelRNGIterator")
-        state = {
-            "version": STATE_VERSION,
-            "fingerprint": self.fingerprint(),
-            "position": self.position,
-            "packer": self.batches.state_dict(),
-            "loaders": [_reader_save(r) for r in self.stateful_loaders],
-        }
+        if self.prefetch:  # the state that produces the next batch the trainer receives, not the producer's
+            pipeline = self._source().state
+        else:
+            pipeline = self._pipeline_state()
+        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "position": self.position, **pipeline}
         check_restricted(state, "BagelExternalLoader.save_state()", allow=energon_state_classes())
         return state
 
@@ -370,12 +222,16 @@ class BagelExternalLoader(Savable):
                              f"loader {len(self.stateful_loaders)} readers (group count differs)")
         if not isinstance(state["position"], int) or state["position"] < 0:
             raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {state['position']!r}")
+        if self._prefetcher is not None and self._prefetcher.running:
+            raise StateError("BagelExternalLoader.restore_state: the prefetch producer is already running; restore "
+                             "into a freshly built loader before the first next()")
         if self.position:
             logger.warning("BagelExternalLoader.restore_state after %d batches were already taken", self.position)
         for reader, reader_state in zip(self.stateful_loaders, loaders):
             _reader_restore(reader, reader_state)
         self.batches.load_state_dict(state["packer"])
         super().load_state_dict({"position": state["position"]})
+        self._restored = {"packer": state["packer"], "loaders": state["loaders"]}
         logger.info("BagelExternalLoader: restored at batch %d", self.position)
 
     def close(self) -> None:
@@ -383,6 +239,8 @@ class BagelExternalLoader(Savable):
         if self._closed:
             return
         self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         for obj in [self.batches, *self.stateful_loaders]:
             close = getattr(obj, "close", None)
             if callable(close):

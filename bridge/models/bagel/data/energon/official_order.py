@@ -26,7 +26,7 @@ from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReade
 from ..stats import DropCounter
 from .cook_common import CookContext, Draws, cook_with, global_random
 from .cookers import CORES
-from .layout import EDIT, SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
+from .layout import SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
 from .sample import BagelSample
 
 __all__ = ["OfficialOrderReader", "Unit", "official_units", "select_files", "shard_units"]

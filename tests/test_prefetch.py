@@ -1,0 +1,156 @@
+"""Pack-ahead prefetch: same stream, exact resume from the trainer's position, RNG isolation, errors, shutdown."""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing as mp
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from _external_common import FLEX_CASE, assert_same, demo_loader, golden_loader
+from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
+from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
+from bridge.models.bagel.data.prefetch import PrefetchedPipeline, RemoteTraceback
+from packer_golden import PACKER_KEYS, load_case
+
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+
+
+def _no_producers_left() -> bool:
+    return not PrefetchedPipeline.live_children()
+
+
+def test_prefetch_yields_the_synchronous_stream() -> None:
+    with golden_loader(FLEX_CASE) as sync, golden_loader(FLEX_CASE, prefetch=3) as ahead:
+        for i in range(15):
+            assert_same(next(ahead), next(sync), f"batch[{i}]")
+    assert _no_producers_left()
+
+
+@pytest.mark.parametrize("save_after", [1, 3, 7])
+def test_resume_describes_the_next_batch_the_trainer_receives(save_after: int) -> None:
+    with golden_loader(FLEX_CASE) as sync:
+        stream = [next(sync) for _ in range(save_after + 10)]
+    with golden_loader(FLEX_CASE, prefetch=2) as ahead:
+        for i in range(save_after):
+            assert_same(next(ahead), stream[i])
+        state = ahead.save_state()  # the producer is batches ahead by now; the state must not be
+        assert state["position"] == save_after
+    with golden_loader(FLEX_CASE, prefetch=2, length=3) as fresh:
+        fresh.restore_state(state)
+        for i in range(10):
+            assert_same(next(fresh), stream[save_after + i], f"resumed[{i}]")
+    with golden_loader(FLEX_CASE) as fresh_sync:  # a prefetch state also restores a synchronous loader
+        fresh_sync.restore_state(state)
+        assert_same(next(fresh_sync), stream[save_after])
+    assert _no_producers_left()
+
+
+def test_save_before_first_batch_and_restore_before_start() -> None:
+    with golden_loader(FLEX_CASE) as sync:
+        first = [next(sync) for _ in range(3)]
+    with golden_loader(FLEX_CASE, prefetch=2) as ahead:
+        state = ahead.save_state()
+    with golden_loader(FLEX_CASE, prefetch=2) as fresh:
+        fresh.restore_state(state)
+        for i in range(3):
+            assert_same(next(fresh), first[i])
+
+
+def test_process_rng_untouched_with_prefetch() -> None:
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
+    before = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    with golden_loader(FLEX_CASE, prefetch=2) as ahead:
+        for _ in range(4):
+            next(ahead)
+        state = ahead.save_state()
+    with golden_loader(FLEX_CASE, prefetch=2) as fresh:
+        fresh.restore_state(state)
+        next(fresh)
+    after = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    assert after[0] == before[0]
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(after[1], before[1]))
+    assert torch.equal(after[2], before[2])
+
+
+def _poisoned_loader(after: int) -> BagelExternalLoader:
+    case = load_case(FLEX_CASE)
+    cfg = case["config"]
+    groups = {g: list(case["groups"][g]) for g in cfg["group_names"]}
+    t2i = cfg["group_names"][0]
+    bad = dict(groups[t2i][after], sequence_plan=[{**groups[t2i][after]["sequence_plan"][0], "type": "hologram"}])
+    groups[t2i][after] = bad
+    sources = [ListGroupSource(groups[g], name=g) for g in cfg["group_names"]]
+    packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
+                         group_names=cfg["group_names"], **{k: cfg[k] for k in PACKER_KEYS})
+    return BagelExternalLoader(BagelRNGIterator(packer, 1), length=10, stateful_loaders=sources, prefetch=2)
+
+
+def test_packer_exception_reaches_the_trainer_with_its_traceback() -> None:
+    with _poisoned_loader(after=3) as loader:
+        with pytest.raises(ValueError, match="hologram") as info:
+            for _ in range(10):
+                next(loader)
+        assert isinstance(info.value.__cause__, RemoteTraceback)
+        assert "pack_sample" in info.value.__cause__.tb
+        with pytest.raises(RuntimeError, match="failed earlier"):
+            next(loader)
+    assert _no_producers_left()
+
+
+@pytest.fixture(scope="module")
+def demo_setup(tmp_path_factory):
+    from bridge.models.bagel.data.energon.demo import make_demo_data
+    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
+
+    out = tmp_path_factory.mktemp("demo") / "d"
+    make_demo_data(str(out), seed=0)
+    return out, build_qwen2_tokenizer()
+
+
+def test_cooker_exception_reaches_the_trainer(demo_setup) -> None:
+    out, tok = demo_setup
+    broken = copy.deepcopy(tok)
+
+    def explode(*_a, **_k):
+        raise RuntimeError("tokenizer exploded inside the cooker")
+
+    broken.encode = explode
+    with demo_loader(out, broken, 0, True, prefetch=2) as loader:
+        with pytest.raises(RuntimeError, match="exploded") as info:
+            next(loader)
+        assert "cook" in info.value.__cause__.tb
+    assert _no_producers_left()
+
+
+DEMO = [
+    pytest.param(0, (3,), id="nw0-save3"),
+    pytest.param(0, (1, 3, 7), id="nw0", marks=pytest.mark.slow),
+    pytest.param(2, (1, 3, 7), id="nw2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("num_workers, save_points", DEMO)
+def test_demo_resume_with_prefetch_is_exact(demo_setup, num_workers: int, save_points: tuple) -> None:
+    out, tok = demo_setup
+    n_after = 10
+    with demo_loader(out, tok, num_workers, True) as sync:
+        stream = [next(sync) for _ in range(max(save_points) + n_after)]
+    states = {}
+    with demo_loader(out, tok, num_workers, True, prefetch=2) as ahead:
+        for step in range(1, max(save_points) + 1):
+            assert_same(next(ahead), stream[step - 1], f"prefetched[{step - 1}]")
+            if step in save_points:
+                states[step] = ahead.save_state()
+    for step, state in states.items():
+        with demo_loader(out, tok, num_workers, True, prefetch=2, length=5) as fresh:
+            fresh.restore_state(state)
+            for i in range(n_after):
+                assert_same(next(fresh), stream[step + i], f"save@{step} resumed[{i}]")
+    assert _no_producers_left()
+    assert not [p for p in mp.active_children() if p.name.startswith("bagel")]
