@@ -64,6 +64,10 @@ class BridgeAPI:
     checkpointing_error: str | None
 
 
+def _below_warning(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
 @functools.cache
 def import_bridge() -> BridgeAPI:
     """Import Megatron-Bridge (installing the CPU stand-in first where needed) and return what we use.
@@ -73,6 +77,9 @@ def import_bridge() -> BridgeAPI:
     ``checkpointing_error`` says why.
     """
     install_lora_layers_standin()
+    # Bridge's optional-import helper logs every missing optional symbol (with a traceback) at INFO through
+    # its own handler; keep warnings and errors, drop that noise.
+    logging.getLogger("megatron.bridge.utils.import_utils").addFilter(_below_warning)
     base_provider = importlib.import_module("megatron.bridge.data.megatron_mimo.base_provider")
     data_base = importlib.import_module("megatron.bridge.data.base")
     samplers = importlib.import_module("megatron.bridge.data.samplers")
