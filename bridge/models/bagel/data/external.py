@@ -162,10 +162,17 @@ class BagelExternalLoader(Savable):
         if self._prefetcher is None:
             from .prefetch import PrefetchedPipeline
 
-            initial = self._restored if self._restored is not None else self._pipeline_state()
-            self._prefetcher = PrefetchedPipeline(self.batches, self._pipeline_state, depth=self.prefetch,
-                                                  initial_state=initial)
+            restored = self._restored
+            initial = restored if restored is not None else self._pipeline_state()
+            self._prefetcher = PrefetchedPipeline(
+                self.batches, self._pipeline_state, depth=self.prefetch, initial_state=initial,
+                on_start=None if restored is None else (lambda: self._apply_pipeline_state(restored)))
         return self._prefetcher
+
+    def _apply_pipeline_state(self, pipeline: dict[str, Any]) -> None:
+        for reader, reader_state in zip(self.stateful_loaders, pipeline["loaders"]):
+            _reader_restore(reader, reader_state)
+        self.batches.load_state_dict(pipeline["packer"])
 
     def __next__(self) -> dict[str, Any]:
         if self._closed:
@@ -227,11 +234,12 @@ class BagelExternalLoader(Savable):
                              "into a freshly built loader before the first next()")
         if self.position:
             logger.warning("BagelExternalLoader.restore_state after %d batches were already taken", self.position)
-        for reader, reader_state in zip(self.stateful_loaders, loaders):
-            _reader_restore(reader, reader_state)
-        self.batches.load_state_dict(state["packer"])
+        pipeline = {"packer": state["packer"], "loaders": loaders}
+        if self.prefetch:  # applied inside the producer process, so this process never opens the datasets
+            self._restored = pipeline
+        else:
+            self._apply_pipeline_state(pipeline)
         super().load_state_dict({"position": state["position"]})
-        self._restored = {"packer": state["packer"], "loaders": state["loaders"]}
         logger.info("BagelExternalLoader: restored at batch %d", self.position)
 
     def close(self) -> None:

@@ -63,8 +63,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], out: Any, stop: Any, release: Any,
-             parent_pid: int) -> None:
+def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_start: Callable[[], None] | None,
+             out: Any, stop: Any, release: Any, parent_pid: int) -> None:
     """Producer loop (runs in the forked process): batch, then the state after it, until stopped.
 
     Tensors travel as shared-memory handles that the trainer can only open while this process lives, so
@@ -77,6 +77,8 @@ def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], out
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     out.cancel_join_thread()  # never block at exit on data the trainer will not read
     try:
+        if on_start is not None:
+            on_start()
         while not stop.is_set():
             item = ("batch", next(batches), snapshot())
             while not stop.is_set():
@@ -123,15 +125,17 @@ class PrefetchedPipeline:
 
     ``batches`` is the RNG-isolated packer (``BagelRNGIterator``) and ``snapshot()`` returns the pipeline
     state (``{"packer": …, "loaders": […]}``) of the objects as they are *in the calling process*; both are
-    used inside the producer after the fork. ``initial_state`` is the state before the first batch.
+    used inside the producer after the fork. ``initial_state`` is the state before the first batch and
+    ``on_start`` (e.g. applying a restored state) runs in the producer before it produces anything.
     """
 
     def __init__(self, batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], *, depth: int,
-                 initial_state: dict[str, Any]) -> None:
+                 initial_state: dict[str, Any], on_start: Callable[[], None] | None = None) -> None:
         if depth < 1:
             raise ValueError(f"PrefetchedPipeline: depth must be >= 1, got {depth}")
         self._batches = batches
         self._snapshot = snapshot
+        self._on_start = on_start
         self.depth = depth
         self.state = initial_state  # state that produces the next batch the trainer will receive
         self._ctx = mp.get_context("fork")
@@ -145,7 +149,8 @@ class PrefetchedPipeline:
     def _start(self) -> None:
         self._out = torch_mp.get_context("fork").Queue(maxsize=self.depth)
         self._proc = self._ctx.Process(
-            target=_produce, args=(self._batches, self._snapshot, self._out, self._stop, self._release, os.getpid()),
+            target=_produce,
+            args=(self._batches, self._snapshot, self._on_start, self._out, self._stop, self._release, os.getpid()),
             name="bagel-prefetch", daemon=False)  # not a daemon: Energon workers are its children
         self._proc.start()
         self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out)

@@ -63,6 +63,26 @@ def strip_paths(obj: Any) -> Any:
     return obj
 
 
+def _energon_tar_readers(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
+    """Energon ``ITarReader`` objects reachable from a loader (through its dataset wrappers)."""
+    from megatron.energon.flavors.webdataset.itar_reader import ITarReader
+
+    if id(obj) in seen or depth > 24:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, ITarReader):
+        yield obj
+        return
+    if isinstance(obj, (list, tuple)):
+        children = obj
+    elif type(obj).__module__.startswith("megatron.energon") and hasattr(obj, "__dict__"):
+        children = vars(obj).values()
+    else:
+        return
+    for child in children:
+        yield from _energon_tar_readers(child, seen, depth + 1)
+
+
 class BagelGroupReader(Savable):
     """Endless iterator over the cooked, non-dropped samples of one BAGEL group on one DP rank.
 
@@ -206,6 +226,10 @@ class BagelGroupReader(Savable):
         with replaying(choices), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_PIN_MEMORY_WARNING, category=UserWarning)
             sample = self.loader.restore_sample(key)
+        # Energon keeps the tar files it opened here cached; worker processes forked later would share those
+        # file offsets with each other and read garbage ("Unexpected end of tar file"). Close them now.
+        for tar_reader in _energon_tar_readers(self.loader, set()):
+            tar_reader.close()
         if sample.drop_reason is not None:
             raise ValueError(f"reader {self.group_name}: restore key {restore_key!r} names a dropped sample "
                              f"({sample.drop_reason}: {sample.drop_detail})")
