@@ -138,6 +138,17 @@ class SequenceBuilder:
         runs[0].append(start)
         runs[1].append(length)
 
+    def _add_rope(self, start: int, length: int, step: int) -> None:
+        """RoPE ids for ``length`` tokens: ``start`` repeated (step 0) or counting up from it (step 1)."""
+        self.rope_runs[0].append(start)
+        self.rope_runs[1].append(length)
+        self.rope_runs[2].append(step)
+
+    @staticmethod
+    def _cfg_dropped(item: dict, prob: float) -> bool:
+        """Official CFG dropout: one ``random.random()`` draw, only for items with ``enable_cfg == 1``."""
+        return item["enable_cfg"] == 1 and random.random() < prob
+
     def _add_ce(self, position: int, label: int) -> None:
         self._add_run(self.ce_runs, position, 1)
         self._add_run(self.ce_weight_runs, 1.0, 1)
@@ -170,7 +181,6 @@ class SequenceBuilder:
         timestep: float | None = None
         split_lens: list[int] = []
         attn_modes: list[str] = []
-        rope_runs = self.rope_runs
         for item in plan:
             split_start = item.get("split_start", True)
             if split_start:
@@ -179,7 +189,7 @@ class SequenceBuilder:
             if kind == "text":
                 ids = texts[text_i]
                 text_i += 1
-                if item["enable_cfg"] == 1 and random.random() < lay.text_cond_dropout_prob:
+                if self._cfg_dropped(item, lay.text_cond_dropout_prob):
                     continue
                 n = len(ids) + 1  # bos + ids
                 self.text_ids.append(lay.bos_token_id)
@@ -196,14 +206,12 @@ class SequenceBuilder:
                 curr += n + 1
                 split_len += n + 1
                 attn_modes.append("causal")
-                rope_runs[0].append(rope)
-                rope_runs[1].append(split_len)
-                rope_runs[2].append(1)
+                self._add_rope(rope, split_len, 1)
                 rope += split_len
             elif kind == "vit_image":
                 image = images[image_i]
                 image_i += 1
-                if item["enable_cfg"] == 1 and random.random() < lay.vit_cond_dropout_prob:
+                if self._cfg_dropped(item, lay.vit_cond_dropout_prob):
                     rope += 1
                     continue
                 p = lay.vit_patch_size
@@ -222,14 +230,12 @@ class SequenceBuilder:
                 curr = self._image_tokens(curr, n, item)
                 split_len += n + 2
                 attn_modes.append("full")
-                rope_runs[0].append(rope)
-                rope_runs[1].append(split_len)
-                rope_runs[2].append(0)
+                self._add_rope(rope, split_len, 0)
                 rope += 1
             elif kind == "vae_image":
                 image = images[image_i]
                 image_i += 1
-                if item["enable_cfg"] == 1 and random.random() < lay.vae_cond_dropout_prob:
+                if self._cfg_dropped(item, lay.vae_cond_dropout_prob):
                     rope += 1
                     continue
                 self.vae_images.append(image)
@@ -255,9 +261,7 @@ class SequenceBuilder:
                 split_len += n + 2
                 if split_start:
                     attn_modes.append("noise" if item["loss"] == 1 and "frame_delta" not in item else "full")
-                rope_runs[0].append(rope)
-                rope_runs[1].append(n + 2)
-                rope_runs[2].append(0)
+                self._add_rope(rope, n + 2, 0)
                 if "frame_delta" in item:
                     rope += item["frame_delta"]
                 elif item["loss"] == 0:
