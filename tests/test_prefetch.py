@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import multiprocessing as mp
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -24,10 +25,13 @@ def _no_producers_left() -> bool:
 
 
 def test_prefetch_yields_the_synchronous_stream() -> None:
+    threads_before = {t.ident for t in threading.enumerate()}
     with golden_loader(FLEX_CASE) as sync, golden_loader(FLEX_CASE, prefetch=3) as ahead:
         for i in range(15):
             assert_same(next(ahead), next(sync), f"batch[{i}]")
+        assert PrefetchedPipeline.live_children()
     assert _no_producers_left()
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= threads_before, "leftover threads"
 
 
 @pytest.mark.parametrize("save_after", [1, 3, 7])
