@@ -158,3 +158,20 @@ def test_demo_resume_with_prefetch_is_exact(demo_setup, num_workers: int, save_p
                 assert_same(next(fresh), stream[step + i], f"save@{step} resumed[{i}]")
     assert _no_producers_left()
     assert not [p for p in mp.active_children() if p.name.startswith("bagel")]
+
+
+def test_shared_memory_allocation_for_the_producer() -> None:
+    """In a producer the big batch tensors are allocated in shared memory (hand-over without copies)."""
+    from bridge.models.bagel.data.packing import memory
+
+    memory.use_shared_memory(True)
+    try:
+        with golden_loader(FLEX_CASE) as loader:
+            batch = next(loader)
+    finally:
+        memory.use_shared_memory(False)
+    assert batch["padded_images"].is_shared() and batch["packed_vit_tokens"].is_shared()
+    with golden_loader(FLEX_CASE) as loader:
+        plain = next(loader)
+    assert not plain["padded_images"].is_shared()
+    assert_same(batch, plain)

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
+from .packing.memory import use_shared_memory
+
 __all__ = ["PrefetchError", "PrefetchedPipeline", "RemoteTraceback"]
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_
     # As in torch DataLoader workers: the parent's OpenMP pool does not survive fork (using it deadlocks).
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    use_shared_memory(True)  # big batch tensors are born in shared memory: the hand-over copies nothing
     out.cancel_join_thread()  # never block at exit on data the trainer will not read
     try:
         if on_start is not None:

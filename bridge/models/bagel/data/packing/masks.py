@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import memory
+
 __all__ = ["dense_attention_mask"]
 
 _NEG_INF = float("-inf")
@@ -20,7 +22,7 @@ _NEG_INF = float("-inf")
 def dense_attention_mask(split_lens: list[int], attn_modes: list[str]) -> torch.Tensor:
     """Build the (L, L) float32 additive mask for one sample from its splits (see module docstring)."""
     total = sum(split_lens)
-    mask = torch.empty((total, total), dtype=torch.float32)
+    mask = memory.empty((total, total), torch.float32)
     offset = 0
     noise_blocks: list[tuple[int, int]] = []
     for length, mode in zip(split_lens, attn_modes):

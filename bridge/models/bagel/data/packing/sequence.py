@@ -19,6 +19,7 @@ from ..transforms import (
     get_flattened_position_ids_interpolate,
     len2weight,
 )
+from . import memory
 from .masks import dense_attention_mask
 
 __all__ = ["PackLayout", "SequenceBuilder", "sample_field"]
@@ -82,7 +83,7 @@ def _pad_stack(images: list[torch.Tensor]) -> torch.Tensor:
     Allocated uninitialised and written once (image + padding strips) instead of zeros-then-copy.
     """
     dims = [max(sizes) for sizes in zip(*(img.shape for img in images))]
-    out = torch.empty((len(images), *dims), dtype=torch.float32)
+    out = memory.empty((len(images), *dims), torch.float32)
     for i, img in enumerate(images):
         c, h, w = img.shape
         out[i, :c, :h, :w] = img
@@ -318,7 +319,7 @@ class SequenceBuilder:
             data["packed_vae_token_indexes"] = _tensor(_runs(*self.vae_idx_runs), torch.int64)
         if self.vit_images:
             p = lay.vit_patch_size
-            tokens = torch.empty((sum(self.vit_seqlens), p * p * self.vit_images[0].shape[0]), dtype=torch.float32)
+            tokens = memory.empty((sum(self.vit_seqlens), p * p * self.vit_images[0].shape[0]), torch.float32)
             start = 0
             for image, n in zip(self.vit_images, self.vit_seqlens):
                 _patchify_into(tokens[start : start + n], image, p)
