@@ -3,8 +3,9 @@
 
 Prints, in one run:
 (a) batches/s and tokens/s for Energon ``num_workers`` 0 and 2, prefetch off and on;
-(b) with a simulated training step of ``--step-ms`` (default: the synchronous per-batch pack time), the mean
-    and p95 time the trainer waits in ``next()``, as a fraction of the synchronous pack time;
+(b) with a simulated training step of ``--step-ms`` (default 1000 ms, short for BAGEL: a 32K-token step of the
+    7B model takes seconds on a GPU) and, as a worst case, a step as short as the synchronous pack time: the
+    mean and p95 time the trainer waits in ``next()``, as a fraction of the synchronous pack time;
 (c) the cost of bare decode + resize of the images the run consumed, so the pipeline's overhead over that
     floor is visible as a ratio.
 Last line (best configuration by wait fraction, then tokens/s):
@@ -111,7 +112,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=10)
     ap.add_argument("--prefetch", type=int, default=2, help="prefetch depth for the 'on' runs")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    ap.add_argument("--step-ms", type=float, default=None, help="simulated step (default: sync pack time)")
+    ap.add_argument("--step-ms", type=float, default=1000.0, help="simulated training step in ms (default 1000)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -129,18 +130,18 @@ def main() -> int:
             print(f"  num_workers={nw} prefetch={pf}: {r['batches_per_s']:.2f} batches/s  "
                   f"{r['tokens_per_s']:.0f} tokens/s  {r['ms_per_batch']:.0f} ms/batch", flush=True)
     sync_ms = results[(args.workers[0], 0)]["ms_per_batch"]
-    step_ms = args.step_ms if args.step_ms is not None else sync_ms
-    print(f"(b) trainer wait in next() with a simulated {step_ms:.0f} ms step "
-          f"(fraction of the synchronous pack time {sync_ms:.0f} ms)")
     best = None
-    for (nw, pf) in results:
-        w = waits(data_dir, nw, pf, args.batches, step_ms, tokenizer)
-        frac = w["wait_ms_mean"] / sync_ms
-        print(f"  num_workers={nw} prefetch={pf}: wait mean {w['wait_ms_mean']:.1f} ms  p95 {w['wait_ms_p95']:.1f} ms"
-              f"  fraction {frac:.3f}  ({w['tokens_per_s']:.0f} tokens/s)", flush=True)
-        key = (round(frac, 3), -results[(nw, pf)]["tokens_per_s"])
-        if best is None or key < best[0]:
-            best = (key, nw, pf, frac)
+    for step_ms, main in ((sync_ms, False), (args.step_ms, True)):
+        print(f"(b) trainer wait in next() with a simulated {step_ms:.0f} ms step{'' if main else ' (worst case)'}, "
+              f"as a fraction of the synchronous pack time {sync_ms:.0f} ms")
+        for (nw, pf) in results:
+            w = waits(data_dir, nw, pf, args.batches, step_ms, tokenizer)
+            frac = w["wait_ms_mean"] / sync_ms
+            print(f"  num_workers={nw} prefetch={pf}: wait mean {w['wait_ms_mean']:.1f} ms  "
+                  f"p95 {w['wait_ms_p95']:.1f} ms  fraction {frac:.3f}  ({w['tokens_per_s']:.0f} tokens/s)", flush=True)
+            key = (round(frac, 3), -results[(nw, pf)]["tokens_per_s"])
+            if main and (best is None or key < best[0]):
+                best = (key, nw, pf, frac)
     floor = decode_floor_ms_per_sample(data_dir)
     loader, _ = build(data_dir, args.workers[0], 0, tokenizer)
     with loader:
