@@ -56,6 +56,44 @@ class PrefetchError(RuntimeError):
     """The producer process failed in a way that could not be forwarded as its own exception."""
 
 
+_INLINE_BYTES = 1 << 20
+
+
+class _Inline:
+    """A small tensor sent inline (pickled bytes) instead of as a shared-memory handle.
+
+    Each shared tensor costs the receiver a round trip to the producer's fd-sharing thread, which competes for
+    the GIL with packing; the dozen small tensors of a batch are cheaper to copy.
+    """
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: Any) -> None:
+        self.array = array
+
+
+def _to_wire(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        if obj.nbytes < _INLINE_BYTES and not obj.is_shared() and obj.dtype not in (torch.bfloat16,):
+            return _Inline(obj.numpy())
+        return obj
+    if isinstance(obj, dict):
+        return {k: _to_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_wire(v) for v in obj)
+    return obj
+
+
+def _from_wire(obj: Any) -> Any:
+    if isinstance(obj, _Inline):
+        return torch.from_numpy(obj.array)
+    if isinstance(obj, dict):
+        return {k: _from_wire(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_from_wire(v) for v in obj)
+    return obj
+
+
 def _die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (best effort)."""
     try:
@@ -83,7 +121,7 @@ def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_
         if on_start is not None:
             on_start()
         while not stop.is_set():
-            item = ("batch", next(batches), snapshot())
+            item = ("batch", _to_wire(next(batches)), _to_wire(snapshot()))
             while not stop.is_set():
                 if os.getppid() != parent_pid:
                     return
@@ -184,8 +222,8 @@ class PrefetchedPipeline:
             self._failed = payload
             self.close()
             raise payload from RemoteTraceback(extra)
-        self.state = extra
-        return payload
+        self.state = _from_wire(extra)
+        return _from_wire(payload)
 
     @property
     def running(self) -> bool:
