@@ -65,8 +65,10 @@ def waits(data_dir: Path, workers: int, prefetch: int, n: int, step_ms: float, t
         t_start = time.perf_counter()
         for _ in range(n):
             t0 = time.perf_counter()
-            tokens += next(loader)["sequence_length"]
+            batch = next(loader)
             out.append(time.perf_counter() - t0)
+            tokens += batch["sequence_length"]
+            del batch  # freeing the batch belongs to the step (a trainer drops it after using it), not to next()
             time.sleep(step_ms / 1000)
         secs = time.perf_counter() - t_start
     out.sort()
