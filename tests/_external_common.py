@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
-from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
+from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource, first_difference
 from packer_golden import PACKER_KEYS, load_case
 
 FLEX_CASE = "c02_flex_extrap_3g2m_s14"
@@ -44,21 +44,9 @@ def demo_loader(out: Any, tok: Any, num_workers: int, use_flex: bool, *, length:
 
 
 def assert_same(a: Any, b: Any, path: str = "batch") -> None:
-    """Exact equality: tensors by torch.equal with dtype and shape; containers recursively."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b).__name__}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{path}: tensor values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(a)} vs {sorted(b) if isinstance(b, dict) else b}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{path}: {type(a).__name__}/{len(a)} vs {b!r:.80}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+    """Exact equality under the bit-level rule (dtype, shape, every bit; containers by type, length, items)."""
+    diff = first_difference(a, b, path)
+    assert diff is None, diff
 
 
 def single_process_pg_collection():

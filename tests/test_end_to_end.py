@@ -15,16 +15,6 @@ INDEX_KEYS = ("packed_text_indexes", "packed_vit_token_indexes", "packed_vae_tok
               "ce_loss_indexes")
 
 
-@pytest.fixture(scope="module")
-def demo_setup(tmp_path_factory):
-    from bridge.models.bagel.data.energon.demo import make_demo_data
-    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
-
-    out = tmp_path_factory.mktemp("demo") / "d"
-    make_demo_data(str(out), seed=0)
-    return out, build_qwen2_tokenizer()
-
-
 @pytest.mark.parametrize("use_flex", [True, False], ids=["flex", "dense"])
 def test_demo_batches_satisfy_the_official_invariants(demo_setup, use_flex: bool) -> None:
     out, tok = demo_setup

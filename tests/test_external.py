@@ -211,16 +211,6 @@ def test_tampered_fingerprint_in_file_is_refused(bridge_ckpt, tmp_path):
 # -- the full stack on the demo dataset (all three groups, real Energon readers) ------------------------------
 
 
-@pytest.fixture(scope="module")
-def demo_setup(tmp_path_factory):
-    from bridge.models.bagel.data.energon.demo import make_demo_data
-    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
-
-    out = tmp_path_factory.mktemp("demo") / "d"
-    make_demo_data(str(out), seed=0)
-    return out, build_qwen2_tokenizer()
-
-
 def _demo_loader(demo_setup, num_workers, use_flex, *, length=100, seed=42):
     out, tok = demo_setup
     return demo_loader(out, tok, num_workers, use_flex, length=length, seed=seed)

@@ -107,16 +107,6 @@ def test_packer_exception_reaches_the_trainer_with_its_traceback() -> None:
     assert _no_producers_left()
 
 
-@pytest.fixture(scope="module")
-def demo_setup(tmp_path_factory):
-    from bridge.models.bagel.data.energon.demo import make_demo_data
-    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
-
-    out = tmp_path_factory.mktemp("demo") / "d"
-    make_demo_data(str(out), seed=0)
-    return out, build_qwen2_tokenizer()
-
-
 def test_cooker_exception_reaches_the_trainer(demo_setup) -> None:
     out, tok = demo_setup
     broken = copy.deepcopy(tok)
