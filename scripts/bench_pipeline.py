@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from bridge.models.bagel.data.build import build_bagel_train_loader  # noqa: E402
 from bridge.models.bagel.data.config import load_config  # noqa: E402
-from bridge.models.bagel.data.energon.demo import make_demo_data  # noqa: E402
+from bridge.models.bagel.data.converter.demo import make_demo_data  # noqa: E402
 from bridge.models.bagel.data.tokenizer import load_tokenizer  # noqa: E402
 from bridge.models.bagel.data.transforms import ImageTransform, configure_pil, pil_img2rgb  # noqa: E402
 

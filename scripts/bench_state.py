@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from bridge.models.bagel.data._bridge import import_bridge  # noqa: E402
 from bridge.models.bagel.data.build import build_bagel_train_loader  # noqa: E402
 from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig  # noqa: E402
-from bridge.models.bagel.data.energon.demo import make_demo_data  # noqa: E402
+from bridge.models.bagel.data.converter.demo import make_demo_data  # noqa: E402
 from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer  # noqa: E402
 
 TARGET_BYTES = 64 * 1024

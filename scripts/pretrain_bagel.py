@@ -56,7 +56,7 @@ def _init_distributed():
 def _prepare_demo_data(cfg) -> None:
     import torch.distributed as dist
 
-    from bridge.models.bagel.data.energon.demo import make_demo_data
+    from bridge.models.bagel.data.converter.demo import make_demo_data
 
     if dist.get_rank() == 0:
         make_demo_data(cfg.demo_data, seed=cfg.demo_seed)
@@ -73,7 +73,7 @@ def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_ste
     from bridge.models.bagel.data.external import BagelMegatronMIMODatasetProvider
 
     container = _load_symbol(recipe)()
-    container.dataset = BagelMegatronMIMODatasetProvider(train_loader=loader, seq_length=cfg.data.packer.max_num_tokens)
+    container.dataset = BagelMegatronMIMODatasetProvider(train_loader=loader)
     container.train.train_iters = cfg.train.train_iters
     container.train.global_batch_size = cfg.train.global_batch_size
     container.train.micro_batch_size = cfg.train.micro_batch_size

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="session")
 def demo_setup(tmp_path_factory):
     """The embedded demo dataset (all three groups, converted to Energon) and the offline Qwen2 tokenizer."""
-    from bridge.models.bagel.data.energon.demo import make_demo_data
+    from bridge.models.bagel.data.converter.demo import make_demo_data
     from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
 
     out = tmp_path_factory.mktemp("demo") / "d"

@@ -33,9 +33,9 @@ def test_provider_is_a_real_mimo_provider(bridge):
     assert issubclass(cls, bridge.MegatronMIMODatasetProvider)
     assert cls is external.BagelMegatronMIMODatasetProvider  # created once
     loader = golden_loader(length=5)
-    provider = cls(train_loader=loader, seq_length=256)
+    provider = cls(train_loader=loader)
     assert provider.dataloader_type == "external" and provider.num_workers == 0
-    assert provider.persistent_workers is False and provider.seq_length == 256
+    assert provider.persistent_workers is False and provider.seq_length == loader.seq_length
     with pytest.raises(TypeError):
         cls(loader)  # keyword-only dataclass
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -50,7 +50,7 @@ def test_bridge_external_path_yields_the_loader_batches(bridge, case):
 
     loader = golden_loader(case, length=7)
     reference = golden_loader(case, length=7)
-    provider = external.BagelMegatronMIMODatasetProvider(train_loader=loader, seq_length=256)
+    provider = external.BagelMegatronMIMODatasetProvider(train_loader=loader)
     ctx = bridge.DatasetBuildContext(train_samples=8, valid_samples=0, test_samples=4)
     train, valid, test = provider.build_datasets(ctx)
     assert train is loader and valid is None and test is None
@@ -85,7 +85,7 @@ def test_dataset_provider_for_pretrain_builds_the_rank_loader(bridge, tmp_path):
     from _external_common import single_process_pg_collection
     from bridge.models.bagel.data import build
     from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
-    from bridge.models.bagel.data.energon.demo import make_demo_data
+    from bridge.models.bagel.data.converter.demo import make_demo_data
     from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
 
     make_demo_data(str(tmp_path / "d"), seed=1)

@@ -17,7 +17,7 @@ from megatron.energon import (
     reraise_exception, stateless,
 )
 
-from bridge.models.bagel.data.energon.convert import ConvertError, convert_edit, convert_group, convert_t2i, convert_vlm
+from bridge.models.bagel.data.converter.convert import ConvertError, convert_edit, convert_group, convert_t2i, convert_vlm
 from bridge.models.bagel.data.energon.layout import (
     EDIT, META_PART, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, SUBFLAVOR_KEY, T2I, VLM, image_index,
     load_manifest, sample_key,

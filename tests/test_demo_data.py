@@ -12,7 +12,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from bridge.models.bagel.data.energon.demo import DEMO_NAMES, STAMP, generate_demo_raw, make_demo_data
+from bridge.models.bagel.data.converter.demo import DEMO_NAMES, STAMP, generate_demo_raw, make_demo_data
 from bridge.models.bagel.data.energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from bridge.models.bagel.data.energon.cook_common import ReplayError
-from bridge.models.bagel.data.energon.convert import convert_edit, convert_t2i
+from bridge.models.bagel.data.converter.convert import convert_edit, convert_t2i
 from bridge.models.bagel.data.energon.reader import BagelGroupReader
 from bridge.models.bagel.data.state import StateError
 from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.models.bagel.data.energon.convert import convert_edit, convert_group, convert_t2i, convert_vlm
+from bridge.models.bagel.data.converter.convert import convert_edit, convert_group, convert_t2i, convert_vlm
 from bridge.models.bagel.data.energon.cookers import make_cook_context
 from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
 from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer

@@ -1,4 +1,4 @@
-"""The only module that imports Megatron-Bridge (lazily), and the Bridge-dependent provider classes.
+"""The only module that imports Megatron-Bridge (lazily); the provider classes built on it live in ``providers``.
 
 Every ``megatron.bridge`` import runs the package ``__init__``, which reaches
 ``megatron.bridge.peft.lora_layers`` and its unconditional ``import transformer_engine.pytorch``. Where
@@ -18,8 +18,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["BridgeAPI", "dataset_provider_class", "import_bridge", "megatron_mimo_provider_class",
-           "install_lora_layers_standin"]
+__all__ = ["BridgeAPI", "import_bridge", "install_lora_layers_standin"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,79 +101,3 @@ def import_bridge() -> BridgeAPI:
         maybe_load_dataloader_state=load,
         checkpointing_error=error,
     )
-
-
-@functools.cache
-def megatron_mimo_provider_class() -> type:
-    """``BagelMegatronMIMODatasetProvider``: a MegatronMIMO dataset provider handing out a live loader."""
-    from .external import BagelExternalLoader, _reject_collate
-
-    base = import_bridge().MegatronMIMODatasetProvider
-
-    @dataclasses.dataclass(kw_only=True)
-    class BagelMegatronMIMODatasetProvider(base):
-        """MIMO dataset provider for an already built ``BagelExternalLoader`` (``dataloader_type="external"``).
-
-        ``seq_length`` is read by Bridge's MIMO training loop and throughput logging; set it to the
-        packer's ``max_num_tokens``.
-        """
-
-        train_loader: BagelExternalLoader
-        seq_length: int = 36864
-        dataloader_type: str | None = "external"
-        num_workers: int = 0
-        persistent_workers: bool = False
-        pin_memory: bool = False
-
-        def build_datasets(self, context: Any) -> tuple[Any, None, None]:
-            """(the train loader, or None when no training samples are requested; no valid; no test)."""
-            return (self.train_loader if context.train_samples > 0 else None, None, None)
-
-        def get_collate_fn(self) -> Any:
-            """A guard that raises: Megatron requires the method but never collates external batches."""
-            return _reject_collate
-
-    BagelMegatronMIMODatasetProvider.__module__ = "bridge.models.bagel.data.external"
-    BagelMegatronMIMODatasetProvider.__qualname__ = "BagelMegatronMIMODatasetProvider"
-    return BagelMegatronMIMODatasetProvider
-
-
-@functools.cache
-def dataset_provider_class() -> type:
-    """``BagelDatasetProvider``: a plain Bridge ``DatasetProvider`` building the loader for ``pretrain()``."""
-    from .build import build_bagel_train_loader
-    from .config import BagelDataConfig
-    from .external import BagelExternalLoader
-
-    base = import_bridge().DatasetProvider
-
-    @dataclasses.dataclass(kw_only=True)
-    class BagelDatasetProvider(base):
-        """Builds this rank's ``BagelExternalLoader`` from ``data`` (DP rank/size from ``context.pg_collection``).
-
-        ``tokenizer`` is the HF tokenizer used for the BAGEL text (Bridge's own tokenizer in the context is a
-        Megatron wrapper and is not used). ``seq_length`` = the packer's ``max_num_tokens``.
-        """
-
-        data: BagelDataConfig
-        tokenizer: Any = None
-        seq_length: int = 36864
-        dataloader_type: str | None = "external"
-        num_workers: int = 0
-        persistent_workers: bool = False
-        pin_memory: bool = False
-
-        def build_datasets(self, context: Any) -> tuple[BagelExternalLoader | None, None, None]:
-            """(this rank's loader, or None when no training samples are requested; no valid; no test)."""
-            if context.train_samples <= 0:
-                return None, None, None
-            tokenizer = self.tokenizer
-            if tokenizer is None:
-                from .tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(self.data.tokenizer)
-            return build_bagel_train_loader(self.data, tokenizer, context), None, None
-
-    BagelDatasetProvider.__module__ = "bridge.models.bagel.data.build"
-    BagelDatasetProvider.__qualname__ = "BagelDatasetProvider"
-    return BagelDatasetProvider

@@ -126,7 +126,7 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
 def __getattr__(name: str) -> Any:
     """Create the Bridge-dependent ``BagelDatasetProvider`` on first use."""
     if name == "BagelDatasetProvider":
-        from ._bridge import dataset_provider_class
+        from .providers import dataset_provider_class
 
         return dataset_provider_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

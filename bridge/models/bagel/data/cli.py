@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .energon.convert import ConvertError, ConvertSummary, convert_from_config, convert_group
+from .converter.convert import ConvertError, ConvertSummary, convert_from_config, convert_group
 from .energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.cmd == "demo-data":
-            from .energon.demo import make_demo_data
+            from .converter.demo import make_demo_data
 
             summaries = make_demo_data(args.out, seed=args.seed, scale=args.scale)
             if not summaries:

@@ -43,15 +43,6 @@ class ResumeMismatchError(StateError):
     """A saved loader state was produced under a different configuration (fingerprint differs)."""
 
 
-def _reject_collate(_: Any) -> Any:
-    """Collate guard for ``get_collate_fn()``: packed batches are complete and must never be collated."""
-    raise RuntimeError(
-        "BAGEL packed batches must not be collated again: use dataloader_type='external' so Megatron "
-        "passes the BagelExternalLoader through unchanged"
-    )
-
-
-
 # -- the loader Megatron receives -----------------------------------------------------------------------
 
 
@@ -189,6 +180,21 @@ class BagelExternalLoader(Savable):
     def __len__(self) -> int:
         return self.length
 
+    @property
+    def seq_length(self) -> int | None:
+        """Packed sequence length of every batch (the packer's ``max_num_tokens``), or None if unknown."""
+        return getattr(self.batches, "seq_length", None)
+
+    def stats(self) -> dict[str, Any]:
+        """Pipeline counters from the trainer's side: batches, per-group consumption, buffer occupancy, drops."""
+        from .stats import merge_counts
+
+        packer = getattr(self.batches, "inner", None)
+        stats = packer.stats() if hasattr(packer, "stats") else {}
+        reader_drops = [dict(r.drops.counts) for r in self.stateful_loaders if hasattr(r, "drops")]
+        stats["drops"] = merge_counts([stats.get("drops", {}), *reader_drops])
+        return stats
+
     def save_state(self) -> dict[str, Any]:
         """State describing the next batch this loader will yield (readers, packer + RNG, position, fingerprint).
 
@@ -264,7 +270,7 @@ class BagelExternalLoader(Savable):
 def __getattr__(name: str) -> Any:
     """Create the Bridge-dependent provider class on first use (importing Megatron-Bridge only then)."""
     if name == "BagelMegatronMIMODatasetProvider":
-        from ._bridge import megatron_mimo_provider_class
+        from .providers import megatron_mimo_provider_class
 
         return megatron_mimo_provider_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -153,6 +153,11 @@ class BagelRNGIterator(Savable):
         convert = {"python_rng": _python_from_plain, "numpy_rng": _numpy_from_plain, "torch_rng": _torch_from_plain}
         return convert[name](value)
 
+    @property
+    def seq_length(self) -> int | None:
+        """The wrapped iterator's packed sequence length (``max_num_tokens``), or None."""
+        return getattr(self.inner, "seq_length", None)
+
     def __iter__(self) -> "BagelRNGIterator":
         return self
 

@@ -1,7 +1,8 @@
-"""Energon side of the BAGEL pipeline: crude WebDataset layout, converter from the official raw formats, readers.
+"""Energon side of the BAGEL runtime: the crude WebDataset layout, cookers and readers.
 
-The reader names below are resolved lazily (PEP 562), so importing the light modules of this package
-(``layout``, ``convert``) does not pull in torch / megatron-energon.
+The converter from the official raw formats lives in the separate ``converter`` wing. The reader names
+below are resolved lazily (PEP 562), so importing ``layout`` does not pull in torch / megatron-energon.
+``OfficialOrderReader`` reproduces the official unit order for the parity tests; the builder does not use it.
 """
 
 from __future__ import annotations

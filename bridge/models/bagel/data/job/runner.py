@@ -20,7 +20,6 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 from ..packing import batch_digest
-from ..stats import merge_counts
 from .batch_check import account_batch, check_batch
 from .checkpoint import read_step, restore_loader, save_checkpoint
 from .config import JobConfig
@@ -54,7 +53,7 @@ def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> tuple[
     context = api.DatasetBuildContext(train_samples=train.train_iters * train.global_batch_size, valid_samples=0,
                                       test_samples=0, tokenizer=None, pg_collection=pg_collection)
     loader = build_bagel_train_loader(cfg.data, tokenizer, context)
-    provider = BagelMegatronMIMODatasetProvider(train_loader=loader, seq_length=cfg.data.packer.max_num_tokens)
+    provider = BagelMegatronMIMODatasetProvider(train_loader=loader)
     train_ds, valid_ds, test_ds = provider.build_datasets(context)
     assert valid_ds is None and test_ds is None
     external = api.build_pretraining_data_loader(
@@ -64,14 +63,6 @@ def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> tuple[
     if external is not loader:
         raise RuntimeError("build_pretraining_data_loader(..., 'external') did not return the provider's loader")
     return RerunDataIterator(external), loader
-
-
-def _pipeline_stats(loader: Any) -> dict[str, Any]:
-    packer = getattr(getattr(loader, "batches", None), "inner", None)
-    stats = packer.stats() if hasattr(packer, "stats") else {}
-    reader_drops = [dict(r.drops.counts) for r in loader.stateful_loaders if hasattr(r, "drops")]
-    stats["drops"] = merge_counts([stats.get("drops", {}), *reader_drops])
-    return stats
 
 
 def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any]:
@@ -128,7 +119,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
             if step % train.log_interval == 0 or step == train.train_iters:
                 tokens = torch.tensor([tele.interval["tokens"]], dtype=torch.int64)
                 dist.all_reduce(tokens)
-                tele.log(step, _pipeline_stats(loader), global_tokens=int(tokens.item()))
+                tele.log(step, loader.stats(), global_tokens=int(tokens.item()))
             if train.exit_after_step is not None and step == train.exit_after_step:
                 logger.warning("train.exit_after_step=%d: simulating a crash (no final checkpoint)", step)
                 if digest_fh is not None:
@@ -150,5 +141,5 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         loader.close()
     summary = tele.summary()
     summary.update(start_step=start_step, steps=train.train_iters - start_step, micro_batches_per_step=num_micro,
-                   pipeline=_pipeline_stats(loader))
+                   pipeline=loader.stats())
     return summary

@@ -191,6 +191,11 @@ class BagelPacker(Savable):
         self.num_batches += 1
         return batch
 
+    @property
+    def seq_length(self) -> int:
+        """Packed sequence length of every batch: ``max_num_tokens``."""
+        return self.max_num_tokens
+
     def __iter__(self) -> "BagelPacker":
         return self
 

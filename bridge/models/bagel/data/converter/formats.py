@@ -18,7 +18,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, VIDEO_UNSUPPORTED, VLM
+from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, VIDEO_UNSUPPORTED, VLM
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import yaml
 
 from . import demo_scenes as ds
 from .convert import ConvertSummary, convert_from_config
-from .layout import EDIT, T2I, VLM
+from ..energon.layout import EDIT, T2I, VLM
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .formats import ConvertError, EditReader, RawSample, ScanLog, T2IReader, VlmReader
-from .layout import (
+from ..energon.layout import (
     DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, MANIFEST_NAME, META_PART, SHARDS_DIR, T2I, VLM,
     crude_dataset_yaml, dataset_dir, image_part, sample_key, shard_relpath,
 )

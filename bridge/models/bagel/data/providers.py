@@ -1,0 +1,131 @@
+"""The Megatron-Bridge dataset providers for BAGEL (created lazily: importing them needs Megatron-Bridge).
+
+* ``BagelMegatronMIMODatasetProvider`` (exported by ``external``): a ``MegatronMIMODatasetProvider`` that hands
+  an already built ``BagelExternalLoader`` to Bridge's external-loader path.
+* ``BagelDatasetProvider`` (exported by ``build``): a plain ``DatasetProvider`` that builds this rank's loader
+  from a ``BagelDataConfig`` and the build context's DP group, for Bridge's standard ``pretrain()`` path.
+
+Both are ``dataloader_type="external"`` (Bridge passes the loader through ``RerunDataIterator`` unchanged)
+and their ``get_collate_fn()`` is a guard that raises. ``seq_length`` (read by Bridge's training loop and
+throughput logging) comes from the packer's ``max_num_tokens``; a different explicit value is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from ._bridge import import_bridge
+
+__all__ = ["check_seq_length", "dataset_provider_class", "megatron_mimo_provider_class", "reject_collate"]
+
+
+def reject_collate(_: Any) -> Any:
+    """Collate guard for ``get_collate_fn()``: packed batches are complete and must never be collated."""
+    raise RuntimeError(
+        "BAGEL packed batches must not be collated again: use dataloader_type='external' so Megatron "
+        "passes the BagelExternalLoader through unchanged"
+    )
+
+
+def check_seq_length(explicit: int | None, packed: int, where: str) -> int:
+    """The provider's ``seq_length``: the packed sequence length, or ``explicit`` when it agrees.
+
+    Raises ``ValueError`` when an explicit value differs from the packer's ``max_num_tokens``
+    (Bridge would otherwise size buffers and throughput for a sequence length the batches never have).
+    """
+    if explicit is not None and int(explicit) != int(packed):
+        raise ValueError(f"{where}: seq_length={explicit} but the loader packs sequences of max_num_tokens={packed}; "
+                         "leave seq_length unset (it is taken from the loader) or make them agree")
+    return int(packed)
+
+
+@functools.cache
+def megatron_mimo_provider_class() -> type:
+    """``BagelMegatronMIMODatasetProvider``: a MegatronMIMO dataset provider handing out a live loader."""
+    from .external import BagelExternalLoader
+
+    base = import_bridge().MegatronMIMODatasetProvider
+
+    @dataclasses.dataclass(kw_only=True)
+    class BagelMegatronMIMODatasetProvider(base):
+        """MIMO dataset provider for an already built ``BagelExternalLoader`` (``dataloader_type="external"``).
+
+        ``seq_length`` defaults to the loader's packed sequence length (the packer's ``max_num_tokens``);
+        an explicit value that differs raises ``ValueError``.
+        """
+
+        train_loader: BagelExternalLoader
+        seq_length: int | None = None
+        dataloader_type: str | None = "external"
+        num_workers: int = 0
+        persistent_workers: bool = False
+        pin_memory: bool = False
+
+        def __post_init__(self) -> None:
+            packed = self.train_loader.seq_length
+            if packed is None:
+                if self.seq_length is None:
+                    raise ValueError("BagelMegatronMIMODatasetProvider: the loader does not know its packed sequence "
+                                     "length; pass seq_length= explicitly")
+            else:
+                self.seq_length = check_seq_length(self.seq_length, packed, "BagelMegatronMIMODatasetProvider")
+
+        def build_datasets(self, context: Any) -> tuple[Any, None, None]:
+            """(the train loader, or None when no training samples are requested; no valid; no test)."""
+            return (self.train_loader if context.train_samples > 0 else None, None, None)
+
+        def get_collate_fn(self) -> Any:
+            """A guard that raises: Megatron requires the method but never collates external batches."""
+            return reject_collate
+
+    BagelMegatronMIMODatasetProvider.__module__ = "bridge.models.bagel.data.external"
+    BagelMegatronMIMODatasetProvider.__qualname__ = "BagelMegatronMIMODatasetProvider"
+    return BagelMegatronMIMODatasetProvider
+
+
+@functools.cache
+def dataset_provider_class() -> type:
+    """``BagelDatasetProvider``: a plain Bridge ``DatasetProvider`` building the loader for ``pretrain()``."""
+    from .build import build_bagel_train_loader
+    from .config import BagelDataConfig
+    from .external import BagelExternalLoader
+
+    base = import_bridge().DatasetProvider
+
+    @dataclasses.dataclass(kw_only=True)
+    class BagelDatasetProvider(base):
+        """Builds this rank's ``BagelExternalLoader`` from ``data`` (DP rank/size from ``context.pg_collection``).
+
+        ``tokenizer`` is the HF tokenizer used for the BAGEL text (Bridge's own tokenizer in the context is a
+        Megatron wrapper and is not used). ``seq_length`` = ``data.packer.max_num_tokens`` (an explicit value
+        that differs raises ``ValueError``).
+        """
+
+        data: BagelDataConfig
+        tokenizer: Any = None
+        seq_length: int | None = None
+        dataloader_type: str | None = "external"
+        num_workers: int = 0
+        persistent_workers: bool = False
+        pin_memory: bool = False
+
+        def __post_init__(self) -> None:
+            self.seq_length = check_seq_length(self.seq_length, self.data.packer.max_num_tokens,
+                                               "BagelDatasetProvider")
+
+        def build_datasets(self, context: Any) -> tuple[BagelExternalLoader | None, None, None]:
+            """(this rank's loader, or None when no training samples are requested; no valid; no test)."""
+            if context.train_samples <= 0:
+                return None, None, None
+            tokenizer = self.tokenizer
+            if tokenizer is None:
+                from .tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(self.data.tokenizer)
+            return build_bagel_train_loader(self.data, tokenizer, context), None, None
+
+    BagelDatasetProvider.__module__ = "bridge.models.bagel.data.build"
+    BagelDatasetProvider.__qualname__ = "BagelDatasetProvider"
+    return BagelDatasetProvider
