@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bridge.models.bagel.data.config import PackerConfig  # noqa: E402
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource, first_difference  # noqa: E402
 
 SPECIAL = {"bos_token_id": 151644, "eos_token_id": 151645, "start_of_image": 151652, "end_of_image": 151653}
@@ -76,6 +77,11 @@ def build(factory, streams: dict[str, list[dict]], use_flex: bool):
     return factory(sources, [1.0, 1.0, 1.0], [True, True, False], SPECIAL, use_flex=use_flex)
 
 
+def ours(sources, weights, mandatory, special, *, use_flex: bool) -> BagelPacker:
+    """Our packer behind the reference factory signature (knobs other than use_flex at BAGEL defaults)."""
+    return BagelPacker(sources, weights, mandatory, special, PackerConfig(use_flex=use_flex))
+
+
 def run(factory, streams, use_flex: bool, n_batches: int, seed: int, keep: bool = False):
     random.seed(seed)
     np.random.seed(seed)
@@ -102,7 +108,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=20, help="batches per mode (default 20)")
     ap.add_argument("--samples-per-group", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reference", help="MODULE:FACTORY with BagelPacker's signature to compare against")
+    ap.add_argument("--reference", help="MODULE:FACTORY(sources, weights, mandatory, special_tokens, use_flex=...) to compare against")
     ap.add_argument("--check-batches", type=int, default=5, help="batches compared for equality with the reference")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -111,7 +117,7 @@ def main() -> int:
     ratios = {}
     for mode, use_flex in (("flex", True), ("dense", False)):
         if reference is not None:
-            _, _, ours_b = run(BagelPacker, streams, use_flex, args.check_batches, args.seed, keep=True)
+            _, _, ours_b = run(ours, streams, use_flex, args.check_batches, args.seed, keep=True)
             _, _, ref_b = run(reference, streams, use_flex, args.check_batches, args.seed, keep=True)
             for k, (a, b) in enumerate(zip(ref_b, ours_b)):
                 diff = first_difference(a, b, f"{mode}[{k}]")
@@ -119,7 +125,7 @@ def main() -> int:
                     print(f"reference and ours differ: {diff}")
                     return 1
             del ours_b, ref_b
-        secs, tokens, _ = run(BagelPacker, streams, use_flex, args.batches, args.seed)
+        secs, tokens, _ = run(ours, streams, use_flex, args.batches, args.seed)
         print(f"{mode:5s} ours: {args.batches / secs:8.2f} batches/s  {tokens / secs:12.0f} tokens/s  "
               f"{1000 * secs / args.batches:8.1f} ms/batch")
         if reference is not None:

@@ -150,7 +150,7 @@ def main() -> int:
     with loader:
         for _ in range(args.batches):
             next(loader)
-        consumed = loader.batches.inner.stats()["consumed"]
+        consumed = loader.stats()["consumed"]
     floor_ms = sum(floor[g] * consumed[g] for g in consumed) / args.batches
     print(f"(c) bare decode+resize of the consumed images: {floor_ms:.0f} ms/batch "
           f"(per sample: {json.dumps({g: round(v, 1) for g, v in floor.items()})}); "

@@ -72,14 +72,16 @@ def main() -> int:
             next(fresh)  # Energon applies a restored position lazily, on the first fetch
             first_ms.append((time.perf_counter() - t0) * 1e3)
             fresh.close()
+    rng = state["upstream"]["state"]                  # BagelRNGIterator (prefetch is transparent in the state)
+    packer = rng["inner"]["state"]                    # BagelPacker
     parts = {k: len(pickle.dumps(v)) for k, v in state.items()}
-    parts.update({f"packer.{k}": len(pickle.dumps(v)) for k, v in state["packer"].items()})
-    parts.update({f"loaders[{i}]": len(pickle.dumps(v)) for i, v in enumerate(state["loaders"])})
+    parts.update({f"packer.{k}": len(pickle.dumps(v)) for k, v in packer.items()})
+    parts.update({f"packer.sources[{i}]": len(pickle.dumps(v)) for i, v in enumerate(packer["sources"])})
     buf = io.BytesIO()
     torch.save(state, buf)
     loader.close()
     print(f"budgets: expected {cfg.packer.expected_num_tokens} / max {cfg.packer.max_num_tokens}, "
-          f"{args.batches} batches taken, buffer holds {len(state['packer']['inner']['buffer'])} samples, "
+          f"{args.batches} batches taken, buffer holds {len(packer['buffer_keys'])} samples, "
           f"{args.num_workers} Energon workers")
     print("pickled bytes by part: " + ", ".join(f"{k}={v}" for k, v in parts.items()))
     n, s, r = max(sizes), statistics.median(save_ms), statistics.median(restore_ms)

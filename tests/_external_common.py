@@ -8,9 +8,10 @@ from typing import Any
 
 import torch
 
+from bridge.models.bagel.data.config import PackerConfig
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource, first_difference
-from packer_golden import PACKER_KEYS, load_case
+from packer_golden import load_case
 
 FLEX_CASE = "c02_flex_extrap_3g2m_s14"
 DENSE_CASE = "c01_dense_extrap_3g2m_s14"
@@ -23,23 +24,29 @@ def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: 
     cfg = case["config"]
     sources = [ListGroupSource(case["groups"][g], cycle=True, name=g) for g in cfg["group_names"]]
     packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
-                         group_names=cfg["group_names"], **{k: cfg[k] for k in PACKER_KEYS})
+                         PackerConfig.from_mapping(cfg), group_names=cfg["group_names"])
     fp = {"case": case_name, "rank_seed": rank_seed} if fingerprint is None else fingerprint
     return BagelExternalLoader(BagelRNGIterator(packer, rank_seed), length=length, stateful_loaders=sources,
                                fingerprint=fp, prefetch=prefetch)
+
+
+def demo_config(out: Any, num_workers: int, use_flex: bool, *, seed: int = 42, prefetch: int = 0) -> Any:
+    """The data config of the generated demo dataset at small budgets (all three groups, real Energon readers)."""
+    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
+
+    return BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
+                           num_workers=num_workers, seed=seed, prefetch=prefetch,
+                           packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
+                                               max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
+                                               use_flex=use_flex))
 
 
 def demo_loader(out: Any, tok: Any, num_workers: int, use_flex: bool, *, length: int = 100, seed: int = 42,
                 prefetch: int = 0) -> BagelExternalLoader:
     """The full stack on a generated demo dataset at small budgets (all three groups, real Energon readers)."""
     from bridge.models.bagel.data.build import build_bagel_train_loader
-    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
 
-    cfg = BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
-                          num_workers=num_workers, seed=seed, prefetch=prefetch,
-                          packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
-                                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
-                                              use_flex=use_flex))
+    cfg = demo_config(out, num_workers, use_flex, seed=seed, prefetch=prefetch)
     return build_bagel_train_loader(cfg, tok, (0, 1), length=length)
 
 

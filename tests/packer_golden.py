@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bridge.models.bagel.data.config import PackerConfig
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
 
 GOLDEN_DIR = Path(__file__).parent / "fixtures" / "bagel_official"
@@ -18,11 +19,6 @@ CASES = sorted(json.loads((GOLDEN_DIR / "index.json").read_text())["cases"])
 sys.path.insert(0, str(GOLDEN_DIR))
 from compare_golden import first_difference  # noqa: E402  (the golden data's own comparator)
 
-PACKER_KEYS = (
-    "expected_num_tokens", "max_num_tokens_per_sample", "max_num_tokens", "prefer_buffer_before",
-    "max_buffer_size", "interpolate_pos", "use_flex", "text_cond_dropout_prob", "vit_cond_dropout_prob",
-    "vae_cond_dropout_prob", "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side",
-)
 
 _CACHE: dict[str, dict] = {}
 
@@ -38,10 +34,8 @@ def build_packer(case: dict) -> tuple[BagelPacker, list[ListGroupSource]]:
     """A packer over the case's stored streams, configured exactly like the official run."""
     cfg = case["config"]
     sources = [ListGroupSource(case["groups"][g], name=g) for g in cfg["group_names"]]
-    packer = BagelPacker(
-        sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
-        group_names=cfg["group_names"], **{k: cfg[k] for k in PACKER_KEYS},
-    )
+    packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
+                         PackerConfig.from_mapping(cfg), group_names=cfg["group_names"])
     return packer, sources
 
 

@@ -20,7 +20,6 @@ def test_demo_batches_satisfy_the_official_invariants(demo_setup, use_flex: bool
     out, tok = demo_setup
     groups_seen, with_vit = set(), 0
     with demo_loader(out, tok, 0, use_flex) as loader:
-        packer = loader.batches.inner
         for _ in range(8):
             batch = next(loader)
             assert check_batch(batch, max_num_tokens=MAX_TOKENS, use_flex=use_flex) == []
@@ -48,6 +47,7 @@ def test_demo_batches_satisfy_the_official_invariants(demo_setup, use_flex: bool
             if "packed_vit_tokens" in batch:
                 assert batch["packed_vit_tokens"].shape[1] == 14 * 14 * 3
             assert seq <= MAX_TOKENS
-        assert packer.num_batches == 8
+        stats = loader.stats()
+        assert stats["num_batches"] == stats["position"] == 8
     assert groups_seen == {"t2i_pretrain", "vlm_sft", "unified_edit"}
     assert with_vit >= 4

@@ -89,16 +89,38 @@ def test_fingerprint_mismatch_names_every_differing_key():
     assert other.position == 0  # nothing was restored
 
 
+def _edit(state, path, value=None, *, drop=False):
+    """A deep copy of ``state`` with the entry at ``path`` (keys) replaced (or removed when ``drop``)."""
+    import copy
+
+    out = copy.deepcopy(state)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if drop:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value(node[path[-1]]) if callable(value) else value
+    return out
+
+
+_RNG = ("upstream", "state")                       # BagelRNGIterator's state inside the loader's
+_PACKER = (*_RNG, "inner", "state")                # BagelPacker's state inside the RNG iterator's
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [
         (lambda s: [s], "must be a dict, got list"),
-        (lambda s: {k: v for k, v in s.items() if k not in ("packer", "loaders")}, r"lacks keys \['packer', 'loaders'\]"),
+        (lambda s: _edit(s, ("upstream",), drop=True), r"missing \['upstream'\]"),
         (lambda s: {**s, "version": 99}, "version 99"),
-        (lambda s: {**s, "loaders": s["loaders"][:2]}, "group count differs"),
+        (lambda s: {"version": 1, "fingerprint": s["fingerprint"], "position": 0, "packer": {}, "loaders": []},
+         "version 1 is not supported"),
+        (lambda s: _edit(s, (*_PACKER, "sources"), lambda v: v[:2]), "source count differs"),
         (lambda s: {**s, "position": -1}, "position must be"),
-        (lambda s: {**s, "packer": {**s["packer"], "python_rng": [3, [0], None]}}, "python_rng"),
-        (lambda s: {**s, "packer": {k: v for k, v in s["packer"].items() if k != "inner"}}, "'inner'"),
+        (lambda s: _edit(s, (*_RNG, "python_rng"), [3, [0], None]), "python_rng"),
+        (lambda s: _edit(s, (*_RNG, "inner"), drop=True), "'inner'"),
+        (lambda s: _edit(s, ("upstream", "stage"), "PrefetchStage"), "belongs to a PrefetchStage"),
     ],
 )
 def test_malformed_state_raises_a_clear_error(mutate, match):
@@ -185,7 +207,7 @@ def test_code_carrying_state_file_is_refused_and_never_runs(bridge_ckpt, tmp_pat
     os.makedirs(os.path.dirname(path))
     marker = tmp_path / "pwned"
     state = golden_loader().save_state()
-    state["packer"]["inner"]["evil"] = _WritesAFile(str(marker))
+    state["upstream"]["state"]["inner"]["state"]["evil"] = _WritesAFile(str(marker))
     torch.save({"dataloader_state_dict": state}, path)
     fresh = RerunDataIterator(golden_loader())
     with pytest.raises(pickle.UnpicklingError, match="system"):
@@ -240,8 +262,8 @@ def test_demo_resume_through_bridge_is_exact(bridge_ckpt, demo_setup, tmp_path, 
             stream.append(next(it))
             if step in save_points:
                 api.maybe_save_dataloader_state(None, it, step, root, pg_collection=pgs)
-        buffered = [len(api.energon_torch_load(_state_file(root, s))["dataloader_state_dict"]["packer"]["inner"]
-                        ["buffer"]) for s in save_points]
+        buffered = [len(api.energon_torch_load(_state_file(root, s))["dataloader_state_dict"][_RNG[0]][_RNG[1]]
+                        ["inner"]["state"]["buffer_keys"]) for s in save_points]
     assert set(stream[0]) >= {"packed_text_ids", "sample_lens", "nested_attention_masks" if not use_flex else "split_lens"}
     for step in save_points:
         with _demo_loader(demo_setup, num_workers, use_flex, length=7) as fresh:

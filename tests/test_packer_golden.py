@@ -31,7 +31,7 @@ def test_drop_counters_match_official_trace(name: str) -> None:
     seed_like_official(cfg["seed"])
     for _ in case["batches"]:
         next(packer)
-    drops = packer.drops
+    drops = packer.drops.counts
     assert drops.get("overlength_mandatory", 0) == stats["mandatory_skip"]
     assert drops.get("overlength", 0) == stats["skip_drawn"] + stats["skip_from_buffer"]
     assert drops.get("flush_drop", 0) == stats["flush_yield_dropping_drawn_candidate_buffer_full"]

@@ -34,22 +34,19 @@ def test_resume_continues_bit_exact(save_after: int) -> None:
     seed_like_official(case["config"]["seed"])
     for _ in range(save_after):
         next(packer)
-    packer_state = packer.state_dict()
-    source_states = [s.state_dict() for s in sources]
+    packer_state = packer.state_dict()  # holds its sources' states: the packer owns them
     rng = _rng_state()
     if save_after > 1:
-        assert packer_state["buffer"], "these save points hold buffered samples in this case"
+        assert packer_state["buffer_keys"], "these save points hold buffered samples in this case"
     expected = [next(packer) for _ in range(10)]
 
-    fresh, fresh_sources = build_packer(case)
-    for s, st in zip(fresh_sources, source_states):
-        s.load_state_dict(st)
+    fresh, _ = build_packer(case)
     fresh.load_state_dict(packer_state)
     _set_rng_state(rng)
     for k, exp in enumerate(expected):
         diff = first_difference(exp, next(fresh), path=f"resumed[{k}]")
         assert diff is None, diff
-    assert fresh.drops == packer.drops
+    assert fresh.drops.counts == packer.drops.counts
     assert fresh.num_batches == packer.num_batches
 
 
@@ -61,7 +58,8 @@ def test_state_is_small_keys_and_restricted_types() -> None:
         next(packer)
     state = packer.state_dict()
     check_restricted(state)
-    assert all(isinstance(g, int) and isinstance(k, int) for g, k in state["buffer"])
+    assert all(isinstance(g, int) and isinstance(k, int) for g, k in state["buffer_keys"])
+    assert [s["stage"] for s in state["sources"]] == ["ListGroupSource"] * 3
     assert len(pickle.dumps(state)) < 4096
 
 
@@ -103,10 +101,17 @@ def test_state_errors_are_clear() -> None:
         packer.load_state_dict({**state, "bogus": 1})
     with pytest.raises(StateError, match="groups"):
         packer.load_state_dict({**state, "consumed": [0]})
-    keyless = BagelPacker([iter([])], [1.0], [False], case["config"]["special_tokens"])
+    with pytest.raises(StateError, match="source count differs"):
+        packer.load_state_dict({**state, "sources": state["sources"][:1]})
+    with pytest.raises(StateError, match="belongs to a BagelPacker"):
+        packer.load_state_dict({**state, "sources": [{"stage": "BagelPacker", "state": {}}] * 3})
+    keyless = BagelPacker([ListGroupSource([])], [1.0], [False], case["config"]["special_tokens"])
     keyless.buffer.append((0, {"data_indexes": {"x": 1}, "sequence_plan": [], "num_tokens": 0}))
     with pytest.raises(StateError, match="restore_key"):
         keyless.state_dict()
+    plain = BagelPacker([iter([])], [1.0], [False], case["config"]["special_tokens"])
+    with pytest.raises(StateError, match="list_iterator .* has no state_dict"):
+        plain.state_dict()
 
 
 def test_constructor_rejects_bad_config() -> None:

@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from _external_common import FLEX_CASE, assert_same, demo_loader, golden_loader
+from bridge.models.bagel.data.config import PackerConfig
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
-from bridge.models.bagel.data.prefetch import PrefetchedPipeline, RemoteTraceback
-from packer_golden import PACKER_KEYS, load_case
+from bridge.models.bagel.data.prefetch import RemoteTraceback, live_producers
+from packer_golden import load_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
 
 def _no_producers_left() -> bool:
-    return not PrefetchedPipeline.live_children()
+    return not live_producers()
 
 
 def test_prefetch_yields_the_synchronous_stream() -> None:
@@ -29,7 +30,7 @@ def test_prefetch_yields_the_synchronous_stream() -> None:
     with golden_loader(FLEX_CASE) as sync, golden_loader(FLEX_CASE, prefetch=3) as ahead:
         for i in range(15):
             assert_same(next(ahead), next(sync), f"batch[{i}]")
-        assert PrefetchedPipeline.live_children()
+        assert live_producers()
     assert _no_producers_left()
     assert {t.ident for t in threading.enumerate() if t.is_alive()} <= threads_before, "leftover threads"
 
@@ -50,6 +51,10 @@ def test_resume_describes_the_next_batch_the_trainer_receives(save_after: int) -
     with golden_loader(FLEX_CASE) as fresh_sync:  # a prefetch state also restores a synchronous loader
         fresh_sync.restore_state(state)
         assert_same(next(fresh_sync), stream[save_after])
+        sync_state = fresh_sync.save_state()
+    with golden_loader(FLEX_CASE, prefetch=2) as fresh_ahead:  # and back
+        fresh_ahead.restore_state(sync_state)
+        assert_same(next(fresh_ahead), stream[save_after + 1])
     assert _no_producers_left()
 
 
@@ -91,7 +96,7 @@ def _poisoned_loader(after: int) -> BagelExternalLoader:
     groups[t2i][after] = bad
     sources = [ListGroupSource(groups[g], name=g) for g in cfg["group_names"]]
     packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
-                         group_names=cfg["group_names"], **{k: cfg[k] for k in PACKER_KEYS})
+                         PackerConfig.from_mapping(cfg), group_names=cfg["group_names"])
     return BagelExternalLoader(BagelRNGIterator(packer, 1), length=10, stateful_loaders=sources, prefetch=2)
 
 

@@ -1,4 +1,5 @@
-"""Config-driven assembly: per-group Energon readers → BagelPacker → BagelRNGIterator → BagelExternalLoader.
+"""Config-driven assembly: per-group Energon readers → BagelPacker → BagelRNGIterator → [PrefetchStage] →
+BagelExternalLoader, each stage owning the one before it.
 
 ``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML.
 ``BagelDatasetProvider`` (created lazily through ``_bridge``, so importing this module needs no
@@ -17,6 +18,7 @@ from .config import BagelDataConfig, ConfigError, ResolvedGroup
 from .energon.reader import BagelGroupReader
 from .external import BagelExternalLoader, BagelRNGIterator
 from .packing import BagelPacker
+from .prefetch import PrefetchStage
 from .tokenizer import add_special_tokens
 
 __all__ = ["BagelDatasetProvider", "build_bagel_train_loader", "dp_rank_size", "package_version", "rank_seed"]
@@ -110,17 +112,19 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
         for g in groups:
             readers.append(_reader(g, tokenizer, config, dp_rank, dp_size))
         packer = BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
-                             special, group_names=[g.group.name for g in groups], **config.packer.packer_kwargs())
+                             special, config.packer, group_names=[g.group.name for g in groups])
     except BaseException:
         for r in readers:
             r.close()
         raise
     seed = rank_seed(config.seed, dp_rank, dp_size)
-    logger.info("BAGEL loader: DP rank %d/%d, groups %s, rank seed %d, %d Energon workers", dp_rank, dp_size,
-                [g.group.name for g in groups], seed, config.num_workers)
-    return BagelExternalLoader(BagelRNGIterator(packer, seed), length=length, stateful_loaders=readers,
-                               fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size),
-                               prefetch=config.prefetch)
+    logger.info("BAGEL loader: DP rank %d/%d, groups %s, rank seed %d, %d Energon workers, prefetch %d", dp_rank,
+                dp_size, [g.group.name for g in groups], seed, config.num_workers, config.prefetch)
+    upstream: Any = BagelRNGIterator(packer, seed)
+    if config.prefetch:
+        upstream = PrefetchStage(upstream, depth=config.prefetch)
+    return BagelExternalLoader(upstream, length=length,
+                               fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))
 
 
 def __getattr__(name: str) -> Any:

@@ -58,7 +58,10 @@ class ConfigError(ValueError):
 
 @dataclass
 class PackerConfig:
-    """Every BagelPacker knob with the official defaults (``DataConfig`` + ``PackedDataset``)."""
+    """Every BagelPacker knob with the official defaults (``DataConfig`` + ``PackedDataset``).
+
+    The one place these knobs and their defaults live: ``BagelPacker`` and its ``PackLayout`` take this object.
+    """
 
     expected_num_tokens: int = 32768
     max_num_tokens_per_sample: int = 16384
@@ -104,10 +107,13 @@ class PackerConfig:
             logger.warning("%s: prefer_buffer_before + max_num_tokens_per_sample > max_num_tokens: a buffered "
                            "sample can overflow a pack and is then discarded by the official flush", where)
 
-    def packer_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``BagelPacker`` (validated)."""
-        self.validate()
-        return dataclasses.asdict(self)
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "PackerConfig":
+        """The knobs present in ``values`` (other keys ignored), defaults for the rest; validated."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        cfg = cls(**{k: v for k, v in values.items() if k in names})
+        cfg.validate()
+        return cfg
 
 
 # --------------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ resumed run continue bit-identically is therefore done here:
 * ``BagelRNGIterator`` (module ``rng``, re-exported here) gives the packer private Python/NumPy/torch-CPU RNG streams, initialised exactly
   as the official one-worker torch DataLoader would, swapped in around every ``next()`` and saved.
 * ``BagelExternalLoader`` is the iterator Megatron receives; its ``save_state()``/``restore_state()``
-  (the names Bridge's ``maybe_save/load_dataloader_state`` call) capture the per-group readers, the
-  packer and the RNG streams, plus a fingerprint that refuses a resume under a changed configuration.
+  (the names Bridge's ``maybe_save/load_dataloader_state`` call) save the whole chain it owns — prefetch
+  stage, RNG streams, packer, per-group readers, each through its own declared state — plus a fingerprint
+  that refuses a resume under a changed configuration.
 
 ``BagelMegatronMIMODatasetProvider`` needs Megatron-Bridge; it is created on first access (module
 ``__getattr__``) by ``_bridge``, so this module imports without Bridge or Transformer Engine.
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .rng import BagelRNGIterator, initial_worker_rng_states
-from .state import Savable, StateError, check_restricted
+from .state import Savable, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
 
 __all__ = [
     "BagelExternalLoader",
@@ -35,8 +36,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
-_LOADER_KEYS = ("version", "fingerprint", "position", "packer", "loaders")
+STATE_VERSION = 2
 
 
 class ResumeMismatchError(StateError):
@@ -84,92 +84,89 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
             for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
 
 
-def _reader_save(reader: Any) -> Any:
-    if hasattr(reader, "save_state_rank"):
-        return reader.save_state_rank()
-    return reader.state_dict()
-
-
-def _reader_restore(reader: Any, state: Any) -> None:
-    if hasattr(reader, "restore_state_rank"):
-        reader.restore_state_rank(state)
-    else:
-        reader.load_state_dict(state)
-
-
 class BagelExternalLoader(Savable):
     """The train "dataset" for ``dataloader_type="external"``: an iterator of ready packed batches.
+
+    ``batches`` is the upstream stage (normally ``BagelRNGIterator`` over ``BagelPacker``, or a
+    ``PrefetchStage`` around it); the loader owns it. ``prefetch=K`` (K > 0) wraps it in a
+    ``PrefetchStage(depth=K)``. ``stateful_loaders`` (kept for callers that wire sources in by hand) are
+    saved with the loader only when the upstream chain does not already own them.
+
+    State (``save_state()`` == ``state_dict()``; ``restore_state()`` == ``load_state_dict()``): ``version``,
+    ``fingerprint`` (checked on restore: a different configuration is refused naming every differing key),
+    ``position`` (batches handed out), ``upstream`` (the chain's nested states) and ``stateful_loaders``.
 
     ``__len__`` is only a positive hint (Megatron's MIMO setup calls ``len``); iteration is not bounded by it
     and it is not part of the state, so a run may resume with a different ``train_iters``.
     """
 
-    _savable_fields = ("position",)
+    _savable_fields = ("version", "fingerprint", "position", "upstream", "stateful_loaders")
 
     def __init__(self, batches: Iterator[dict[str, Any]], *, length: int, stateful_loaders: Iterable[Any] = (),
                  fingerprint: Mapping[str, Any] | None = None, prefetch: int = 0) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
-        self.batches = batches
-        self.length = length
-        self.stateful_loaders = list(stateful_loaders)
-        for i, reader in enumerate(self.stateful_loaders):
-            if not (hasattr(reader, "save_state_rank") or hasattr(reader, "state_dict")):
-                raise TypeError(f"BagelExternalLoader: stateful_loaders[{i}] ({type(reader).__name__}) has neither "
-                                "save_state_rank() nor state_dict()")
-        self._fingerprint = dict(fingerprint or {})
-        check_restricted(self._fingerprint, "fingerprint")
-        if not isinstance(prefetch, int) or prefetch < 0:
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ValueError(f"BagelExternalLoader: prefetch must be an int >= 0, got {prefetch!r}")
-        self.prefetch = prefetch
-        self._prefetcher: Any = None      # PrefetchedPipeline once the producer process is started
-        self._restored: dict[str, Any] | None = None
+        if prefetch:
+            from .prefetch import PrefetchStage
+
+            batches = PrefetchStage(batches, depth=prefetch)
+        self.upstream = batches
+        self.length = length
+        owned = {id(stage) for stage in walk_stages(self.upstream)}
+        self.stateful_loaders = []
+        for i, source in enumerate(stateful_loaders):
+            if id(source) in owned:
+                continue  # saved through the upstream stage that owns it
+            if not is_stateful(source):
+                raise TypeError(f"BagelExternalLoader: stateful_loaders[{i}] ({type(source).__name__}) has no "
+                                "state_dict() / load_state_dict()")
+            self.stateful_loaders.append(source)
+        self._config_fingerprint = dict(fingerprint or {})
+        check_restricted(self._config_fingerprint, "fingerprint")
         self._closed = False
         self.reset_state()
 
     def reset_state(self) -> None:
         self.position = 0
 
-    def fingerprint(self) -> dict[str, Any]:
-        """Everything that changes the stream: the builder's fingerprint plus each reader's ``fingerprint()``."""
-        readers = [dict(r.fingerprint()) if hasattr(r, "fingerprint") else {"type": type(r).__name__}
-                   for r in self.stateful_loaders]
-        return {"loader": dict(self._fingerprint), "readers": readers}
+    # -- declared fields that are checked, not restored ---------------------------------------------
+    @property
+    def version(self) -> int:
+        return STATE_VERSION
 
+    @version.setter
+    def version(self, value: Any) -> None:
+        if value != STATE_VERSION:
+            raise StateError(f"BagelExternalLoader.restore_state: loader state version {value!r} is not supported "
+                             f"(this package reads and writes version {STATE_VERSION}); it was written by another "
+                             "version of bagel-megatron-data: resume with that version, or start the data stream fresh")
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        """Everything that changes the stream: the builder's fingerprint plus every stage's ``identity()``."""
+        return {"loader": dict(self._config_fingerprint), "upstream": chain_fingerprint(self.upstream),
+                "stateful_loaders": [chain_fingerprint(s) for s in self.stateful_loaders]}
+
+    @fingerprint.setter
+    def fingerprint(self, saved: Any) -> None:
+        if not isinstance(saved, dict):
+            raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
+        diff = fingerprint_diff(saved, self.fingerprint)
+        if diff:
+            raise ResumeMismatchError("BagelExternalLoader.restore_state: the saved loader state belongs to a "
+                                      "different data configuration; differing keys:\n  " + "\n  ".join(diff))
+
+    # -- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> "BagelExternalLoader":
         return self
-
-    def _pipeline_state(self) -> dict[str, Any]:
-        """Packer (+ private RNG) and reader states of the objects in this process, taken together."""
-        if not hasattr(self.batches, "state_dict"):
-            raise RuntimeError(f"BagelExternalLoader.save_state: the batch stream ({type(self.batches).__name__}) "
-                               "has no state_dict(); wrap the packer in BagelRNGIterator")
-        return {"packer": self.batches.state_dict(), "loaders": [_reader_save(r) for r in self.stateful_loaders]}
-
-    def _source(self) -> Iterator[dict[str, Any]]:
-        """The batch stream: the packer itself, or (prefetch > 0) a producer process running it ahead."""
-        if not self.prefetch:
-            return self.batches
-        if self._prefetcher is None:
-            from .prefetch import PrefetchedPipeline
-
-            restored = self._restored
-            initial = restored if restored is not None else self._pipeline_state()
-            self._prefetcher = PrefetchedPipeline(
-                self.batches, self._pipeline_state, depth=self.prefetch, initial_state=initial,
-                on_start=None if restored is None else (lambda: self._apply_pipeline_state(restored)))
-        return self._prefetcher
-
-    def _apply_pipeline_state(self, pipeline: dict[str, Any]) -> None:
-        for reader, reader_state in zip(self.stateful_loaders, pipeline["loaders"]):
-            _reader_restore(reader, reader_state)
-        self.batches.load_state_dict(pipeline["packer"])
 
     def __next__(self) -> dict[str, Any]:
         if self._closed:
             raise RuntimeError("BagelExternalLoader: next() after close()")
         try:
-            batch = next(self._source())
+            batch = next(self.upstream)
         except StopIteration:
             logger.error("BagelExternalLoader: the batch stream ended after %d batches (Megatron expects an "
                          "endless stream; check the readers' cycling)", self.position)
@@ -183,79 +180,58 @@ class BagelExternalLoader(Savable):
     @property
     def seq_length(self) -> int | None:
         """Packed sequence length of every batch (the packer's ``max_num_tokens``), or None if unknown."""
-        return getattr(self.batches, "seq_length", None)
+        return getattr(self.upstream, "seq_length", None)
 
     def stats(self) -> dict[str, Any]:
-        """Pipeline counters from the trainer's side: batches, per-group consumption, buffer occupancy, drops."""
-        from .stats import merge_counts
+        """Pipeline counters from the trainer's side (identical with and without prefetch for the same batches).
 
-        packer = getattr(self.batches, "inner", None)
-        stats = packer.stats() if hasattr(packer, "stats") else {}
-        reader_drops = [dict(r.drops.counts) for r in self.stateful_loaders if hasattr(r, "drops")]
-        stats["drops"] = merge_counts([stats.get("drops", {}), *reader_drops])
-        return stats
+        ``num_batches`` (handed to the trainer), ``consumed`` (samples read per group), ``buffer_len`` (packer
+        overflow buffer), ``drops`` (reason → count, packer and readers together), ``packer_drops`` and
+        ``source_drops`` (per group) — whatever the upstream reports, plus ``position``.
+        """
+        stats = getattr(self.upstream, "stats", None)
+        out = dict(stats()) if callable(stats) else {}
+        out["position"] = self.position
+        return out
 
+    # -- state --------------------------------------------------------------------------------------
     def save_state(self) -> dict[str, Any]:
-        """State describing the next batch this loader will yield (readers, packer + RNG, position, fingerprint).
+        """State describing the next batch this loader will yield (Bridge calls this at every checkpoint).
 
         Checked against Megatron's restricted unpickler types here, so a bad state fails at save, not at resume.
         """
-        if self.prefetch:  # the state that produces the next batch the trainer receives, not the producer's
-            pipeline = self._source().state
-        else:
-            pipeline = self._pipeline_state()
-        state = {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "position": self.position, **pipeline}
+        state = self.state_dict()
         check_restricted(state, "BagelExternalLoader.save_state()", allow=energon_state_classes())
         return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Same as ``restore_state``."""
+        if not isinstance(state, dict):
+            raise StateError(f"BagelExternalLoader.restore_state: state must be a dict, got {type(state).__name__}")
+        if "version" in state:
+            self.version = state["version"]  # an old state gets the version message, not a field list
+        position = state.get("position")
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {position!r}")
+        if self.position:
+            logger.warning("BagelExternalLoader.restore_state after %d batches were already taken", self.position)
+        super().load_state_dict(state)
+        logger.info("BagelExternalLoader: restored at batch %d", self.position)
 
     def restore_state(self, state: Any) -> None:
         """Continue exactly where ``save_state()`` was taken; call before the first ``next()``.
 
-        Raises ``StateError`` for a malformed state and ``ResumeMismatchError`` (naming every differing key)
-        when the configuration changed since the save.
+        Raises ``StateError`` for a malformed or old-version state and ``ResumeMismatchError`` (naming every
+        differing key) when the configuration changed since the save.
         """
-        if not isinstance(state, dict):
-            raise StateError(f"BagelExternalLoader.restore_state: state must be a dict, got {type(state).__name__}")
-        missing = [k for k in _LOADER_KEYS if k not in state]
-        if missing:
-            raise StateError(f"BagelExternalLoader.restore_state: state lacks keys {missing} (has {sorted(state)})")
-        if state["version"] != STATE_VERSION:
-            raise StateError(f"BagelExternalLoader.restore_state: state version {state['version']!r} is not "
-                             f"supported (this package writes version {STATE_VERSION})")
-        if not isinstance(state["fingerprint"], dict):
-            raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
-        diff = fingerprint_diff(state["fingerprint"], self.fingerprint())
-        if diff:
-            raise ResumeMismatchError("BagelExternalLoader.restore_state: the saved loader state belongs to a "
-                                      "different data configuration; differing keys:\n  " + "\n  ".join(diff))
-        loaders = state["loaders"]
-        if not isinstance(loaders, list) or len(loaders) != len(self.stateful_loaders):
-            raise StateError(f"BagelExternalLoader.restore_state: state has "
-                             f"{len(loaders) if isinstance(loaders, list) else loaders!r} reader states, this "
-                             f"loader {len(self.stateful_loaders)} readers (group count differs)")
-        if not isinstance(state["position"], int) or state["position"] < 0:
-            raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {state['position']!r}")
-        if self._prefetcher is not None and self._prefetcher.running:
-            raise StateError("BagelExternalLoader.restore_state: the prefetch producer is already running; restore "
-                             "into a freshly built loader before the first next()")
-        if self.position:
-            logger.warning("BagelExternalLoader.restore_state after %d batches were already taken", self.position)
-        pipeline = {"packer": state["packer"], "loaders": loaders}
-        if self.prefetch:  # applied inside the producer process, so this process never opens the datasets
-            self._restored = pipeline
-        else:
-            self._apply_pipeline_state(pipeline)
-        super().load_state_dict({"position": state["position"]})
-        logger.info("BagelExternalLoader: restored at batch %d", self.position)
+        self.load_state_dict(state)
 
     def close(self) -> None:
-        """Close readers (and the batch stream) that have ``close()``; idempotent."""
+        """Close the upstream chain (stopping a prefetch producer, closing readers) and extra loaders; idempotent."""
         if self._closed:
             return
         self._closed = True
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-        for obj in [self.batches, *self.stateful_loaders]:
+        for obj in [self.upstream, *self.stateful_loaders]:
             close = getattr(obj, "close", None)
             if callable(close):
                 close()

@@ -1,10 +1,11 @@
-"""Pack ahead in a background process, keeping exact resume and the trainer's RNG untouched.
+"""``PrefetchStage``: pack ahead in a background process, keeping exact resume and the trainer's RNG untouched.
 
-``PrefetchedPipeline`` forks one producer process that owns the (already built, possibly restored) readers
-and the RNG-isolated packer, and keeps up to ``depth`` packed batches ready in a queue. Each batch travels
-with a snapshot of the pipeline state taken *right after* it was produced, so the trainer side always knows
-the state that yields the next batch it will receive: batches produced but not yet consumed are simply
-produced again after a restore, never lost or repeated.
+A stage of the chain like the others (``upstream`` in, batches out). It forks one producer process that owns
+its upstream (the RNG-isolated packer and, through it, the readers) and keeps up to ``depth`` packed batches
+ready in a queue. Each batch travels with a snapshot of the upstream's state and counters taken *right
+after* it was produced, so this stage's state and ``stats()`` always describe the trainer's side: the state
+yields the next batch the trainer will receive (batches produced but not consumed are simply produced again
+after a restore, never lost or repeated), and the counters match the batches handed out.
 
 A process (not a thread) because the packer must draw from process-global ``random`` / NumPy RNG like the
 official code: in a thread that would race with the model's RNG use, in a process the globals are private.
@@ -17,6 +18,7 @@ producer exits by itself when the trainer process dies).
 from __future__ import annotations
 
 import atexit
+import copy
 import ctypes
 import logging
 import multiprocessing as mp
@@ -25,18 +27,20 @@ import queue
 import signal
 import traceback
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
 
 from .packing.memory import use_shared_memory
+from .state import Savable, StateError, load_tagged, tagged_state
 
-__all__ = ["PrefetchError", "PrefetchedPipeline", "RemoteTraceback"]
+__all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "live_producers"]
 
 logger = logging.getLogger(__name__)
 
+PRODUCER_NAME = "bagel-prefetch"
 _POLL_S = 0.5
 _JOIN_S = 10.0
 
@@ -99,12 +103,13 @@ def _die_with_parent() -> None:
         pass
 
 
-def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_start: Callable[[], None] | None,
-             out: Any, stop: Any, release: Any, parent_pid: int) -> None:
-    """Producer loop (runs in the forked process): batch, then the state after it, until stopped.
+def _produce(upstream: Any, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
+             parent_pid: int) -> None:
+    """Producer loop (runs in the forked process): batch, then the upstream's state and stats after it.
 
-    Tensors travel as shared-memory handles that the trainer can only open while this process lives, so
-    after stopping (or failing) it waits for ``release`` — set once the trainer has drained the queue.
+    ``restore`` (a tagged upstream state) is applied first, here, so the trainer process never opens the
+    datasets. Tensors travel as shared-memory handles that the trainer can only open while this process
+    lives, so after stopping (or failing) it waits for ``release`` — set once the trainer drained the queue.
     """
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
@@ -118,10 +123,11 @@ def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_
     use_shared_memory(True)
     out.cancel_join_thread()  # never block at exit on data the trainer will not read
     try:
-        if on_start is not None:
-            on_start()
+        if restore is not None:
+            load_tagged(upstream, restore, "PrefetchStage.upstream")
         while not stop.is_set():
-            item = ("batch", _to_wire(next(batches)), _to_wire(snapshot()))
+            batch = next(upstream)
+            item = ("batch", _to_wire(batch), _to_wire(tagged_state(upstream)), _stats_of(upstream))
             while not stop.is_set():
                 if os.getppid() != parent_pid:
                     return
@@ -133,12 +139,17 @@ def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_
     except BaseException as exc:  # forwarded to the trainer's next()
         tb = traceback.format_exc()
         try:
-            out.put(("error", exc, tb))
+            out.put(("error", exc, tb, None))
         except Exception:  # the exception itself does not pickle
-            out.put(("error", PrefetchError(f"{type(exc).__name__}: {exc}"), tb))
+            out.put(("error", PrefetchError(f"{type(exc).__name__}: {exc}"), tb, None))
     while not release.wait(_POLL_S):
         if os.getppid() != parent_pid:
             return
+
+
+def _stats_of(stage: Any) -> dict[str, Any]:
+    stats = getattr(stage, "stats", None)
+    return stats() if callable(stats) else {}
 
 
 def _shutdown(proc: Any, stop: Any, release: Any, out: Any) -> None:
@@ -161,24 +172,27 @@ def _shutdown(proc: Any, stop: Any, release: Any, out: Any) -> None:
             proc.join()
 
 
-class PrefetchedPipeline:
-    """Iterator over packed batches produced ``depth`` ahead in a forked process.
+class PrefetchStage(Savable):
+    """Iterator over packed batches that ``upstream`` produces ``depth`` ahead in a forked process.
 
-    ``batches`` is the RNG-isolated packer (``BagelRNGIterator``) and ``snapshot()`` returns the pipeline
-    state (``{"packer": …, "loaders": […]}``) of the objects as they are *in the calling process*; both are
-    used inside the producer after the fork. ``initial_state`` is the state before the first batch and
-    ``on_start`` (e.g. applying a restored state) runs in the producer before it produces anything.
+    State: ``upstream`` — the upstream's state that yields the next batch the trainer receives (the snapshot
+    that travelled with the last batch handed out). Restore only before the first ``next()``; the restored
+    state is applied inside the producer. The stage is transparent: saved states are the upstream's own, so
+    ``data.prefetch`` may change between a save and a restore. ``stats()`` are the upstream's counters as of the last batch handed
+    out, so they are identical to running without prefetch over the same batches.
     """
 
-    def __init__(self, batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], *, depth: int,
-                 initial_state: dict[str, Any], on_start: Callable[[], None] | None = None) -> None:
-        if depth < 1:
-            raise ValueError(f"PrefetchedPipeline: depth must be >= 1, got {depth}")
-        self._batches = batches
-        self._snapshot = snapshot
-        self._on_start = on_start
+    _savable_fields = ("upstream",)
+    _transparent = True  # does not change the stream: a state saved with prefetch restores without, and back
+
+    def __init__(self, upstream: Iterator[Any], *, depth: int) -> None:
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
+            raise ValueError(f"PrefetchStage: depth must be an int >= 1, got {depth!r}")
+        self.upstream = upstream
         self.depth = depth
-        self.state = initial_state  # state that produces the next batch the trainer will receive
+        self._snapshot: dict[str, Any] | None = None  # tagged upstream state for the trainer's next batch
+        self._restore: dict[str, Any] | None = None
+        self._stats: dict[str, Any] | None = None
         self._ctx = mp.get_context("fork")
         self._proc: Any = None
         self._out: Any = None
@@ -187,30 +201,64 @@ class PrefetchedPipeline:
         self._failed: BaseException | None = None
         self._finalizer: Any = None
 
+    # -- state: the snapshot, not the (idle) upstream object of this process ----------------------------
+    def _save_field(self, name: str, value: Any) -> Any:
+        if self._snapshot is None:  # nothing produced yet: the upstream here is still at its initial state
+            self._snapshot = tagged_state(self.upstream)
+        return copy.deepcopy(self._snapshot)
+
+    def _load_field(self, name: str, value: Any, saved: Any) -> None:
+        if self._proc is not None:
+            raise StateError("PrefetchStage: the producer is already running; restore into a freshly built "
+                             "loader before the first next()")
+        if not isinstance(saved, dict) or saved.get("stage") != type(self.upstream).__name__:
+            got = saved.get("stage") if isinstance(saved, dict) else type(saved).__name__
+            raise StateError(f"PrefetchStage.upstream: the saved state belongs to a {got}, but this pipeline has a "
+                             f"{type(self.upstream).__name__} here")
+        self._restore = self._snapshot = copy.deepcopy(saved)
+        self._stats = None
+
+    @property
+    def seq_length(self) -> int | None:
+        """The upstream's packed sequence length, or None."""
+        return getattr(self.upstream, "seq_length", None)
+
+    def stats(self) -> dict[str, Any]:
+        """The upstream's counters as of the last batch handed to the trainer.
+
+        Before the first batch: the upstream's initial counters (after a restore, those of the restored state
+        are known only once the first batch arrives; until then this is ``{}``).
+        """
+        if self._stats is not None:
+            return copy.deepcopy(self._stats)
+        return {} if self._restore is not None else _stats_of(self.upstream)
+
+    # -- the producer ------------------------------------------------------------------------------------
     def _start(self) -> None:
+        if self._snapshot is None:
+            self._snapshot = tagged_state(self.upstream)
         self._out = torch_mp.get_context("fork").Queue(maxsize=self.depth)
         self._proc = self._ctx.Process(
-            target=_produce,
-            args=(self._batches, self._snapshot, self._on_start, self._out, self._stop, self._release, os.getpid()),
-            name="bagel-prefetch", daemon=False)  # not a daemon: Energon workers are its children
+            target=_produce, args=(self.upstream, self._restore, self._out, self._stop, self._release, os.getpid()),
+            name=PRODUCER_NAME, daemon=False)  # not a daemon: Energon workers are its children
         self._proc.start()
         self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out)
         atexit.register(self._finalizer)
         logger.info("prefetch producer started (pid %d, depth %d)", self._proc.pid, self.depth)
 
-    def __iter__(self) -> "PrefetchedPipeline":
+    def __iter__(self) -> "PrefetchStage":
         return self
 
     def __next__(self) -> Any:
         if self._failed is not None:
             raise RuntimeError("the prefetch producer failed earlier; rebuild the loader") from self._failed
         if self._stop.is_set():
-            raise RuntimeError("PrefetchedPipeline: next() after close()")
+            raise RuntimeError("PrefetchStage: next() after close()")
         if self._proc is None:
             self._start()
         while True:
             try:
-                kind, payload, extra = self._out.get(timeout=_POLL_S)
+                kind, payload, extra, stats = self._out.get(timeout=_POLL_S)
                 break
             except queue.Empty:
                 if not self._proc.is_alive():
@@ -222,7 +270,8 @@ class PrefetchedPipeline:
             self._failed = payload
             self.close()
             raise payload from RemoteTraceback(extra)
-        self.state = _from_wire(extra)
+        self._snapshot = _from_wire(extra)
+        self._stats = stats
         return _from_wire(payload)
 
     @property
@@ -230,13 +279,16 @@ class PrefetchedPipeline:
         return self._proc is not None and self._proc.is_alive()
 
     def close(self) -> None:
-        """Stop the producer and reap it (idempotent)."""
+        """Stop the producer and reap it, then close the upstream in this process (idempotent)."""
         self._stop.set()
         if self._finalizer is not None:
             self._finalizer()
             atexit.unregister(self._finalizer)
+        close = getattr(self.upstream, "close", None)
+        if callable(close):
+            close()
 
-    @staticmethod
-    def live_children(names: Sequence[str] = ("bagel-prefetch",)) -> list[Any]:
-        """Live child processes started by this module (for leak checks)."""
-        return [p for p in mp.active_children() if p.name in names]
+
+def live_producers() -> list[Any]:
+    """Live prefetch producer processes started by this process (for leak checks)."""
+    return [p for p in mp.active_children() if p.name == PRODUCER_NAME]

@@ -8,6 +8,7 @@ use never disturb each other and a resumed run continues the exact stream.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -74,36 +75,16 @@ def initial_worker_rng_states(rank_seed: int) -> tuple[tuple, tuple, torch.Tenso
     return py_state, np_state, torch_gen.get_state()
 
 
-class _ProcessRNG:
-    """Context manager: install given RNG states into the process globals, capture the advanced ones, put back."""
-
-    def __init__(self, owner: "BagelRNGIterator", capture: bool = True) -> None:
-        self.owner = owner
-        self.capture = capture
-
-    def __enter__(self) -> None:
-        self.saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-        try:
-            random.setstate(self.owner._python)
-            np.random.set_state(self.owner._numpy)
-            torch.set_rng_state(self.owner._torch)
-        except BaseException:
-            self._restore()
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            if self.capture:
-                self.owner._python = random.getstate()
-                self.owner._numpy = np.random.get_state()
-                self.owner._torch = torch.get_rng_state()
-        finally:
-            self._restore()
-
-    def _restore(self) -> None:
-        random.setstate(self.saved[0])
-        np.random.set_state(self.saved[1])
-        torch.set_rng_state(self.saved[2])
+@contextlib.contextmanager
+def _process_rng_kept() -> Iterator[None]:
+    """Whatever runs inside leaves the process-global Python / NumPy / torch-CPU RNG as it found it."""
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
 
 
 class BagelRNGIterator(Savable):
@@ -111,10 +92,11 @@ class BagelRNGIterator(Savable):
 
     The official loader draws packer randomness in a DataLoader worker; here the same initial streams are
     derived from ``rank_seed`` and swapped into the process globals only while the packer runs, so model
-    code and data code never disturb each other and a resume continues the exact stream.
+    code and data code never disturb each other and a resume continues the exact stream. State: the three
+    streams (plain, restricted-unpickler-safe forms) and the wrapped iterator's own state (``inner``).
     """
 
-    _savable_fields = ("python_rng", "numpy_rng", "torch_rng")
+    _savable_fields = ("python_rng", "numpy_rng", "torch_rng", "inner")
 
     def __init__(self, iterator: Iterator[Any], rank_seed: int) -> None:
         self.inner = iterator
@@ -124,64 +106,60 @@ class BagelRNGIterator(Savable):
     def reset_state(self) -> None:
         self._python, self._numpy, self._torch = initial_worker_rng_states(self.rank_seed)
 
-    # Declared fields map onto the live states; the plain forms are what gets saved.
+    def identity(self) -> dict[str, Any]:
+        return {"rank_seed": self.rank_seed}
+
+    # Declared fields: the plain forms are what gets saved; the setters rebuild (and check) the live states.
     @property
     def python_rng(self) -> list:
         return _python_to_plain(self._python)
 
     @python_rng.setter
-    def python_rng(self, value: tuple) -> None:
-        self._python = value
+    def python_rng(self, value: Any) -> None:
+        self._python = _python_from_plain(value)
 
     @property
     def numpy_rng(self) -> dict[str, Any]:
         return _numpy_to_plain(self._numpy)
 
     @numpy_rng.setter
-    def numpy_rng(self, value: tuple) -> None:
-        self._numpy = value
+    def numpy_rng(self, value: Any) -> None:
+        self._numpy = _numpy_from_plain(value)
 
     @property
     def torch_rng(self) -> torch.Tensor:
         return self._torch.clone()
 
     @torch_rng.setter
-    def torch_rng(self, value: torch.Tensor) -> None:
-        self._torch = value
+    def torch_rng(self, value: Any) -> None:
+        self._torch = _torch_from_plain(value)
 
-    def _load_field(self, name: str, value: Any) -> Any:
-        convert = {"python_rng": _python_from_plain, "numpy_rng": _numpy_from_plain, "torch_rng": _torch_from_plain}
-        return convert[name](value)
+    def _state_context(self) -> contextlib.AbstractContextManager:
+        # Saving / restoring the inner stages must neither use nor disturb any RNG stream.
+        return _process_rng_kept()
 
     @property
     def seq_length(self) -> int | None:
         """The wrapped iterator's packed sequence length (``max_num_tokens``), or None."""
         return getattr(self.inner, "seq_length", None)
 
+    def stats(self) -> dict[str, Any]:
+        """The wrapped iterator's counters (``{}`` when it has none)."""
+        stats = getattr(self.inner, "stats", None)
+        return stats() if callable(stats) else {}
+
     def __iter__(self) -> "BagelRNGIterator":
         return self
 
     def __next__(self) -> Any:
-        with _ProcessRNG(self):
-            return next(self.inner)
-
-    def state_dict(self) -> dict[str, Any]:
-        """``inner`` (the wrapped iterator's state, taken with the private RNG installed) + the three RNG states.
-
-        Side-effect free: whatever the inner ``state_dict()`` does to the RNG is discarded.
-        """
-        with _ProcessRNG(self, capture=False):
-            inner = self.inner.state_dict()
-        return {"inner": inner, **super().state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the wrapped iterator and the private RNG streams; the process RNG is left unchanged."""
-        if not isinstance(state, dict) or "inner" not in state:
-            raise StateError(f"BagelRNGIterator: state must be a dict with key 'inner', got {type(state).__name__}"
-                             + (f" with keys {sorted(state)}" if isinstance(state, dict) else ""))
-        super().load_state_dict({k: v for k, v in state.items() if k != "inner"})
-        with _ProcessRNG(self):
-            self.inner.load_state_dict(state["inner"])
+        with _process_rng_kept():
+            random.setstate(self._python)
+            np.random.set_state(self._numpy)
+            torch.set_rng_state(self._torch)
+            try:
+                return next(self.inner)
+            finally:
+                self._python, self._numpy, self._torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
 
     def close(self) -> None:
         close = getattr(self.inner, "close", None)

@@ -1,22 +1,34 @@
-"""Declared, restricted-type state for the stateful pipeline stages.
+"""Declared, restricted-type state for the stateful pipeline stages (Energon's savable-wrapper rule).
 
-Every stateful stage lists the attributes that make up its state once, in ``_savable_fields``, and
-resets them in ``reset_state()``; ``state_dict()`` / ``load_state_dict()`` then follow from that
-declaration, so save and restore cannot drift apart (the pattern of Energon's savable wrappers).
-State must survive Megatron-Bridge's restricted unpickler, so ``check_restricted`` can verify that a
-state holds only builtins, tensors and NumPy scalars/arrays.
+Every stateful stage lists the attributes that make up its *whole* state once, in ``_savable_fields``, in
+restore order. ``state_dict()`` / ``load_state_dict()`` follow from that declaration, so save and restore
+cannot drift apart:
+
+* a field whose value is itself stateful (a ``Savable``, or any object with ``state_dict`` /
+  ``load_state_dict``) — or a list of such objects — is saved through its own state, as
+  ``{"stage": <class name>, "state": {...}}``; the class tag is checked on load, and the live object is
+  restored in place (a stage owns its upstream and restores it; nothing else reaches into it);
+* any other field is deep-copied out and back in. A field whose live form is not storable (a buffer of
+  samples, an RNG state tuple) is declared as a property whose getter returns the storable form and whose
+  setter rebuilds the live form (property fields are always treated as plain values).
+
+State must survive Megatron-Bridge's restricted unpickler, so ``check_restricted`` verifies that a state
+holds only builtins, tensors, NumPy values (and explicitly allowed classes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-__all__ = ["Savable", "StateError", "check_restricted"]
+__all__ = ["Savable", "StateError", "chain_fingerprint", "check_restricted", "is_stateful", "load_tagged",
+           "tagged_state", "walk_stages"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, range)
 
@@ -51,31 +63,140 @@ def check_restricted(obj: Any, path: str = "state", *, allow: tuple[type, ...] =
     )
 
 
-class Savable:
-    """Mixin: state = the attributes named in ``_savable_fields``.
+def is_stateful(obj: Any) -> bool:
+    """True for objects that save and restore themselves (``state_dict`` + ``load_state_dict``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
-    Subclasses implement ``reset_state()`` (sets every declared field to its initial value) and may
-    override ``_save_field`` / ``_load_field`` for fields whose live value is not itself storable
-    (e.g. a buffer of samples that is stored as restore keys).
+
+def _nested(obj: Any, name: str) -> Any:
+    """The value of a declared field if it may hold nested stages; None for property fields (always plain)."""
+    if isinstance(getattr(type(obj), name, None), property):
+        return None
+    return getattr(obj, name, None)
+
+
+def _is_stage_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(is_stateful(v) for v in value)
+
+
+def _transparent(stage: Any) -> bool:
+    return bool(getattr(stage, "_transparent", False))
+
+
+def tagged_state(stage: Any) -> dict[str, Any]:
+    """``{"stage": class name, "state": stage.state_dict()}``: a nested stage's saved form.
+
+    A transparent stage (one that does not change the stream, like prefetch) saves as its upstream does, so
+    it may be added or removed between a save and a restore.
+    """
+    if _transparent(stage):
+        return stage.state_dict()["upstream"]
+    return {"stage": type(stage).__name__, "state": stage.state_dict()}
+
+
+def load_tagged(stage: Any, saved: Any, where: str) -> None:
+    """Restore ``stage`` in place from ``tagged_state`` output; the class tag must match."""
+    if _transparent(stage):
+        stage.load_state_dict({"upstream": saved})
+        return
+    if not isinstance(saved, dict) or set(saved) != {"stage", "state"}:
+        got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise StateError(f"{where}: expected a nested stage state {{'stage', 'state'}}, got {got}")
+    if saved["stage"] != type(stage).__name__:
+        raise StateError(f"{where}: the saved state belongs to a {saved['stage']}, but this pipeline has a "
+                         f"{type(stage).__name__} here (the pipeline was built differently)")
+    stage.load_state_dict(saved["state"])
+
+
+def walk_stages(stage: Any) -> Iterator[Any]:
+    """``stage`` and every stateful stage nested in its declared fields, depth first."""
+    yield stage
+    for name in getattr(stage, "_savable_fields", ()):
+        value = _nested(stage, name)
+        if is_stateful(value):
+            yield from walk_stages(value)
+        elif _is_stage_list(value):
+            for v in value:
+                yield from walk_stages(v)
+
+
+def chain_fingerprint(stage: Any) -> dict[str, Any]:
+    """What must match to resume ``stage`` and everything nested in it: each stage's ``identity()``.
+
+    ``{"stage": class name, **stage.identity(), <field>: nested fingerprint, …}`` (JSON-like, no paths).
+    """
+    if _transparent(stage):
+        return chain_fingerprint(stage.upstream)
+    identity = getattr(stage, "identity", None)
+    out: dict[str, Any] = {"stage": type(stage).__name__, **(identity() if callable(identity) else {})}
+    for name in getattr(stage, "_savable_fields", ()):
+        value = _nested(stage, name)
+        if is_stateful(value):
+            out[name] = chain_fingerprint(value)
+        elif _is_stage_list(value):
+            out[name] = [chain_fingerprint(v) for v in value]
+    return out
+
+
+class Savable:
+    """Mixin: state = the attributes named in ``_savable_fields`` (nested stages through their own state).
+
+    A stage that does not change the stream and wraps exactly one ``upstream`` may set ``_transparent = True``:
+    its saved form and fingerprint are then its upstream's (see ``tagged_state``).
+
+    Subclasses may implement ``reset_state()`` (every plain field back to its initial value),
+    ``identity()`` (the configuration that must match for a saved state to apply; see ``chain_fingerprint``)
+    and ``_state_context()`` (a context entered around saving/restoring, e.g. to protect process RNG).
     """
 
     _savable_fields: ClassVar[tuple[str, ...]] = ()
+    _transparent: ClassVar[bool] = False
 
-    def reset_state(self) -> None:  # pragma: no cover - abstract
+    def reset_state(self) -> None:  # pragma: no cover - optional
         raise NotImplementedError
 
+    def identity(self) -> dict[str, Any]:
+        """Configuration of this stage alone that a saved state must match (default: none)."""
+        return {}
+
+    def _state_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    # Per-field hooks, used only where a stage hands its nested state over differently (the prefetch stage,
+    # whose upstream lives in another process).
     def _save_field(self, name: str, value: Any) -> Any:
+        if is_stateful(value):
+            return tagged_state(value)
+        if _is_stage_list(value):
+            return [tagged_state(v) for v in value]
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for i, item in enumerate(items):
+            if hasattr(item, "__next__"):  # an upstream stage that cannot save itself: the state would be incomplete
+                raise StateError(f"{type(self).__name__}.{name}: {type(item).__name__} (entry {i}) has no "
+                                 "state_dict() / load_state_dict(), so this stage's state cannot be saved")
         return copy.deepcopy(value)
 
-    def _load_field(self, name: str, value: Any) -> Any:
-        return copy.deepcopy(value)
+    def _load_field(self, name: str, value: Any, saved: Any) -> None:
+        where = f"{type(self).__name__}.{name}"
+        if is_stateful(value):
+            load_tagged(value, saved, where)
+        elif _is_stage_list(value):
+            if not isinstance(saved, list) or len(saved) != len(value):
+                n = len(saved) if isinstance(saved, list) else type(saved).__name__
+                raise StateError(f"{where}: the state has {n} entries, this pipeline {len(value)} "
+                                 "(group or source count differs)")
+            for i, (stage, s) in enumerate(zip(value, saved)):
+                load_tagged(stage, s, f"{where}[{i}]")
+        else:
+            setattr(self, name, copy.deepcopy(saved))
 
     def state_dict(self) -> dict[str, Any]:
-        """The declared fields, as restricted-type values (deep copies: later steps never mutate them)."""
-        return {name: self._save_field(name, getattr(self, name)) for name in self._savable_fields}
+        """The declared fields, as restricted-type values (copies: later steps never mutate them)."""
+        with self._state_context():
+            return {name: self._save_field(name, getattr(self, name)) for name in self._savable_fields}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore every declared field; a missing or unknown field is a ``StateError`` naming it."""
+        """Restore every declared field in declaration order; a missing or unknown field is a ``StateError``."""
         if not isinstance(state, dict):
             raise StateError(f"{type(self).__name__}: state must be a dict, got {type(state).__name__}")
         missing = [f for f in self._savable_fields if f not in state]
@@ -84,6 +205,6 @@ class Savable:
             raise StateError(
                 f"{type(self).__name__}: state fields do not match (missing {missing}, unexpected {extra})"
             )
-        values = {name: self._load_field(name, state[name]) for name in self._savable_fields}
-        for name, value in values.items():
-            setattr(self, name, value)
+        with self._state_context():
+            for name in self._savable_fields:
+                self._load_field(name, _nested(self, name), state[name])

@@ -86,12 +86,14 @@ def _energon_tar_readers(obj: Any, seen: set[int], depth: int = 0) -> Iterator[A
 class BagelGroupReader(Savable):
     """Endless iterator over the cooked, non-dropped samples of one BAGEL group on one DP rank.
 
-    ``save_state_rank()`` / ``restore_state_rank(state)`` save and restore the Energon loader plus the
-    drop counts (restore only on a fresh reader, before iterating); ``restore_sample(key)`` rebuilds a
-    sample from ``sample.restore_key`` bit-exactly by replaying its recorded choices (no RNG is drawn).
+    State (``state_dict()`` / ``load_state_dict()``): the Energon loader position (``energon``) and the drop
+    counts (``drops``); restore only into a fresh reader, before iterating. ``restore_sample(key)`` rebuilds
+    a sample from ``sample.restore_key`` bit-exactly by replaying its recorded choices (no RNG is drawn).
+    ``identity()`` (group, datasets, sample counts, transforms, Energon loader config) is what a saved
+    state must match; the loader checks it through its fingerprint.
     """
 
-    _savable_fields = ("energon", "drops", "fingerprint")
+    _savable_fields = ("energon", "drops")
 
     def __init__(self, paths: str | Sequence[str], *, tokenizer: Any, image_transform_args: Mapping[str, Any],
                  vit_image_transform_args: Mapping[str, Any] | None = None, dp_rank: int = 0, dp_size: int = 1,
@@ -120,7 +122,7 @@ class BagelGroupReader(Savable):
         self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger)
         self._it: Iterator[BagelSample] | None = None
         self._closed = False
-        self._fingerprint = self._compute_fingerprint()
+        self._identity = self._compute_identity()
 
     # -- construction helpers -------------------------------------------------------------------
     def _check_sizes(self, group: str | None, min_samples: int) -> str:
@@ -153,7 +155,7 @@ class BagelGroupReader(Savable):
             f.write("\n".join(lines) + "\n")
         return path
 
-    def _compute_fingerprint(self) -> dict:
+    def _compute_identity(self) -> dict:
         return {
             "group": self.group_name,
             "energon_version": energon.__version__,
@@ -162,10 +164,6 @@ class BagelGroupReader(Savable):
             "datasets": [{"name": os.path.basename(p), "num_samples": n} for p, n in zip(self.paths, self._counts)],
             "loader": strip_paths(self.loader.config()),
         }
-
-    def fingerprint(self) -> dict:
-        """Everything that must match for a saved state to resume this reader (JSON-able, no absolute paths)."""
-        return self._fingerprint
 
     # -- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> BagelGroupReader:
@@ -189,32 +187,25 @@ class BagelGroupReader(Savable):
         """Drop counts back to zero (the Energon position is reset by building a fresh reader)."""
         self.drops.reset_state()
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.save_state_rank()
+    def identity(self) -> dict[str, Any]:
+        """Everything that must match for a saved state to resume this reader (JSON-able, no absolute paths)."""
+        return self._identity
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.restore_state_rank(state)
+    @property
+    def energon(self) -> Any:
+        """The Energon savable loader's rank state (its own state classes, allowed by Bridge's unpickler)."""
+        return self.loader.save_state_rank()
 
-    def save_state_rank(self) -> dict[str, Any]:
-        """``{"energon": loader state, "drops": counts, "fingerprint": ...}`` of the samples handed out so far."""
-        return {"energon": self.loader.save_state_rank(), "drops": self.drops.state_dict(),
-                "fingerprint": self.fingerprint()}
-
-    def restore_state_rank(self, state: dict[str, Any]) -> None:
-        """Resume from :meth:`save_state_rank` output; only on a fresh reader (before the first ``next``)."""
+    @energon.setter
+    def energon(self, state: Any) -> None:
         if self._it is not None:
-            raise RuntimeError(f"reader {self.group_name}: restore_state_rank must be called before iterating "
-                               "(build a fresh reader to restore)")
-        if not isinstance(state, dict) or set(state) != set(self._savable_fields):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise StateError(f"reader {self.group_name}: state must have fields {list(self._savable_fields)}, got {got}")
-        if state["fingerprint"] != self.fingerprint():
-            diff = sorted(k for k in set(state["fingerprint"]) | set(self.fingerprint())
-                          if state["fingerprint"].get(k) != self.fingerprint().get(k))
-            raise StateError(f"reader {self.group_name}: saved state is from a different configuration "
-                             f"(differs in {diff}); refusing to resume")
-        self.loader.restore_state_rank(state["energon"])
-        self.drops.load_state_dict(state["drops"])
+            raise StateError(f"reader {self.group_name}: a state can only be restored before iterating "
+                             "(build a fresh reader to restore)")
+        self.loader.restore_state_rank(state)
+
+    def stats(self) -> dict[str, Any]:
+        """``{"drops": {reason: count}}`` of this reader's samples so far."""
+        return {"drops": dict(self.drops.counts)}
 
     def restore_sample(self, restore_key: tuple) -> BagelSample:
         """Rebuild a sample from ``sample.restore_key`` (energon key + recorded choices), drawing no RNG."""

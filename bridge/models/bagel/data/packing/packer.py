@@ -5,21 +5,23 @@ Randomness comes from the process-global ``random`` (group choice, CFG dropout) 
 kept (flush drop, ``<`` vs ``>`` length checks, uncapped mandatory samples) but nothing is silent: every
 dropped sample is counted by reason in ``packer.drops``.
 
-State (taken between batches) is small: the overflow buffer as (group, restore key) pairs, the drop
-counts, the batch count and per-group consumption. Buffered samples are rebuilt on load through their
-group source's ``restore_sample(key)``.
+State (taken between batches) is small: the group sources' own states, the overflow buffer as
+(group, restore key) pairs, the drop counts, the batch count and per-group consumption. Buffered samples
+are rebuilt on load through their group source's ``restore_sample(key)``.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..config import PackerConfig
 from ..state import Savable, StateError
-from ..stats import DropCounter
+from ..stats import DropCounter, merge_counts
 from .sequence import PackLayout, SequenceBuilder, sample_field
 
 __all__ = ["BagelPacker", "SPECIAL_TOKEN_KEYS", "restore_key_of"]
@@ -42,34 +44,26 @@ def _estimate(sample: Any) -> int:
 
 
 class BagelPacker(Savable):
-    """Packs samples from weighted groups into official BAGEL batches (``next(packer)``)."""
+    """Packs samples from weighted groups into official BAGEL batches (``next(packer)``).
 
-    _savable_fields = ("buffer", "drops", "num_batches", "consumed")
+    ``sources`` are the per-group sample streams (one per group, in group order); the packer owns them and
+    saves/restores them as part of its own state. ``config`` holds every packing knob (``PackerConfig``,
+    official defaults); ``special_tokens`` the four ids of ``SPECIAL_TOKEN_KEYS``.
+    """
+
+    _savable_fields = ("sources", "buffer_keys", "drops", "num_batches", "consumed")
 
     def __init__(
         self,
-        group_iters: Sequence[Iterator[Any]],
+        sources: Sequence[Iterator[Any]],
         group_weights: Sequence[float],
         is_mandatory: Sequence[bool],
         special_tokens: Mapping[str, int],
+        config: PackerConfig | None = None,
         *,
-        expected_num_tokens: int = 32768,
-        max_num_tokens_per_sample: int = 16384,
-        max_num_tokens: int = 36864,
-        prefer_buffer_before: int = 16384,
-        max_buffer_size: int = 50,
-        interpolate_pos: bool = False,
-        use_flex: bool = False,
-        text_cond_dropout_prob: float = 0.1,
-        vit_cond_dropout_prob: float = 0.4,
-        vae_cond_dropout_prob: float = 0.1,
-        vae_image_downsample: int = 16,
-        max_latent_size: int = 32,
-        vit_patch_size: int = 14,
-        max_num_patch_per_side: int = 70,
         group_names: Sequence[str] | None = None,
     ) -> None:
-        n = len(group_iters)
+        n = len(sources)
         if n == 0:
             raise ValueError("BagelPacker needs at least one group")
         if len(group_weights) != n or len(is_mandatory) != n:
@@ -82,7 +76,9 @@ class BagelPacker(Savable):
         missing = [k for k in SPECIAL_TOKEN_KEYS if k not in special_tokens]
         if missing:
             raise ValueError(f"BagelPacker: special_tokens lacks {missing}")
-        self.group_iters = list(group_iters)
+        self.config = config if config is not None else PackerConfig()
+        self.config.validate()
+        self.sources = list(sources)
         self.group_names = list(group_names) if group_names is not None else [f"group{i}" for i in range(n)]
         self.group_weights = [float(w) for w in group_weights]
         self.is_mandatory = [bool(m) for m in is_mandatory]
@@ -91,51 +87,29 @@ class BagelPacker(Savable):
         for w in self.group_weights:
             acc += w
             self._cum.append(acc / total)
-        self.expected_num_tokens = expected_num_tokens
-        self.max_num_tokens_per_sample = max_num_tokens_per_sample
-        self.max_num_tokens = max_num_tokens
-        self.prefer_buffer_before = prefer_buffer_before
-        self.max_buffer_size = max_buffer_size
-        self.layout = PackLayout(
-            bos_token_id=int(special_tokens["bos_token_id"]),
-            eos_token_id=int(special_tokens["eos_token_id"]),
-            start_of_image=int(special_tokens["start_of_image"]),
-            end_of_image=int(special_tokens["end_of_image"]),
-            max_num_tokens=max_num_tokens,
-            use_flex=use_flex,
-            interpolate_pos=interpolate_pos,
-            text_cond_dropout_prob=text_cond_dropout_prob,
-            vit_cond_dropout_prob=vit_cond_dropout_prob,
-            vae_cond_dropout_prob=vae_cond_dropout_prob,
-            vae_image_downsample=vae_image_downsample,
-            max_latent_size=max_latent_size,
-            vit_patch_size=vit_patch_size,
-            max_num_patch_per_side=max_num_patch_per_side,
-        )
-        self.drop_counter = DropCounter("BagelPacker", logger)
+        self.layout = PackLayout(self.config, **{k: int(special_tokens[k]) for k in SPECIAL_TOKEN_KEYS})
+        self.drops = DropCounter("BagelPacker", logger)
         self.reset_state()
 
     # -- declared state -----------------------------------------------------------------------------
     def reset_state(self) -> None:
         self.buffer: list[tuple[int, Any]] = []  # (group index, sample), oldest first
         self.num_batches = 0
-        self.consumed = [0] * len(self.group_iters)
-        self.drop_counter.reset_state()
+        self.consumed = [0] * len(self.sources)
+        self.drops.reset_state()
+
+    def identity(self) -> dict[str, Any]:
+        """Packing knobs, groups, weights and special tokens: a saved state applies only to the same packer."""
+        return {"config": dataclasses.asdict(self.config), "group_names": list(self.group_names),
+                "group_weights": list(self.group_weights), "is_mandatory": list(self.is_mandatory),
+                "special_tokens": [self.layout.bos_token_id, self.layout.eos_token_id, self.layout.start_of_image,
+                                   self.layout.end_of_image]}
 
     @property
-    def drops(self) -> dict[str, int]:
-        """Dropped samples by reason (``overlength_mandatory``, ``overlength``, ``flush_drop`` …)."""
-        return self.drop_counter.counts
-
-    @drops.setter
-    def drops(self, counts: dict[str, int]) -> None:
-        self.drop_counter.counts = dict(counts)
-
-    def _save_field(self, name: str, value: Any) -> Any:
-        if name != "buffer":
-            return super()._save_field(name, value)
+    def buffer_keys(self) -> list[list[Any]]:
+        """The overflow buffer as ``[group index, restore key]`` pairs (samples are rebuilt, never stored)."""
         entries = []
-        for group, sample in value:
+        for group, sample in self.buffer:
             key = restore_key_of(sample)
             if key is None:
                 raise StateError(
@@ -143,41 +117,69 @@ class BagelPacker(Savable):
                     f"({sample_field(sample, 'data_indexes')}) has no restore_key, so the buffer cannot be saved"
                 )
             entries.append([group, key])
-        return super()._save_field(name, entries)
+        return entries
 
-    def _load_field(self, name: str, value: Any) -> Any:
-        if name != "buffer":
-            return super()._load_field(name, value)
+    @buffer_keys.setter
+    def buffer_keys(self, entries: list[list[Any]]) -> None:
         buffer = []
-        for group, key in value:
-            if not 0 <= group < len(self.group_iters):
+        for group, key in entries:
+            if not 0 <= group < len(self.sources):
                 raise StateError(f"BagelPacker.load_state_dict: buffer entry for unknown group index {group}")
-            source = self.group_iters[group]
-            restore = getattr(source, "restore_sample", None)
+            restore = getattr(self.sources[group], "restore_sample", None)
             if restore is None:
                 raise StateError(
                     f"BagelPacker.load_state_dict: group {self.group_names[group]!r} has no restore_sample(key), "
                     "so its buffered samples cannot be rebuilt"
                 )
             buffer.append((group, restore(key)))
-        return buffer
+        self.buffer = buffer
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if isinstance(state, dict) and len(state.get("consumed", ())) != len(self.group_iters):
-            raise StateError(
-                f"BagelPacker.load_state_dict: state has {len(state.get('consumed', ()))} groups, "
-                f"this packer {len(self.group_iters)}"
-            )
-        super().load_state_dict(state)
+    @property
+    def consumed(self) -> list[int]:
+        """Samples read so far from each group's source (group order)."""
+        return list(self._consumed)
+
+    @consumed.setter
+    def consumed(self, counts: list[int]) -> None:
+        if not isinstance(counts, (list, tuple)) or len(counts) != len(self.sources):
+            n = len(counts) if isinstance(counts, (list, tuple)) else type(counts).__name__
+            raise StateError(f"BagelPacker.load_state_dict: state has consumption counts for {n} groups, "
+                             f"this packer has {len(self.sources)} groups")
+        self._consumed = [int(c) for c in counts]
+
+    @property
+    def seq_length(self) -> int:
+        """Packed sequence length of every batch: ``config.max_num_tokens``."""
+        return self.config.max_num_tokens
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: batches, per-group consumption, buffer occupancy, drops by reason (packer + sources)."""
+        source_drops = [s.stats().get("drops", {}) for s in self.sources if callable(getattr(s, "stats", None))]
+        return {
+            "num_batches": self.num_batches,
+            "consumed": dict(zip(self.group_names, self._consumed)),
+            "buffer_len": len(self.buffer),
+            "drops": merge_counts([self.drops.counts, *source_drops]),
+            "packer_drops": dict(self.drops.counts),
+            "source_drops": {name: s.stats().get("drops", {}) for name, s in zip(self.group_names, self.sources)
+                             if callable(getattr(s, "stats", None))},
+        }
+
+    def close(self) -> None:
+        """Close every source that can be closed."""
+        for source in self.sources:
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()
 
     # -- the official loop --------------------------------------------------------------------------
     def _next_from(self, group: int) -> Any:
         try:
-            sample = next(self.group_iters[group])
+            sample = next(self.sources[group])
         except StopIteration:
             logger.warning("BagelPacker: group %r is exhausted; stopping", self.group_names[group])
             raise
-        self.consumed[group] += 1
+        self._consumed[group] += 1
         return sample
 
     def _choose_group(self) -> int:
@@ -191,16 +193,11 @@ class BagelPacker(Savable):
         self.num_batches += 1
         return batch
 
-    @property
-    def seq_length(self) -> int:
-        """Packed sequence length of every batch: ``max_num_tokens``."""
-        return self.max_num_tokens
-
     def __iter__(self) -> "BagelPacker":
         return self
 
     def __next__(self) -> dict[str, Any]:
-        limit = self.max_num_tokens_per_sample
+        limit = self.config.max_num_tokens_per_sample
         pack = SequenceBuilder(self.layout)
         data_indexes: list[Any] = []
         while True:
@@ -213,14 +210,14 @@ class BagelPacker(Savable):
                         est = _estimate(sample)
                         if est < limit:
                             break
-                        self.drop_counter.drop(
+                        self.drops.drop(
                             "overlength_mandatory",
                             f"group {self.group_names[group]!r} sample {sample_field(sample, 'data_indexes')} "
                             f"estimated {est} tokens >= max_num_tokens_per_sample {limit}",
                         )
                     pack.pack_sample(sample)
                     data_indexes.append(sample_field(sample, "data_indexes"))
-            if pack.curr < self.prefer_buffer_before and self.buffer:
+            if pack.curr < self.config.prefer_buffer_before and self.buffer:
                 group, sample = self.buffer.pop(0)
                 from_buffer = True
             else:
@@ -229,17 +226,17 @@ class BagelPacker(Savable):
                 from_buffer = False
             est = _estimate(sample)
             if est > limit:
-                self.drop_counter.drop(
+                self.drops.drop(
                     "overlength",
                     f"group {self.group_names[group]!r} sample {sample_field(sample, 'data_indexes')} "
                     f"estimated {est} tokens > max_num_tokens_per_sample {limit}",
                 )
                 continue
-            if pack.curr + est > self.max_num_tokens:
-                if len(self.buffer) < self.max_buffer_size and not from_buffer:
+            if pack.curr + est > self.config.max_num_tokens:
+                if len(self.buffer) < self.config.max_buffer_size and not from_buffer:
                     self.buffer.append((group, sample))
                     continue
-                self.drop_counter.drop(
+                self.drops.drop(
                     "flush_drop_buffered" if from_buffer else "flush_drop",
                     f"group {self.group_names[group]!r} sample {sample_field(sample, 'data_indexes')} "
                     f"({est} tokens) did not fit a pack of {pack.curr} tokens "
@@ -248,15 +245,5 @@ class BagelPacker(Savable):
                 return self._finish(pack, data_indexes)
             pack.pack_sample(sample)
             data_indexes.append(sample_field(sample, "data_indexes"))
-            if pack.curr >= self.expected_num_tokens:
+            if pack.curr >= self.config.expected_num_tokens:
                 return self._finish(pack, data_indexes)
-
-    def stats(self) -> dict[str, Any]:
-        """Counters for telemetry: batches, per-group consumption, buffer occupancy, drops by reason."""
-        per_group = {name: c for name, c in zip(self.group_names, self.consumed)}
-        return {
-            "num_batches": self.num_batches,
-            "consumed": per_group,
-            "buffer_len": len(self.buffer),
-            "drops": dict(self.drops),
-        }

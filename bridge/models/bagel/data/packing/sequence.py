@@ -19,6 +19,7 @@ from ..transforms import (
     get_flattened_position_ids_interpolate,
     len2weight,
 )
+from ..config import PackerConfig
 from . import memory
 from .masks import dense_attention_mask
 
@@ -34,22 +35,13 @@ def sample_field(sample: Any, name: str) -> Any:
 
 @dataclass(frozen=True)
 class PackLayout:
-    """The knobs ``pack_sequence`` / ``to_tensor`` read (DataConfig fields + special token ids)."""
+    """What ``pack_sequence`` / ``to_tensor`` read: the packer knobs (``PackerConfig``) + special token ids."""
 
+    config: PackerConfig
     bos_token_id: int
     eos_token_id: int
     start_of_image: int
     end_of_image: int
-    max_num_tokens: int
-    use_flex: bool
-    interpolate_pos: bool
-    text_cond_dropout_prob: float
-    vit_cond_dropout_prob: float
-    vae_cond_dropout_prob: float
-    vae_image_downsample: int
-    max_latent_size: int
-    vit_patch_size: int
-    max_num_patch_per_side: int
 
 
 def _runs(starts: list[int], lengths: list[int]) -> np.ndarray:
@@ -109,7 +101,7 @@ class SequenceBuilder:
         self.layout = layout
         self._len2weight = len2weight_fn
         self._pos_fn = (
-            get_flattened_position_ids_interpolate if layout.interpolate_pos else get_flattened_position_ids_extrapolate
+            get_flattened_position_ids_interpolate if layout.config.interpolate_pos else get_flattened_position_ids_extrapolate
         )
         self.curr = 0
         self.sample_lens: list[int] = []
@@ -190,7 +182,7 @@ class SequenceBuilder:
             if kind == "text":
                 ids = texts[text_i]
                 text_i += 1
-                if self._cfg_dropped(item, lay.text_cond_dropout_prob):
+                if self._cfg_dropped(item, lay.config.text_cond_dropout_prob):
                     continue
                 n = len(ids) + 1  # bos + ids
                 self.text_ids.append(lay.bos_token_id)
@@ -212,10 +204,10 @@ class SequenceBuilder:
             elif kind == "vit_image":
                 image = images[image_i]
                 image_i += 1
-                if self._cfg_dropped(item, lay.vit_cond_dropout_prob):
+                if self._cfg_dropped(item, lay.config.vit_cond_dropout_prob):
                     rope += 1
                     continue
-                p = lay.vit_patch_size
+                p = lay.config.vit_patch_size
                 if image.dim() != 3 or image.shape[1] % p or image.shape[2] % p:
                     raise ValueError(
                         f"vit_image of shape {tuple(image.shape)} is not a (C, H, W) tensor divisible by the "
@@ -226,7 +218,7 @@ class SequenceBuilder:
                 self.vit_images.append(image)
                 self.vit_seqlens.append(n)
                 self.vit_pos.append(
-                    self._pos_fn(image.size(1), image.size(2), lay.vit_patch_size, lay.max_num_patch_per_side)
+                    self._pos_fn(image.size(1), image.size(2), lay.config.vit_patch_size, lay.config.max_num_patch_per_side)
                 )
                 curr = self._image_tokens(curr, n, item)
                 split_len += n + 2
@@ -236,13 +228,13 @@ class SequenceBuilder:
             elif kind == "vae_image":
                 image = images[image_i]
                 image_i += 1
-                if self._cfg_dropped(item, lay.vae_cond_dropout_prob):
+                if self._cfg_dropped(item, lay.config.vae_cond_dropout_prob):
                     rope += 1
                     continue
                 self.vae_images.append(image)
                 H, W = image.shape[1], image.shape[2]
-                self.latent_pos.append(self._pos_fn(H, W, lay.vae_image_downsample, lay.max_latent_size))
-                h, w = H // lay.vae_image_downsample, W // lay.vae_image_downsample
+                self.latent_pos.append(self._pos_fn(H, W, lay.config.vae_image_downsample, lay.config.max_latent_size))
+                h, w = H // lay.config.vae_image_downsample, W // lay.config.vae_image_downsample
                 self.vae_shapes.append((h, w))
                 n = h * w
                 self._add_run(self.vae_idx_runs, curr + 1, n)
@@ -276,7 +268,7 @@ class SequenceBuilder:
                 sample_len += split_len
         self.curr = curr
         self.sample_lens.append(sample_len)
-        if lay.use_flex:
+        if lay.config.use_flex:
             self.split_lens.extend(split_lens)
             self.attn_modes.extend(attn_modes)
         else:
@@ -305,8 +297,8 @@ class SequenceBuilder:
             "packed_text_indexes": _tensor(_runs(*self.text_idx_runs), torch.int64),
             "packed_position_ids": _tensor(self._position_ids(), torch.int64),
         }
-        if lay.use_flex:
-            pad_len = lay.max_num_tokens - sequence_length
+        if lay.config.use_flex:
+            pad_len = lay.config.max_num_tokens - sequence_length
             data["split_lens"] = self.split_lens + [pad_len]
             data["attn_modes"] = self.attn_modes + ["causal"]
             data["sample_lens"] = self.sample_lens + [pad_len]
@@ -318,7 +310,7 @@ class SequenceBuilder:
             data["packed_latent_position_ids"] = torch.cat(self.latent_pos, dim=0)
             data["packed_vae_token_indexes"] = _tensor(_runs(*self.vae_idx_runs), torch.int64)
         if self.vit_images:
-            p = lay.vit_patch_size
+            p = lay.config.vit_patch_size
             tokens = memory.empty((sum(self.vit_seqlens), p * p * self.vit_images[0].shape[0]), torch.float32)
             start = 0
             for image, n in zip(self.vit_images, self.vit_seqlens):

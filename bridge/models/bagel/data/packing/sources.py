@@ -37,6 +37,9 @@ class ListGroupSource(Savable):
     def reset_state(self) -> None:
         self.position = 0
 
+    def identity(self) -> dict[str, Any]:
+        return {"name": self.name, "num_samples": len(self.samples), "cycle": self.cycle}
+
     def __iter__(self) -> "ListGroupSource":
         return self
 
