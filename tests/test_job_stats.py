@@ -1,0 +1,95 @@
+"""The job's summary and telemetry read the loader's ``stats()``: the same with prefetch on and off.
+
+The demo job with ``data.prefetch=2`` packs in a producer process; its summary and every telemetry line must
+still report the consumption and drops of the batches the trainer received — including a forced drop (a
+sample whose image is missing) — exactly as with ``data.prefetch=0``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from PIL import Image
+
+from _external_common import single_process_pg_collection
+from bridge.models.bagel.data.converter.convert import convert_t2i
+from bridge.models.bagel.data.job.config import load_job_config
+from bridge.models.bagel.data.job.runner import run_job
+
+pytestmark = [pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+STEPS = 4
+
+
+def _png(i: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (64 + 16 * (i % 3), 64), (40 * i % 256, 90, 140)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def job_files(demo_setup, tmp_path_factory):
+    """The demo groups, with a t2i dataset whose every other row has no image (dropped by the reader)."""
+    out, _ = demo_setup
+    root = tmp_path_factory.mktemp("job_stats")
+    raw = root / "raw" / "broken_t2i"
+    raw.mkdir(parents=True)
+    rows = [{"image": None if i % 2 else _png(i), "captions": json.dumps({"c": f"picture {i}"})} for i in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([("image", pa.binary()), ("captions", pa.string())])),
+                   raw / "part-0000.parquet")
+    broken = convert_t2i(str(raw), root / "converted", progress=False).path
+    groups = yaml.safe_load((out / "groups.yaml").read_text())
+    info = yaml.safe_load((out / "dataset_info.yaml").read_text())
+    groups["t2i_pretrain"]["dataset_names"] = ["broken_t2i"]
+    groups["t2i_pretrain"].pop("num_used_data", None)
+    info["t2i_pretrain"]["broken_t2i"] = {"data_dir": str(raw), "energon_path": str(broken)}
+    (root / "groups.yaml").write_text(yaml.safe_dump(groups))
+    (root / "dataset_info.yaml").write_text(yaml.safe_dump(info))
+    return root
+
+
+def _run(root, prefetch: int, caplog) -> tuple[dict, list[str]]:
+    from megatron.core import num_microbatches_calculator as nmc
+
+    cfg = load_job_config(None, [
+        f"data.groups={root / 'groups.yaml'}", f"data.dataset_info={root / 'dataset_info.yaml'}",
+        f"data.prefetch={prefetch}", "data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=5120",
+        "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
+        "data.packer.use_flex=true", "data.packer.max_latent_size=64", f"train.train_iters={STEPS}",
+        "train.global_batch_size=1", "train.log_interval=1", "train.progress=false"])
+    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="bridge.models.bagel.data.job.telemetry"):
+        try:
+            summary = run_job(cfg, single_process_pg_collection(), build_qwen2_tokenizer())
+        finally:
+            nmc.destroy_num_microbatches_calculator()
+    lines = [r.getMessage() for r in caplog.records if r.name.endswith("telemetry") and "drops" in r.getMessage()]
+    return summary, lines
+
+
+def test_summary_and_telemetry_equal_with_and_without_prefetch(job_files, caplog):
+    sync, sync_lines = _run(job_files, 0, caplog)
+    ahead, ahead_lines = _run(job_files, 2, caplog)
+    assert sync["pipeline"]["num_batches"] == STEPS and sync["pipeline"]["position"] == STEPS
+    assert sync["pipeline"] == ahead["pipeline"], (sync["pipeline"], ahead["pipeline"])
+    assert sum(sync["pipeline"]["consumed"].values()) > 0
+    # the forced drop shows up, with its reason, in the summary and in the telemetry of both runs
+    assert sync["pipeline"]["drops"].get("missing_image", 0) > 0, sync["pipeline"]
+    assert sync["pipeline"]["source_drops"]["t2i_pretrain"]["missing_image"] > 0
+    assert len(sync_lines) == len(ahead_lines) == STEPS
+
+    def drops_part(line: str) -> str:
+        return re.sub(r".*\| drops ", "", line)
+
+    assert [drops_part(x) for x in sync_lines] == [drops_part(x) for x in ahead_lines]
+    assert "missing_image" in drops_part(sync_lines[-1])
