@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
+from . import shm
 from .packing.memory import use_shared_memory
 
 __all__ = ["PrefetchError", "PrefetchedPipeline", "RemoteTraceback"]
@@ -116,6 +117,7 @@ def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_
     # to this busy, GIL-holding process's fd-sharing thread: next() drops from ~20 ms to ~3 ms.
     torch_mp.set_sharing_strategy("file_system")
     use_shared_memory(True)
+    shm.register_process()  # [shm hook] segments named torch_<this pid>_* belong to the job
     out.cancel_join_thread()  # never block at exit on data the trainer will not read
     try:
         if on_start is not None:
@@ -141,7 +143,7 @@ def _produce(batches: Iterator[Any], snapshot: Callable[[], dict[str, Any]], on_
             return
 
 
-def _shutdown(proc: Any, stop: Any, release: Any, out: Any) -> None:
+def _shutdown(proc: Any, stop: Any, release: Any, out: Any, shm_job: Any = None) -> None:
     stop.set()
     if proc is None:
         return
@@ -159,6 +161,8 @@ def _shutdown(proc: Any, stop: Any, release: Any, out: Any) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
+    if shm_job is not None:
+        shm_job.release()  # [shm hook] producer reaped: nothing of the job left to reclaim
 
 
 class PrefetchedPipeline:
@@ -188,13 +192,16 @@ class PrefetchedPipeline:
         self._finalizer: Any = None
 
     def _start(self) -> None:
+        shm.reclaim_stale()  # [shm hook] segments of killed jobs (owner dead) go before ours are made
+        shm_job = shm.register_job()  # [shm hook] locked owner file, inherited by the producer
         self._out = torch_mp.get_context("fork").Queue(maxsize=self.depth)
         self._proc = self._ctx.Process(
             target=_produce,
             args=(self._batches, self._snapshot, self._on_start, self._out, self._stop, self._release, os.getpid()),
             name="bagel-prefetch", daemon=False)  # not a daemon: Energon workers are its children
         self._proc.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out)
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out,
+                                           shm_job)
         atexit.register(self._finalizer)
         logger.info("prefetch producer started (pid %d, depth %d)", self._proc.pid, self.depth)
 
