@@ -86,6 +86,7 @@ class JobRecord:
             pass
         os.close(self.fd)
         self.fd = -1
+        atexit.unregister(self.release)
         if _current is self:
             _current = None
 
