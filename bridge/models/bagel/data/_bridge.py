@@ -61,6 +61,7 @@ class BridgeAPI:
     maybe_save_dataloader_state: Any
     maybe_load_dataloader_state: Any
     checkpointing_error: str | None
+    get_checkpoint_name: Any = None   # Bridge's iter_NNNNNNN directory naming (None where unimportable)
 
 
 def _below_warning(record: logging.LogRecord) -> bool:
@@ -83,11 +84,12 @@ def import_bridge() -> BridgeAPI:
     data_base = importlib.import_module("megatron.bridge.data.base")
     samplers = importlib.import_module("megatron.bridge.data.samplers")
     safe_pickle = importlib.import_module("megatron.bridge.utils.safe_pickle")
-    save = load = None
+    save = load = checkpoint_name = None
     error = None
     try:
         ckpt = importlib.import_module("megatron.bridge.training.checkpointing")
         save, load = ckpt.maybe_save_dataloader_state, ckpt.maybe_load_dataloader_state
+        checkpoint_name = ckpt.get_checkpoint_name
     except ImportError as exc:  # e.g. nvidia-modelopt missing
         error = f"megatron.bridge.training.checkpointing is not importable: {exc}"
         logger.warning("%s (install the 'train' extra: nvidia-modelopt)", error)
@@ -100,4 +102,5 @@ def import_bridge() -> BridgeAPI:
         maybe_save_dataloader_state=save,
         maybe_load_dataloader_state=load,
         checkpointing_error=error,
+        get_checkpoint_name=checkpoint_name,
     )

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as torch_mp
 
+from . import shm
 from .packing.memory import use_shared_memory
 from .state import Savable, StateError, load_tagged, tagged_state
 
@@ -121,6 +122,7 @@ def _produce(upstream: Any, restore: dict[str, Any] | None, out: Any, stop: Any,
     # to this busy, GIL-holding process's fd-sharing thread: next() drops from ~20 ms to ~3 ms.
     torch_mp.set_sharing_strategy("file_system")
     use_shared_memory(True)
+    shm.register_process()  # segments named torch_<this pid>_* belong to the job
     out.cancel_join_thread()  # never block at exit on data the trainer will not read
     try:
         if restore is not None:
@@ -152,7 +154,7 @@ def _stats_of(stage: Any) -> dict[str, Any]:
     return stats() if callable(stats) else {}
 
 
-def _shutdown(proc: Any, stop: Any, release: Any, out: Any) -> None:
+def _shutdown(proc: Any, stop: Any, release: Any, out: Any, shm_job: Any = None) -> None:
     stop.set()
     if proc is None:
         return
@@ -170,6 +172,8 @@ def _shutdown(proc: Any, stop: Any, release: Any, out: Any) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join()
+    if shm_job is not None:
+        shm_job.release()  # producer reaped: nothing of the job left to reclaim
 
 
 class PrefetchStage(Savable):
@@ -237,12 +241,15 @@ class PrefetchStage(Savable):
     def _start(self) -> None:
         if self._snapshot is None:
             self._snapshot = tagged_state(self.upstream)
+        shm.reclaim_stale()  # segments of killed jobs (owner dead) go before ours are made
+        shm_job = shm.register_job()  # locked owner file, inherited by the producer
         self._out = torch_mp.get_context("fork").Queue(maxsize=self.depth)
         self._proc = self._ctx.Process(
             target=_produce, args=(self.upstream, self._restore, self._out, self._stop, self._release, os.getpid()),
             name=PRODUCER_NAME, daemon=False)  # not a daemon: Energon workers are its children
         self._proc.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out)
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out,
+                                           shm_job)
         atexit.register(self._finalizer)
         logger.info("prefetch producer started (pid %d, depth %d)", self._proc.pid, self.depth)
 

@@ -8,6 +8,9 @@ unpickler on load); the step goes to ``{root}/latest_checkpointed_iteration.txt`
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
+import zlib
 from typing import Any
 
 import torch.distributed as dist
@@ -15,9 +18,11 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 
-__all__ = ["TRACKER", "read_step", "restore_loader", "save_checkpoint"]
+__all__ = ["TRACKER", "rank_state_file", "read_step", "restore_loader", "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# What reading a damaged torch.save zip raises inside Bridge's loader (energon_torch_load parses the zip itself).
+_UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, pickle.UnpicklingError)
 
 
 def read_step(root: str) -> int:
@@ -51,10 +56,42 @@ def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any) -> 
     dist.barrier()
 
 
+def rank_state_file(state_dir: str, step: int, dp_rank: int) -> str:
+    """The file Bridge's ``maybe_load_dataloader_state`` opens for DP rank ``dp_rank`` (same naming)."""
+    api = _bridge_ckpt()
+    iter_dir = (api.get_checkpoint_name(state_dir, step) if api.get_checkpoint_name is not None
+                else os.path.join(state_dir, f"iter_{step:07d}"))
+    return os.path.join(iter_dir, f"train_dataloader_dprank{dp_rank:03d}.pt")
+
+
+def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
+    detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return ConfigError(f"train.load: this rank's loader state file {path} (dp rank {dp_rank}) cannot be read: "
+                       f"truncated, corrupt or refused by Bridge's restricted loader ({detail}); resume from an "
+                       "earlier checkpoint or restore the file")
+
+
 def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> None:
-    """Restore this rank's loader from ``root`` at ``step`` through Bridge (refuses a changed DP size)."""
+    """Restore this rank's loader from ``root`` at ``step`` through Bridge (refuses a changed DP size).
+
+    A truncated or corrupt state file is reported with its own path (Bridge's loader would only say
+    ``BadZipFile: File is not a zip file``, and its log line names rank 0's file).
+    """
     api = _bridge_ckpt()
     state_dir = os.path.join(root, "energon")
     if not os.path.isdir(state_dir):
         raise ConfigError(f"train.load: {root} has no loader state directory ({state_dir})")
-    api.maybe_load_dataloader_state(iterator, step, state_dir, pg_collection=pg_collection)
+    dp_rank = pg_collection.dp.rank()
+    path = rank_state_file(state_dir, step, dp_rank)
+    if os.path.isfile(path):  # a missing file (changed DP size) is Bridge's own, clear error
+        try:
+            with zipfile.ZipFile(path) as archive:  # torch.save's format; every member's CRC is checked
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as exc:
+            raise _unreadable(path, dp_rank, exc) from exc
+        if bad is not None:
+            raise _unreadable(path, dp_rank, f"CRC mismatch in member {bad}")
+    try:
+        api.maybe_load_dataloader_state(iterator, step, state_dir, pg_collection=pg_collection)
+    except _UNREADABLE as exc:
+        raise _unreadable(path, dp_rank, exc) from exc
