@@ -23,6 +23,7 @@ from bridge.models.bagel.data.inspection import (
     canvas_size,
     pack_layout,
     render_pack,
+    sampled_positions,
     summarize_batch,
 )
 from packer_golden import load_case
@@ -182,6 +183,12 @@ def test_render_is_deterministic():
     assert blobs[0] == blobs[1]
     with Image.open(io.BytesIO(blobs[0])) as im:
         assert im.size == canvas_size(200)
+    # one real position per pixel, inside that pixel's span of the axis
+    layout = pack_layout(batch)
+    pos = sampled_positions(layout, 200)
+    p = np.arange(200)
+    assert ((pos >= p * layout.length // 200) & (pos < np.maximum(p * layout.length // 200 + 1,
+                                                                  (p + 1) * layout.length // 200))).all()
 
 
 def test_energon_info_offline_on_converted_demo(demo_setup):

@@ -37,6 +37,7 @@ __all__ = [
     "pack_layout",
     "render_pack",
     "run_inspect",
+    "sampled_positions",
     "summarize_batch",
 ]
 
@@ -72,6 +73,7 @@ MSE_MARK = (204, 0, 0)
 _MARGIN = 12
 _TITLE_H = 18
 _BAR = 8
+_TICK = 4
 _GAP = 2
 _LEGEND_H = 52
 _THUMB_H = 60
@@ -188,8 +190,8 @@ def _splits_from_dense(mask: torch.Tensor, start: int) -> list[tuple[int, int, i
     """
     allowed = mask == 0
     n = allowed.shape[0]
-    cols = torch.arange(n)
-    last = torch.where(allowed, cols, torch.full_like(cols, -1)).max(dim=1).values.numpy()
+    # last True per row (every row sees itself), without an [L, L] int64 temporary: first True of the flipped row
+    last = (n - 1 - torch.flip(allowed, dims=[1]).to(torch.uint8).argmax(dim=1)).numpy()
     out: list[tuple[int, int, int]] = []
     i = 0
     while i < n:
@@ -259,12 +261,10 @@ def pack_layout(batch: Mapping[str, Any], max_num_tokens: int | None = None) -> 
         mode[start:start + length] = m
         if m != CAUSAL:
             block[start:start + length] = b
-    # Canonical block ids: numbered in order of appearance, independent of how causal splits were cut.
-    uniq, inverse = np.unique(block[block >= 0], return_inverse=True)
-    order = np.argsort(np.array([np.flatnonzero(block == u)[0] for u in uniq]), kind="stable") if len(uniq) else []
-    rank = np.empty(len(uniq), dtype=np.int32)
-    rank[order] = np.arange(len(uniq), dtype=np.int32)
-    block[block >= 0] = rank[inverse]
+    # Canonical block ids 0, 1, ... in order of position (split numbers grow with position, so the sorted
+    # unique ids are in that order), independent of how the causal splits around them were cut.
+    _, inverse = np.unique(block[block >= 0], return_inverse=True)
+    block[block >= 0] = inverse.astype(np.int32)
     length = max(int(max_num_tokens) if max_num_tokens is not None else tokens, tokens)
     return PackLayout(seq_len, tokens, length, modality, mode, sample, block, starts, sample_lens, ce, mse, source)
 
@@ -341,9 +341,11 @@ def summarize_batch(batch: Mapping[str, Any], max_num_tokens: int, *, batch_inde
         samples.append({"group": group, "data_indexes": d.get("data_indexes") if isinstance(d, Mapping) else d,
                         "tokens": lens[i], **{k: v[i] for k, v in per.items()}})
     totals = {"tokens": seq_len, **{k: len(v) for k, v in index.items()}}
-    return BatchSummary(index=batch_index, outside_samples=_num_tokens(batch) - seq_len, sequence_length=seq_len, max_num_tokens=int(max_num_tokens), samples=samples,
-                        totals=totals, groups=groups, fill=seq_len / max_num_tokens if max_num_tokens else 0.0,
-                        padding=max(int(max_num_tokens) - seq_len, 0), stats=dict(stats or {}))
+    return BatchSummary(index=batch_index, sequence_length=seq_len, max_num_tokens=int(max_num_tokens),
+                        samples=samples, totals=totals, groups=groups,
+                        fill=seq_len / max_num_tokens if max_num_tokens else 0.0,
+                        padding=max(int(max_num_tokens) - seq_len, 0),
+                        outside_samples=_num_tokens(batch) - seq_len, stats=dict(stats or {}))
 
 
 def format_batch_summary(s: BatchSummary, previous_drops: Mapping[str, int] | None = None) -> str:
@@ -386,9 +388,53 @@ def _font(px: int = 11) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
         return ImageFont.load_default()
 
 
-def _sampled_positions(length: int, pixels: int) -> np.ndarray:
-    """The token drawn at each of ``pixels`` pixels along an axis of ``length`` tokens (pixel centres)."""
-    return np.floor((np.arange(pixels) + 0.5) * length / pixels).astype(np.int64)
+#: Runs shorter than this (the 1-token soi/eoi around images) are not favoured when choosing a pixel's token.
+_MIN_FAVOURED_RUN = 4
+
+
+def _runs(layout: PackLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(start, length) of the maximal runs of equal (sample, split, mode, modality), padding as one run."""
+    keys = np.stack([layout.sample, layout.block, layout.mode, layout.modality]).astype(np.int64)
+    change = np.flatnonzero((keys[:, 1:] != keys[:, :-1]).any(axis=0)) + 1
+    starts = np.concatenate([[0], change]).astype(np.int64) if layout.tokens else np.zeros(0, dtype=np.int64)
+    ends = np.concatenate([starts[1:], [layout.tokens]]).astype(np.int64)
+    if layout.length > layout.tokens:
+        starts, ends = np.append(starts, layout.tokens), np.append(ends, layout.length)
+    return starts, ends - starts
+
+
+def sampled_positions(layout: PackLayout, pixels: int) -> np.ndarray:
+    """The packed position drawn at each of ``pixels`` pixels along an axis of ``layout.length`` positions.
+
+    Pixel p covers positions ``[p·L/pixels, (p+1)·L/pixels)``. It shows the position at its centre, unless it
+    overlaps a shorter run (see :func:`_runs`) of at least ``_MIN_FAVOURED_RUN`` tokens than the centre's run:
+    then the middle of the shortest such run's overlap. A 30-token caption between 1000-token images thus
+    stays visible at 40 tokens per pixel. Each drawn cell is a real (query, key) pair, so the attention shown
+    is exact for the sampled positions. Depends only on the layout: flex and dense give the same positions.
+    """
+    length = layout.length
+    starts, lens = _runs(layout)
+    ends = starts + lens
+    out = np.empty(pixels, dtype=np.int64)
+    for p in range(pixels):
+        a = (p * length) // pixels
+        b = max(a + 1, ((p + 1) * length) // pixels)
+        centre = min(max((2 * p + 1) * length // (2 * pixels), a), b - 1)
+        out[p] = centre
+        lo = int(np.searchsorted(ends, a, side="right"))
+        hi = int(np.searchsorted(starts, b, side="left"))
+        if hi - lo <= 1:
+            continue
+        cand = np.arange(lo, hi)
+        cand = cand[lens[cand] >= _MIN_FAVOURED_RUN]
+        if not len(cand):
+            continue
+        best = int(cand[np.argmin(lens[cand])])  # argmin: the earliest among equally short runs
+        own = int(np.searchsorted(ends, centre, side="right"))
+        if lens[best] < lens[own]:
+            s, e = max(starts[best], a), min(ends[best], b)
+            out[p] = (s + e - 1) // 2
+    return out
 
 
 def _token_colours(layout: PackLayout, pos: np.ndarray) -> np.ndarray:
@@ -403,7 +449,7 @@ def _token_colours(layout: PackLayout, pos: np.ndarray) -> np.ndarray:
 
 
 def _matrix(layout: PackLayout, size: int) -> np.ndarray:
-    pos = _sampled_positions(layout.length, size)
+    pos = sampled_positions(layout, size)
     ok = attention_allowed(layout, pos, pos)
     real = pos < layout.tokens
     pc = np.where(real, pos, 0)
@@ -420,8 +466,12 @@ def _matrix(layout: PackLayout, size: int) -> np.ndarray:
 
 
 def _to_uint8(img: torch.Tensor, mean: float, std: float) -> np.ndarray:
-    """[3, H, W] normalised float -> [H, W, 3] uint8 (x * std + mean, clipped to [0, 1])."""
-    x = (img.detach().to(torch.float32) * std + mean).clamp(0.0, 1.0)
+    """[3, H, W] normalised float -> [H', W', 3] uint8 (x * std + mean, clipped to [0, 1]).
+
+    Every k-th pixel is kept first (k chosen so H' stays >= 2 thumbnail heights): thumbnails only.
+    """
+    step = max(1, img.shape[-2] // (2 * _THUMB_H))
+    x = (img[:, ::step, ::step].detach().to(torch.float32) * std + mean).clamp(0.0, 1.0)
     return (x * 255.0 + 0.5).to(torch.uint8).permute(1, 2, 0).numpy()
 
 
@@ -472,11 +522,12 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
                 ) -> Image.Image:
     """Draw one pack: the attention layout plus a thumbnail strip of its images; returns an RGB image.
 
-    The matrix has the packed sequence (``max(max_num_tokens, sequence_length)`` positions) on both axes,
-    queries down, keys across, point-sampled to ``size`` × ``size`` pixels. An attended cell has the key's
-    colour (:data:`PALETTE`: modality × attention mode); white = blocked inside a sample, light grey =
-    another sample, grey = padding. Dark squares outline the samples; the bars on the top and left show each
-    position's colour, and the thin bar below the top one marks CE (blue) and MSE (red) positions.
+    The matrix has the packed sequence (``max(max_num_tokens, tokens)`` positions) on both axes, queries
+    down, keys across, one sampled position per pixel (:func:`sampled_positions`). An attended cell has the
+    key's colour (:data:`PALETTE`: modality × attention mode); white = blocked inside a sample, light grey =
+    another sample, grey = padding. The bars on the top and left show each position's colour, dark ticks
+    through them mark sample boundaries, and the thin strip under the top bar marks CE (purple) and MSE
+    (red) positions.
     Thumbnails: VAE images cropped to their latent grid (``h·ds × w·ds`` px) and ViT images rebuilt from
     patches, de-normalised with ``(mean, std)`` (``x * std + mean``); those that do not fit are counted.
 
@@ -494,7 +545,7 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
             f"({100.0 * layout.sequence_length / max(layout.length, 1):.1f}% full)")
     draw.text((_MARGIN, _MARGIN), f"{title}  {head}" if title else head, fill=BOUNDARY, font=font)
     canvas.paste(Image.fromarray(_matrix(layout, size), "RGB"), (x0, y0))
-    pos = _sampled_positions(layout.length, size)
+    pos = sampled_positions(layout, size)
     colours = _token_colours(layout, pos)
     bar = Image.fromarray(np.ascontiguousarray(np.broadcast_to(colours[None], (_BAR, size, 3))), "RGB")
     canvas.paste(bar, (x0, y0 - _GAP - _BAR))
@@ -507,10 +558,12 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
     loss[real & layout.mse[pc]] = MSE_MARK
     canvas.paste(Image.fromarray(np.ascontiguousarray(np.broadcast_to(loss[None], (2, size, 3))), "RGB"),
                  (x0, y0 - _GAP))
-    scale = size / layout.length
-    for start, n in zip(layout.sample_starts, layout.sample_lens):
-        a, b = x0 + int(round(start * scale)), x0 + max(int(round((start + n) * scale)) - 1, int(round(start * scale)))
-        draw.rectangle([a, y0 + (a - x0), b, y0 + (b - x0)], outline=BOUNDARY)
+    # sample boundaries: dark ticks through the bars (outside the matrix, so no cell is covered)
+    edges = sorted(set(layout.sample_starts[1:]) | {layout.sequence_length})
+    for p in np.unique(np.searchsorted(pos, np.asarray(edges, dtype=np.int64), side="left")).tolist():
+        if 0 < p < size:
+            draw.line([x0 + p, y0 - _GAP - _BAR - _TICK, x0 + p, y0 - _GAP - 1], fill=BOUNDARY)
+            draw.line([x0 - _GAP - _BAR - _TICK, y0 + p, x0 - _GAP - 1, y0 + p], fill=BOUNDARY)
     # legend
     ly = y0 + size + _MARGIN
     items = [("text causal", PALETTE[(TEXT, CAUSAL)]), ("soi/eoi", PALETTE[(TEXT, FULL)]),
