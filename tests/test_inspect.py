@@ -207,3 +207,14 @@ def test_energon_info_offline_on_converted_demo(demo_setup):
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"({total:,} samples" in proc.stdout and "CrudeSample" in proc.stdout
+
+
+def test_inspect_refuses_bad_input(tmp_path, caplog):
+    """A missing config or a non-positive batch count is one clear error (exit status 2), nothing built."""
+    assert cli.main(["inspect", "--config", str(tmp_path / "missing.yaml"), "--no-progress"]) == 2
+    assert "does not exist" in caplog.text
+    job = tmp_path / "job.yaml"
+    job.write_text("demo_data: null\n")
+    assert cli.main(["inspect", "--config", str(job), "--batches", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--batches must be >= 1" in caplog.text
+    assert not (tmp_path / "o").exists()

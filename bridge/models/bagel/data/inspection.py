@@ -269,6 +269,13 @@ def pack_layout(batch: Mapping[str, Any], max_num_tokens: int | None = None) -> 
     return PackLayout(seq_len, tokens, length, modality, mode, sample, block, starts, sample_lens, ce, mse, source)
 
 
+def _take(arr: np.ndarray, pos: np.ndarray, n: int) -> np.ndarray:
+    """``arr[pos]`` for positions below ``n``; positions ``>= n`` (padding) read element 0, or 0 if empty."""
+    if not n:
+        return np.zeros(len(pos), dtype=arr.dtype)
+    return arr[np.where(pos < n, pos, 0)]
+
+
 def attention_allowed(layout: PackLayout, q: np.ndarray, k: np.ndarray) -> np.ndarray:
     """Boolean ``[len(q), len(k)]``: may query position q attend to key position k (spec §7).
 
@@ -280,11 +287,12 @@ def attention_allowed(layout: PackLayout, q: np.ndarray, k: np.ndarray) -> np.nd
     k = np.asarray(k, dtype=np.int64)
     n = layout.tokens
     qc, kc = np.where(q < n, q, 0), np.where(k < n, k, 0)
-    qr, kr = (q < n) & (layout.sample[qc] >= 0), (k < n) & (layout.sample[kc] >= 0)
-    same_sample = layout.sample[qc][:, None] == layout.sample[kc][None, :]
-    qb, kb = layout.block[qc][:, None], layout.block[kc][None, :]
+    qs, ks = _take(layout.sample, q, n), _take(layout.sample, k, n)
+    qr, kr = (q < n) & (qs >= 0), (k < n) & (ks >= 0)
+    same_sample = qs[:, None] == ks[None, :]
+    qb, kb = _take(layout.block, q, n)[:, None], _take(layout.block, k, n)[None, :]
     same_block = (qb == kb) & (kb >= 0)
-    key_noise = (layout.mode[kc] == NOISE)[None, :]
+    key_noise = (_take(layout.mode, k, n) == NOISE)[None, :]
     ok = same_sample & ((kc[None, :] <= qc[:, None]) | same_block) & ~(key_noise & ~same_block)
     return ok & qr[:, None] & kr[None, :]
 
@@ -396,8 +404,11 @@ def _runs(layout: PackLayout) -> tuple[np.ndarray, np.ndarray]:
     """(start, length) of the maximal runs of equal (sample, split, mode, modality), padding as one run."""
     keys = np.stack([layout.sample, layout.block, layout.mode, layout.modality]).astype(np.int64)
     change = np.flatnonzero((keys[:, 1:] != keys[:, :-1]).any(axis=0)) + 1
-    starts = np.concatenate([[0], change]).astype(np.int64) if layout.tokens else np.zeros(0, dtype=np.int64)
-    ends = np.concatenate([starts[1:], [layout.tokens]]).astype(np.int64)
+    if layout.tokens:
+        starts = np.concatenate([[0], change]).astype(np.int64)
+        ends = np.concatenate([starts[1:], [layout.tokens]]).astype(np.int64)
+    else:  # an empty pack: padding only
+        starts = ends = np.zeros(0, dtype=np.int64)
     if layout.length > layout.tokens:
         starts, ends = np.append(starts, layout.tokens), np.append(ends, layout.length)
     return starts, ends - starts
@@ -406,9 +417,9 @@ def _runs(layout: PackLayout) -> tuple[np.ndarray, np.ndarray]:
 def sampled_positions(layout: PackLayout, pixels: int) -> np.ndarray:
     """The packed position drawn at each of ``pixels`` pixels along an axis of ``layout.length`` positions.
 
-    Pixel p covers positions ``[p·L/pixels, (p+1)·L/pixels)``. It shows the position at its centre, unless it
-    overlaps a shorter run (see :func:`_runs`) of at least ``_MIN_FAVOURED_RUN`` tokens than the centre's run:
-    then the middle of the shortest such run's overlap. A 30-token caption between 1000-token images thus
+    Pixel p covers positions ``[p·L/pixels, (p+1)·L/pixels)``. It shows the position at its centre, unless
+    it also overlaps a run (see :func:`_runs`) that is shorter than the centre's run and at least
+    ``_MIN_FAVOURED_RUN`` tokens long: then the middle of the shortest such run's overlap. A 30-token caption between 1000-token images thus
     stays visible at 40 tokens per pixel. Each drawn cell is a real (query, key) pair, so the attention shown
     is exact for the sampled positions. Depends only on the layout: flex and dense give the same positions.
     """
@@ -440,10 +451,10 @@ def sampled_positions(layout: PackLayout, pixels: int) -> np.ndarray:
 def _token_colours(layout: PackLayout, pos: np.ndarray) -> np.ndarray:
     lut = np.array([PALETTE[(m, a)] for m in range(3) for a in range(3)], dtype=np.uint8)
     real = pos < layout.tokens
-    pc = np.where(real, pos, 0)
-    cat = layout.modality[pc].astype(np.int64) * 3 + layout.mode[pc].astype(np.int64)
+    n = layout.tokens
+    cat = _take(layout.modality, pos, n).astype(np.int64) * 3 + _take(layout.mode, pos, n).astype(np.int64)
     out = lut[cat]
-    out[real & (layout.sample[pc] < 0)] = ORPHAN
+    out[real & (_take(layout.sample, pos, n) < 0)] = ORPHAN
     out[~real] = PADDING
     return out
 
@@ -452,8 +463,7 @@ def _matrix(layout: PackLayout, size: int) -> np.ndarray:
     pos = sampled_positions(layout, size)
     ok = attention_allowed(layout, pos, pos)
     real = pos < layout.tokens
-    pc = np.where(real, pos, 0)
-    smp = layout.sample[pc]
+    smp = _take(layout.sample, pos, layout.tokens)
     img = np.empty((size, size, 3), dtype=np.uint8)
     img[:] = OTHER_SAMPLE
     img[smp[:, None] == smp[None, :]] = BLOCKED
@@ -552,10 +562,9 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
     canvas.paste(bar.transpose(Image.Transpose.ROTATE_270).transpose(Image.Transpose.FLIP_LEFT_RIGHT),
                  (x0 - _GAP - _BAR, y0))
     real = pos < layout.tokens
-    pc = np.where(real, pos, 0)
     loss = np.full((size, 3), 255, dtype=np.uint8)
-    loss[real & layout.ce[pc]] = CE_MARK
-    loss[real & layout.mse[pc]] = MSE_MARK
+    loss[real & _take(layout.ce, pos, layout.tokens)] = CE_MARK
+    loss[real & _take(layout.mse, pos, layout.tokens)] = MSE_MARK
     canvas.paste(Image.fromarray(np.ascontiguousarray(np.broadcast_to(loss[None], (2, size, 3))), "RGB"),
                  (x0, y0 - _GAP))
     # sample boundaries: dark ticks through the bars (outside the matrix, so no cell is covered)
