@@ -114,12 +114,16 @@ def test_inspect_demo_pictures_and_counts(demo_setup, tmp_path, capsys):
             assert im.size == canvas_size(256) and im.mode == "RGB"
     report = _parse(printed)
     assert len(report) == n
+    pipeline = [line for line in printed.splitlines() if line.startswith("  buffer ")]
+    assert len(pipeline) == n
     with demo_loader(out, tok, 0, True) as loader:  # built the same way, counted independently
         for i in range(n):
             batch = next(loader)
             head, rows = _expected(batch, 5120)
             assert report[i][0] == head
             assert report[i][1] == rows
+            st = loader.stats()  # the pipeline counters after this batch, as the report shows them
+            assert pipeline[i].startswith(f"  buffer {st['buffer_len']} | consumed {st['consumed']} | drops so far ")
 
 
 def _sibling_batches(dense_case: str, flex_case: str, limit: int):
