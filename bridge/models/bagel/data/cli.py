@@ -1,5 +1,4 @@
-"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, generate the demo dataset, or
-inspect the packed batches a job config produces."""
+"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, or generate the demo dataset."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from .converter.convert import ConvertError, ConvertSummary, convert_from_config, convert_group
 from .energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
@@ -33,11 +31,12 @@ def format_summary(summaries: Sequence[ConvertSummary]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _add_inspect_parser(sub: Any) -> None:
+def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data inspect``: see ``inspection.run_inspect`` and README "Look before you train"."""
     ins = sub.add_parser("inspect", help="build the job's loader and report/draw N packed batches")
     ins.add_argument("--config", required=True, help="job YAML (the one scripts/pretrain_bagel.py runs)")
     ins.add_argument("--batches", type=int, default=4, help="packed batches to inspect (default 4)")
-    ins.add_argument("--out", default="inspect_out", help="folder for batch_NNNN.png (default inspect_out)")
+    ins.add_argument("--out", default="runs/inspect", help="folder for batch_NNNN.png (default runs/inspect)")
     ins.add_argument("--size", type=int, default=512, help="attention matrix side in pixels (default 512)")
     ins.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank whose stream to inspect")
     ins.add_argument("--dp-size", type=int, default=1, help="data-parallel size of the run")

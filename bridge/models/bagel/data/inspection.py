@@ -642,7 +642,7 @@ def _norms(cfg_data: Any) -> tuple[tuple[float, float], tuple[float, float]]:
 
 
 def run_inspect(config: str | os.PathLike | None, *, overrides: Sequence[str] = (), batches: int = 4,
-                out: str | os.PathLike | None = "inspect_out", size: int = 512, dp_rank: int = 0, dp_size: int = 1,
+                out: str | os.PathLike | None = "runs/inspect", size: int = 512, dp_rank: int = 0, dp_size: int = 1,
                 progress: bool = True, emit: Callable[[str], None] | None = None) -> list[BatchSummary]:
     """Build the job's loader from ``config`` (+ ``overrides``) and report/draw ``batches`` batches.
 
