@@ -419,9 +419,10 @@ def sampled_positions(layout: PackLayout, pixels: int) -> np.ndarray:
 
     Pixel p covers positions ``[p·L/pixels, (p+1)·L/pixels)``. It shows the position at its centre, unless
     it also overlaps a run (see :func:`_runs`) that is shorter than the centre's run and at least
-    ``_MIN_FAVOURED_RUN`` tokens long: then the middle of the shortest such run's overlap. A 30-token caption between 1000-token images thus
-    stays visible at 40 tokens per pixel. Each drawn cell is a real (query, key) pair, so the attention shown
-    is exact for the sampled positions. Depends only on the layout: flex and dense give the same positions.
+    ``_MIN_FAVOURED_RUN`` tokens long: then the middle of the shortest such run's overlap. A 30-token
+    caption between 1000-token images thus stays visible at 40 tokens per pixel. Each drawn cell is a real
+    (query, key) pair, so the attention shown is exact for the sampled positions. Depends only on the
+    layout: flex and dense give the same positions.
     """
     length = layout.length
     starts, lens = _runs(layout)
