@@ -31,6 +31,36 @@ def format_summary(summaries: Sequence[ConvertSummary]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data inspect``: see ``inspection.run_inspect`` and README "Look before you train"."""
+    ins = sub.add_parser("inspect", help="build the job's loader and report/draw N packed batches")
+    ins.add_argument("--config", required=True, help="job YAML (the one scripts/pretrain_bagel.py runs)")
+    ins.add_argument("--batches", type=int, default=4, help="packed batches to inspect (default 4)")
+    ins.add_argument("--out", default="runs/inspect", help="folder for batch_NNNN.png (default runs/inspect)")
+    ins.add_argument("--size", type=int, default=512, help="attention matrix side in pixels (default 512)")
+    ins.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank whose stream to inspect")
+    ins.add_argument("--dp-size", type=int, default=1, help="data-parallel size of the run")
+    ins.add_argument("--no-progress", action="store_true")
+    ins.add_argument("overrides", nargs="*", help="key=value job config overrides (as for the job)")
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from .config import ConfigError
+    from .inspection import run_inspect
+
+    try:
+        summaries = run_inspect(args.config, overrides=args.overrides, batches=args.batches, out=args.out,
+                                size=args.size, dp_rank=args.dp_rank, dp_size=args.dp_size,
+                                progress=not args.no_progress, emit=lambda text: tqdm.write(text, file=sys.stdout))
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        logger.error("%s", e)
+        return 2
+    print(f"{len(summaries)} batches inspected; pictures in {args.out}/")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagel-data", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -65,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("--source-root", help="directory relative dataset_info paths are relative to (default: cwd)")
     common(cfg, named=False)
 
+    _add_inspect_parser(sub)
     demo = sub.add_parser("demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out")
     demo.add_argument("--seed", type=int, default=0)
@@ -76,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cmd == "inspect":
+        return _run_inspect(args)
     try:
         if args.cmd == "demo-data":
             from .converter.demo import make_demo_data
