@@ -649,8 +649,8 @@ def run_inspect(config: str | os.PathLike | None, *, overrides: Sequence[str] = 
 
     Uses the job's own path: ``load_job_config`` → demo data generated if ``demo_data`` is set and missing →
     ``load_tokenizer(data.tokenizer)`` → ``build_bagel_train_loader(data, tokenizer, (dp_rank, dp_size))``.
-    ``data.prefetch`` is forced to 0 so the loader's ``stats()`` (buffer, drops) are this process's counters;
-    prefetching does not change the batches. Each batch's report goes to ``emit`` (default: the logger) and
+    ``data.prefetch`` is set to 0: for a few batches a producer process only adds start-up time, and
+    prefetching changes neither the batches nor ``stats()``. Each batch's report goes to ``emit`` (default: the logger) and
     its picture to ``out/batch_NNNN.png`` (``out=None``: no pictures). Returns one :class:`BatchSummary` per
     batch. Raises ``ConfigError`` for a bad config and ``ValueError`` for ``batches < 1``.
     """
