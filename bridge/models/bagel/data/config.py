@@ -77,11 +77,15 @@ class PackerConfig:
     max_latent_size: int = 32
     vit_patch_size: int = 14
     max_num_patch_per_side: int = 70
+    #: Not an official knob: a group whose samples are dropped as over-length this many times in a row, with
+    #: none packed, raises ``DataStallError`` (the official loop would spin forever).
+    max_consecutive_drops: int = 100
 
     def validate(self, where: str = "packer") -> None:
         """Raise ConfigError for values the packer cannot work with (names the key)."""
         for name in ("expected_num_tokens", "max_num_tokens_per_sample", "max_num_tokens", "prefer_buffer_before",
-                     "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side"):
+                     "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side",
+                     "max_consecutive_drops"):
             v = getattr(self, name)
             if not _is_int(v) or v <= 0:
                 raise ConfigError(f"{where}.{name}: must be a positive integer, got {v!r}")

@@ -8,11 +8,11 @@ from collections.abc import Iterable, Mapping
 
 from .state import Savable
 
-__all__ = ["DropCounter", "merge_counts"]
+__all__ = ["DataStallError", "DropCounter", "StallWatch", "merge_counts"]
 
 
 class DropCounter(Savable):
-    """Counts dropped samples by reason and logs them through ``logging`` with a rate limit.
+    """Counts dropped samples (or unused parts of samples, ``what=``) by reason, logged with a rate limit.
 
     The first drop of each reason is logged at WARNING; afterwards at most one summary line per
     ``warn_interval_s`` seconds. The counts are part of the stage's saved state.
@@ -20,8 +20,10 @@ class DropCounter(Savable):
 
     _savable_fields = ("counts",)
 
-    def __init__(self, name: str, logger: logging.Logger | None = None, warn_interval_s: float = 60.0) -> None:
+    def __init__(self, name: str, logger: logging.Logger | None = None, warn_interval_s: float = 60.0, *,
+                 what: str = "dropped a sample") -> None:
         self.name = name
+        self.what = what
         self.logger = logger or logging.getLogger(__name__)
         self.warn_interval_s = warn_interval_s
         self._last_summary = 0.0
@@ -36,13 +38,13 @@ class DropCounter(Savable):
         self.counts[reason] = self.counts.get(reason, 0) + n
         now = time.monotonic()
         if first:
-            self.logger.warning("%s: dropped a sample (%s)%s", self.name, reason, f": {detail}" if detail else "")
+            self.logger.warning("%s: %s (%s)%s", self.name, self.what, reason, f": {detail}" if detail else "")
         elif now - self._last_summary >= self.warn_interval_s:
             self._last_summary = now
-            self.logger.warning("%s: dropped samples so far by reason: %s%s", self.name, dict(self.counts),
+            self.logger.warning("%s: %s — counts so far by reason: %s%s", self.name, self.what, dict(self.counts),
                                 f" (latest: {detail})" if detail else "")
         else:
-            self.logger.debug("%s: dropped a sample (%s): %s", self.name, reason, detail)
+            self.logger.debug("%s: %s (%s): %s", self.name, self.what, reason, detail)
 
     @property
     def total(self) -> int:
@@ -56,3 +58,42 @@ def merge_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
         for k, v in c.items():
             out[k] = out.get(k, 0) + int(v)
     return dict(sorted(out.items()))
+
+
+class DataStallError(RuntimeError):
+    """A source keeps dropping samples and can never yield one: the message names where, why and what to change."""
+
+
+class StallWatch:
+    """The liveness rule: ``limit`` consecutive drops from one source without a usable sample is an error.
+
+    ``drop(source, reason, detail)`` counts a drop in ``source``'s current streak (and keeps the first detail of
+    each reason as an example); ``ok(source)`` ends the streak. When a streak exceeds ``limit``,
+    ``DataStallError`` is raised with ``describe(source)`` (where) + the dominant reason + an example + ``hint``.
+    Streaks are diagnostics, not stream state: they restart at zero after a restore.
+    """
+
+    def __init__(self, what: str, hint: str) -> None:
+        self.what = what
+        self.hint = hint
+        self._streaks: dict[str, dict[str, int]] = {}
+        self._examples: dict[str, dict[str, str]] = {}
+
+    def ok(self, source: str) -> None:
+        """A usable sample came from ``source``: its streak ends."""
+        if source in self._streaks:
+            del self._streaks[source]
+            del self._examples[source]
+
+    def drop(self, source: str, reason: str, detail: str, *, limit: int, where: str) -> None:
+        """Count one drop; raise ``DataStallError`` once ``source`` dropped more than ``limit`` in a row."""
+        streak = self._streaks.setdefault(source, {})
+        streak[reason] = streak.get(reason, 0) + 1
+        self._examples.setdefault(source, {}).setdefault(reason, detail)
+        total = sum(streak.values())
+        if total > limit:
+            reason, count = max(streak.items(), key=lambda kv: kv[1])
+            raise DataStallError(
+                f"{self.what} {where}: {total} samples in a row were dropped and none was usable (limit {limit}), "
+                f"so this source can never yield a sample. Dominant reason: {reason} ({count} of {total}), e.g. "
+                f"{self._examples[source][reason]}. All reasons: {dict(sorted(streak.items()))}. {self.hint}")

@@ -23,7 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .formats import ConvertError, EditReader, RawSample, ScanLog, T2IReader, VlmReader
+from .formats import ConvertError, EditReader, RawSample, ScanLog, T2IReader, VlmReader, record_problem
 from ..energon.layout import (
     DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, MANIFEST_NAME, META_PART, SHARDS_DIR, T2I, VLM,
     crude_dataset_yaml, dataset_dir, image_part, sample_key, shard_relpath,
@@ -114,6 +114,21 @@ def _energon_prepare(root: str, shard_paths: list[str], group: str) -> None:
         f.write(crude_dataset_yaml(group))
 
 
+def _check_usable(group: str, dataset_name: str, n: int, problems: Counter, example: dict[str, str],
+                  log: ScanLog) -> None:
+    """Refuse a dataset none of whose records can be used; warn (with counts) when some cannot."""
+    if not problems:
+        return
+    what = "; ".join(f"{k}: {v} (e.g. {example[k]})" for k, v in problems.most_common())
+    if sum(problems.values()) >= n:
+        raise ConvertError(f"{group}/{dataset_name}: none of the {n} records can become a training sample — {what}. "
+                           + ("The official vlm_sft reader needs one JSON object per line with a `conversations` list "
+                              "of {\"from\": \"human\"|\"gpt\", \"value\": ...} turns." if group == VLM else
+                              "Check the source data."))
+    log.warn(f"{group}/{dataset_name}: {sum(problems.values())} of {n} records can never become a training sample "
+             f"and will be dropped (counted) when read — {what}")
+
+
 def _write_dataset(group: str, dataset_name: str, out_dir: str, reader: Iterable[RawSample], total: int,
                    log: ScanLog, source_root: str, samples_per_shard: int, progress: bool,
                    overwrite: bool) -> ConvertSummary:
@@ -125,16 +140,23 @@ def _write_dataset(group: str, dataset_name: str, out_dir: str, reader: Iterable
     try:
         writer = _ShardWriter(staging, samples_per_shard)
         show = progress and sys.stderr.isatty()
+        problems: Counter = Counter()
+        example: dict[str, str] = {}
         with tqdm(total=total, disable=not show, desc=f"{group}/{dataset_name}", unit="row") as bar:
             for s in reader:
                 parts = [(META_PART, dumps_json(s.meta))] + [(image_part(i), b) for i, b in s.images]
                 writer.add(sample_key(len(coords)), parts)
                 coords.append(s.coord)
+                problem = record_problem(s.meta)
+                if problem is not None:
+                    problems[problem.split(" (")[0]] += 1
+                    example.setdefault(problem.split(" (")[0], f"{s.meta.get('source')}: {problem}")
                 bar.update(1)
         writer.close()
         if not coords:
             raise ConvertError(f"{group}/{dataset_name}: no convertible rows (skipped: "
                                f"{dict(Counter(x['reason'] for x in log.skipped))})")
+        _check_usable(group, dataset_name, len(coords), problems, example, log)
         _energon_prepare(staging, [sh["path"] for sh in writer.shards], group)
         manifest = {"format": MANIFEST_FORMAT, "group": group, "dataset_name": dataset_name,
                     "source_root": source_root, "num_samples": len(coords), "samples_per_shard": samples_per_shard,

@@ -98,6 +98,27 @@ def _read_row_group(path: str, pf: pq.ParquetFile, g: int, columns: list[str]) -
         raise ConvertError(f"{path}: cannot read row group {g} ({type(e).__name__}: {e})") from e
 
 
+def record_problem(meta: Mapping[str, Any]) -> str | None:
+    """Why a converted record can never become a training sample (the cooker will tombstone it), or None.
+
+    Only structural faults visible without decoding: a t2i row without image; a VLM line that is not a JSON
+    object or has no ``conversations`` list (the official ``SftJSONLIterableDataset`` schema:
+    ``{"image": ..., "conversations": [{"from": "human"|"gpt", "value": str}, ...]}``).
+    """
+    if meta.get("group") == T2I and meta.get("image_null"):
+        return "null image"
+    if meta.get("group") == VLM:
+        try:
+            rec = json.loads(meta.get("raw_line") or "")
+        except ValueError:
+            return "not JSON"
+        if not isinstance(rec, dict):
+            return f"a JSON {type(rec).__name__}, not an object"
+        if not isinstance(rec.get("conversations"), list):
+            return f"no `conversations` list (keys: {', '.join(sorted(map(str, rec))[:8]) or 'none'})"
+    return None
+
+
 class T2IReader:
     """t2i_pretrain: every ``*.parquet`` of ``data_dir``; all row groups, all rows (columns image, captions)."""
 

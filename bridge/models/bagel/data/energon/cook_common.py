@@ -27,7 +27,7 @@ from .layout import META_PART, VLM, image_part
 from .sample import BagelSample
 
 __all__ = [
-    "CookContext", "Draws", "DropSample", "ReplayError", "current_replay", "replaying",
+    "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "current_replay", "replaying",
     "cook_with", "decode_image", "global_random", "load_meta", "plan_item", "source_coordinate",
     "transform_image", "DROP_REASONS",
 ]
@@ -227,8 +227,24 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
         return BagelSample(**basic, sequence_plan=[], text_ids_list=[], image_tensor_list=[], num_tokens=0,
                            data_indexes=data_indexes, source=source, rng_choices=tuple(draws.record),
                            drop_reason=d.reason, drop_detail=f"{_where(ctx.group, source, crude)}: {d.detail}")
+    except Exception as exc:  # a bug or an environment error, not bad data: name the sample, never swallow it
+        raise SampleCookError(f"cooking {_where(ctx.group, source, crude)}{_origin(crude)} failed: "
+                              f"{type(exc).__name__}: {exc}") from exc
     data_indexes = {"data_indexes": coord, "worker_id": worker_id, "dataset_name": ctx.group}
     return BagelSample(**basic, **fields, data_indexes=data_indexes, source=source, rng_choices=draws.finish())
+
+
+class SampleCookError(RuntimeError):
+    """Cooking one sample raised something other than bad data; the message names dataset, shard and key."""
+
+
+def _origin(crude: Mapping[str, Any]) -> str:
+    """`` in Energon dataset D shard S`` from the crude sample's ``__sources__`` (empty when unknown)."""
+    for info in crude.get("__sources__") or ():
+        path, shard = getattr(info, "dataset_path", None), getattr(info, "shard_name", None)
+        if path is not None:
+            return f" in Energon dataset {path}" + (f" shard {shard}" if shard else "")
+    return ""
 
 
 def _where(group: str, source: Mapping[str, Any], crude: Mapping[str, Any]) -> str:

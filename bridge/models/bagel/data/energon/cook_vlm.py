@@ -36,7 +36,10 @@ def _image_names(rec: dict) -> list:
 
 
 def conversation_elements(conversations: Any, num_images: int) -> list[tuple[str, str | None, int]]:
-    """``(kind, text, has_loss)`` elements of a conversation, per the official ``change_format`` rules."""
+    """``(kind, text, has_loss)`` elements of a conversation, per the official ``change_format`` rules.
+
+    Parts the official rules ignore are not lost silently: see ``ignored_parts``.
+    """
     if not isinstance(conversations, list):
         raise DropSample("bad_record", f"conversations is {type(conversations).__name__}, not a list")
     out: list[tuple[str, str | None, int]] = []
@@ -57,6 +60,20 @@ def conversation_elements(conversations: Any, num_images: int) -> list[tuple[str
         elif role == "gpt":
             out.append(("text", value, 1))
     return out
+
+
+def ignored_parts(conversations: list, elements: list[tuple[str, str | None, int]], num_images: int
+                  ) -> dict[str, int]:
+    """What of a (valid) conversation the official rules ignore: {reason: count}, reasons
+    ``image_without_placeholder`` (images beyond the ``<image>`` tags: loaded and counted in ``num_tokens``,
+    never packed), ``placeholder_without_image`` (tags beyond the images) and ``turn_of_other_role`` (turns
+    neither ``human`` nor ``gpt``)."""
+    used = sum(1 for kind, _, _ in elements if kind == "image")
+    tags = sum(turn["value"].count(IMAGE_TOKEN) for turn in conversations if turn.get("from") == "human")
+    other = sum(1 for turn in conversations if turn.get("from") not in ("human", "gpt"))
+    counts = {"image_without_placeholder": num_images - used, "placeholder_without_image": tags - used,
+              "turn_of_other_role": other}
+    return {k: v for k, v in counts.items() if v > 0}
 
 
 def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws: Draws) -> dict:
@@ -89,7 +106,8 @@ def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws:
 
     plan: list[dict] = []
     texts: list[list[int]] = []
-    for kind, text, has_loss in conversation_elements(rec.get("conversations"), len(images)):
+    elements = conversation_elements(rec.get("conversations"), len(images))
+    for kind, text, has_loss in elements:
         if kind == "text":
             ids = ctx.encode(text)
             if len(ids) == 0:
@@ -101,4 +119,6 @@ def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws:
             plan.append(plan_item("vit_image", 0, 0))
     if not any(item["loss"] for item in plan):
         raise DropSample("no_loss_item", "No loss defined, skipped.")
-    return {"sequence_plan": plan, "text_ids_list": texts, "image_tensor_list": tensors, "num_tokens": num_tokens}
+    unused = ignored_parts(rec["conversations"], elements, len(images))
+    return {"sequence_plan": plan, "text_ids_list": texts, "image_tensor_list": tensors, "num_tokens": num_tokens,
+            "unused": unused or None}

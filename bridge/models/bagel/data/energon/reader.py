@@ -26,17 +26,35 @@ import megatron.energon as energon
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, reraise_exception
 
 from ..state import Savable, StateError
-from ..stats import DropCounter
+from ..stats import DataStallError, DropCounter, StallWatch
 from .cook_common import replaying
 from .cookers import BagelTaskEncoder
 from .layout import MANIFEST_NAME, load_manifest
 from .sample import BagelSample
 
-__all__ = ["BagelGroupReader", "dataset_num_samples", "strip_paths"]
+__all__ = ["BagelGroupReader", "DataReadError", "dataset_num_samples", "strip_paths"]
 
 logger = logging.getLogger(__name__)
 
 _PIN_MEMORY_WARNING = ".*pin_memory.*"
+
+
+_STALL_HINT = ("Fix or remove the dataset's unusable rows (see the reason), or give every DP rank usable data "
+               "(fewer DP ranks / workers, or more data in that dataset), or drop the dataset from the group.")
+
+
+class DataReadError(RuntimeError):
+    """Reading a converted dataset failed; the message names the group, datasets, rank (and shard/key if known)."""
+
+
+def _dataset_of(sample: Any, default: str) -> str:
+    """Name (directory basename) of the Energon dataset a sample came from (``__sources__``), else ``default``'s."""
+    sources = getattr(sample, "__sources__", None) or ()
+    for info in sources:
+        path = getattr(info, "dataset_path", None)
+        if path is not None:
+            return os.path.basename(str(path).rstrip("/"))
+    return os.path.basename(default)
 
 
 def dataset_num_samples(path: str) -> tuple[str, int]:
@@ -93,7 +111,7 @@ class BagelGroupReader(Savable):
     state must match; the loader checks it through its fingerprint.
     """
 
-    _savable_fields = ("energon", "drops")
+    _savable_fields = ("energon", "drops", "unused")
 
     def __init__(self, paths: str | Sequence[str], *, tokenizer: Any, image_transform_args: Mapping[str, Any],
                  vit_image_transform_args: Mapping[str, Any] | None = None, dp_rank: int = 0, dp_size: int = 1,
@@ -120,6 +138,11 @@ class BagelGroupReader(Savable):
         self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
                                          checkpoint_every_sec=checkpoint_every_sec)
         self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger)
+        self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger,
+                                  what="ignored part of a record (the sample is kept, as officially)")
+        self._stall = StallWatch(f"reader {self.group_name!r}", _STALL_HINT)
+        self._stall_limits = {os.path.basename(p): 2 * (-(-n // dp_size)) + 2 * max(num_workers, 1) + 2
+                              for p, n in zip(self.paths, self._counts)}
         self._it: Iterator[BagelSample] | None = None
         self._closed = False
         self._identity = self._compute_identity()
@@ -177,15 +200,32 @@ class BagelGroupReader(Savable):
                     raise RuntimeError(f"reader {self.group_name} is closed")
                 self._it = iter(self.loader)
             while True:
-                sample = next(self._it)
+                try:
+                    sample = next(self._it)
+                except (StopIteration, DataStallError):
+                    raise
+                except Exception as exc:  # name the group, datasets and rank, whatever layer raised it
+                    raise DataReadError(f"reader {self.group_name!r} (DP rank {self.dp_rank}/{self.dp_size}, "
+                                        f"{self.num_workers} Energon workers, datasets {self.paths}): "
+                                        f"{type(exc).__name__}: {exc}") from exc
+                dataset = _dataset_of(sample, self.paths[0])
                 if sample.drop_reason is None:
+                    self._stall.ok(dataset)
+                    for reason, n in (sample.unused or {}).items():
+                        self.unused.drop(reason, f"{dataset} sample {sample.__key__} {sample.source}", n)
                     return sample
                 self.drops.drop(sample.drop_reason, sample.drop_detail)
+                self._stall.drop(dataset, sample.drop_reason, sample.drop_detail,
+                                 limit=self._stall_limits.get(dataset, 2 * sum(self._counts) + 2),
+                                 where=f"dataset {dataset!r} on DP rank {self.dp_rank}/{self.dp_size} (Energon "
+                                       f"worker {sample.data_indexes.get('worker_id', 0)} of "
+                                       f"{max(self.num_workers, 1)})")
 
     # -- state -------------------------------------------------------------------------------
     def reset_state(self) -> None:
-        """Drop counts back to zero (the Energon position is reset by building a fresh reader)."""
+        """Drop and unused counts back to zero (the Energon position is reset by building a fresh reader)."""
         self.drops.reset_state()
+        self.unused.reset_state()
 
     def identity(self) -> dict[str, Any]:
         """Everything that must match for a saved state to resume this reader (JSON-able, no absolute paths)."""
@@ -204,8 +244,12 @@ class BagelGroupReader(Savable):
         self.loader.restore_state_rank(state)
 
     def stats(self) -> dict[str, Any]:
-        """``{"drops": {reason: count}}`` of this reader's samples so far."""
-        return {"drops": dict(self.drops.counts)}
+        """``{"drops": {reason: count}, "unused": {reason: count}}`` of this reader's samples so far.
+
+        ``unused`` counts parts of kept records that the official reader also ignores (e.g. images without an
+        ``<image>`` placeholder), so nothing is discarded silently.
+        """
+        return {"drops": dict(self.drops.counts), "unused": dict(self.unused.counts)}
 
     def restore_sample(self, restore_key: tuple) -> BagelSample:
         """Rebuild a sample from ``sample.restore_key`` (energon key + recorded choices), drawing no RNG."""

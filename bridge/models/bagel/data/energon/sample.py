@@ -27,6 +27,7 @@ class BagelSample(Sample):
     ``data_indexes`` are exactly the official sample dict's entries; ``source`` is the converted
     sample's coordinate in the raw data and ``rng_choices`` the random choices made while cooking
     (indices for ``choice``, floats for ``random()``), used to replay the sample without drawing.
+    ``unused`` counts parts of the raw record the official reader ignores too ({reason: count}, or None).
     """
 
     sequence_plan: list
@@ -38,6 +39,7 @@ class BagelSample(Sample):
     rng_choices: tuple
     drop_reason: str | None = None
     drop_detail: str = ""
+    unused: dict | None = None
 
     @property
     def restore_key(self) -> tuple:

@@ -25,13 +25,17 @@ from .checkpoint import read_step, restore_loader, save_checkpoint
 from .config import JobConfig
 from .telemetry import Telemetry
 
-__all__ = ["DataContractError", "build_iterator", "run_job"]
+__all__ = ["DataContractError", "OtherRankFailed", "build_iterator", "run_job"]
 
 logger = logging.getLogger(__name__)
 
 
 class DataContractError(RuntimeError):
     """A batch violated the packed-batch contract."""
+
+
+class OtherRankFailed(RuntimeError):
+    """This rank stops because another rank's data pipeline failed (that rank reports why)."""
 
 
 def _all_ok(ok: bool) -> bool:
@@ -104,18 +108,27 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         bar = tqdm(total=train.train_iters, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     try:
         for step in range(start_step + 1, train.train_iters + 1):
-            for micro in range(num_micro):
-                t0 = time.perf_counter()
-                batch = next(iterator)
-                wait = time.perf_counter() - t0
-                problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens, use_flex=packer_cfg.use_flex)
-                if problems:
-                    raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
-                tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)
-                if digest_fh is not None:
-                    digest_fh.write(json.dumps({"rank": rank, "step": step, "micro": micro,
-                                                "digest": batch_digest(batch)}) + "\n")
-                    digest_fh.flush()
+            step_error: BaseException | None = None
+            try:
+                for micro in range(num_micro):
+                    t0 = time.perf_counter()
+                    batch = next(iterator)
+                    wait = time.perf_counter() - t0
+                    problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens,
+                                           use_flex=packer_cfg.use_flex)
+                    if problems:
+                        raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
+                    tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)
+                    if digest_fh is not None:
+                        digest_fh.write(json.dumps({"rank": rank, "step": step, "micro": micro,
+                                                    "digest": batch_digest(batch)}) + "\n")
+                        digest_fh.flush()
+            except Exception as exc:  # noqa: BLE001 - agreed on below, then re-raised
+                step_error = exc
+            # Every rank learns of a failing rank's data error at the same step, so none waits in a collective.
+            if not _all_ok(step_error is None):
+                raise step_error if step_error is not None else OtherRankFailed(
+                    f"rank {rank}: another rank's data pipeline failed at step {step} (see its error line)")
             if step % train.log_interval == 0 or step == train.train_iters:
                 tokens = torch.tensor([tele.interval["tokens"]], dtype=torch.int64)
                 dist.all_reduce(tokens)

@@ -64,13 +64,14 @@ class Telemetry:
             "buffer_len": float(pipeline.get("buffer_len", 0)),
         }
         drops = dict(pipeline.get("drops", {}))
+        unused = dict(pipeline.get("unused", {}))
         if self.enabled:
             logger.info(
                 "step %d | %.0f tokens/s | fill %.3f | %.1f samples/pack | wait %.1f ms/batch | buffer %d | "
-                "group mix %s (weights %s) | drops %s", step, stats["tokens_per_s"], stats["fill_ratio"],
+                "group mix %s (weights %s) | ignored record parts %s | drops %s", step, stats["tokens_per_s"], stats["fill_ratio"],
                 stats["samples_per_pack"], stats["wait_ms_mean"], int(stats["buffer_len"]),
                 {g: round(v, 3) for g, v in mix.items()}, {g: round(v, 3) for g, v in self.weight_share.items()},
-                drops or "none")
+                unused or "none", drops or "none")
             if self._writer is not None:
                 for key, value in stats.items():
                     self._writer.add_scalar(f"data/{key}", value, step)

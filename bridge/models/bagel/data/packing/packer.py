@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import PackerConfig
 from ..state import Savable, StateError
-from ..stats import DropCounter, merge_counts
+from ..stats import DropCounter, StallWatch, merge_counts
 from .sequence import PackLayout, SequenceBuilder, sample_field
 
 __all__ = ["BagelPacker", "SPECIAL_TOKEN_KEYS", "restore_key_of"]
@@ -30,12 +30,25 @@ logger = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "start_of_image", "end_of_image")
 
+_STALL_HINT = ("Raise packer.max_num_tokens_per_sample (at most max_num_tokens) or shrink the group's "
+               "image_transform_args (max_image_size / max_pixels) so its samples fit; `bagel-data stats` shows "
+               "the group's tokens per sample.")
+
 
 def restore_key_of(sample: Any) -> Any:
     """The small key a group source can rebuild ``sample`` from (``restore_key`` field), or None."""
     if isinstance(sample, dict):
         return sample.get("restore_key")
     return getattr(sample, "restore_key", None)
+
+
+def _dataset_part(sample: Any) -> str:
+    """`` (dataset NAME)`` for samples that know their Energon dataset (``__sources__``), else empty."""
+    for info in getattr(sample, "__sources__", None) or ():
+        path = getattr(info, "dataset_path", None)
+        if path is not None:
+            return f" (dataset {str(path).rstrip('/').rsplit('/', 1)[-1]!r})"
+    return ""
 
 
 def _estimate(sample: Any) -> int:
@@ -89,6 +102,7 @@ class BagelPacker(Savable):
             self._cum.append(acc / total)
         self.layout = PackLayout(self.config, **{k: int(special_tokens[k]) for k in SPECIAL_TOKEN_KEYS})
         self.drops = DropCounter("BagelPacker", logger)
+        self._stall = StallWatch("BagelPacker:", _STALL_HINT)
         self.reset_state()
 
     # -- declared state -----------------------------------------------------------------------------
@@ -153,16 +167,18 @@ class BagelPacker(Savable):
         return self.config.max_num_tokens
 
     def stats(self) -> dict[str, Any]:
-        """Counters: batches, per-group consumption, buffer occupancy, drops by reason (packer + sources)."""
-        source_drops = [s.stats().get("drops", {}) for s in self.sources if callable(getattr(s, "stats", None))]
+        """Counters: batches, per-group consumption, buffer occupancy, drops by reason (packer + sources),
+        ``unused`` (parts of kept records the official readers ignore too, from the sources)."""
+        sources = {name: s.stats() for name, s in zip(self.group_names, self.sources)
+                   if callable(getattr(s, "stats", None))}
         return {
             "num_batches": self.num_batches,
             "consumed": dict(zip(self.group_names, self._consumed)),
             "buffer_len": len(self.buffer),
-            "drops": merge_counts([self.drops.counts, *source_drops]),
+            "drops": merge_counts([self.drops.counts, *(st.get("drops", {}) for st in sources.values())]),
+            "unused": merge_counts(st.get("unused", {}) for st in sources.values()),
             "packer_drops": dict(self.drops.counts),
-            "source_drops": {name: s.stats().get("drops", {}) for name, s in zip(self.group_names, self.sources)
-                             if callable(getattr(s, "stats", None))},
+            "source_drops": {name: st.get("drops", {}) for name, st in sources.items()},
         }
 
     def close(self) -> None:
@@ -193,6 +209,19 @@ class BagelPacker(Savable):
         self.num_batches += 1
         return batch
 
+    def _pack(self, pack: SequenceBuilder, group: int, sample: Any, data_indexes: list[Any]) -> None:
+        pack.pack_sample(sample)
+        data_indexes.append(sample_field(sample, "data_indexes"))
+        self._stall.ok(self.group_names[group])
+
+    def _drop_overlength(self, group: int, sample: Any, reason: str, why: str) -> None:
+        """Count an over-length drop; a group that only ever drops raises ``DataStallError`` (liveness rule)."""
+        name = self.group_names[group]
+        detail = f"group {name!r} sample {sample_field(sample, 'data_indexes')} {why}"
+        self.drops.drop(reason, detail)
+        self._stall.drop(name, reason, detail, limit=self.config.max_consecutive_drops,
+                         where=f"group {name!r}{_dataset_part(sample)}")
+
     def __iter__(self) -> "BagelPacker":
         return self
 
@@ -210,13 +239,9 @@ class BagelPacker(Savable):
                         est = _estimate(sample)
                         if est < limit:
                             break
-                        self.drops.drop(
-                            "overlength_mandatory",
-                            f"group {self.group_names[group]!r} sample {sample_field(sample, 'data_indexes')} "
-                            f"estimated {est} tokens >= max_num_tokens_per_sample {limit}",
-                        )
-                    pack.pack_sample(sample)
-                    data_indexes.append(sample_field(sample, "data_indexes"))
+                        self._drop_overlength(group, sample, "overlength_mandatory",
+                                              f"estimated {est} tokens >= max_num_tokens_per_sample {limit}")
+                    self._pack(pack, group, sample, data_indexes)
             if pack.curr < self.config.prefer_buffer_before and self.buffer:
                 group, sample = self.buffer.pop(0)
                 from_buffer = True
@@ -226,11 +251,8 @@ class BagelPacker(Savable):
                 from_buffer = False
             est = _estimate(sample)
             if est > limit:
-                self.drops.drop(
-                    "overlength",
-                    f"group {self.group_names[group]!r} sample {sample_field(sample, 'data_indexes')} "
-                    f"estimated {est} tokens > max_num_tokens_per_sample {limit}",
-                )
+                self._drop_overlength(group, sample, "overlength",
+                                      f"estimated {est} tokens > max_num_tokens_per_sample {limit}")
                 continue
             if pack.curr + est > self.config.max_num_tokens:
                 if len(self.buffer) < self.config.max_buffer_size and not from_buffer:
@@ -243,7 +265,6 @@ class BagelPacker(Savable):
                     f"{'after leaving the buffer' if from_buffer else 'and the buffer is full'} (official flush)",
                 )
                 return self._finish(pack, data_indexes)
-            pack.pack_sample(sample)
-            data_indexes.append(sample_field(sample, "data_indexes"))
+            self._pack(pack, group, sample, data_indexes)
             if pack.curr >= self.config.expected_num_tokens:
                 return self._finish(pack, data_indexes)
