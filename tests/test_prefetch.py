@@ -127,10 +127,9 @@ def test_cooker_exception_reaches_the_trainer(demo_setup) -> None:
     assert _no_producers_left()
 
 
+# Workers 2, dense and saves after 0/1/7 with prefetch run in test_stage_round_trip.py.
 DEMO = [
     pytest.param(0, (3,), id="nw0-save3"),
-    pytest.param(0, (1, 3, 7), id="nw0", marks=pytest.mark.slow),
-    pytest.param(2, (1, 3, 7), id="nw2", marks=pytest.mark.slow),
 ]
 
 
