@@ -41,6 +41,21 @@ def check_seq_length(explicit: int | None, packed: int, where: str) -> int:
     return int(packed)
 
 
+@dataclasses.dataclass(kw_only=True)
+class _ExternalLoaderFields:
+    """The Bridge data-loader fields both providers fix: the loader object itself, never collated or re-worked."""
+
+    seq_length: int | None = None
+    dataloader_type: str | None = "external"
+    num_workers: int = 0
+    persistent_workers: bool = False
+    pin_memory: bool = False
+
+    def get_collate_fn(self) -> Any:
+        """A guard that raises: Megatron requires the method but never collates external batches."""
+        return reject_collate
+
+
 @functools.cache
 def megatron_mimo_provider_class() -> type:
     """``BagelMegatronMIMODatasetProvider``: a MegatronMIMO dataset provider handing out a live loader."""
@@ -49,7 +64,7 @@ def megatron_mimo_provider_class() -> type:
     base = import_bridge().MegatronMIMODatasetProvider
 
     @dataclasses.dataclass(kw_only=True)
-    class BagelMegatronMIMODatasetProvider(base):
+    class BagelMegatronMIMODatasetProvider(_ExternalLoaderFields, base):
         """MIMO dataset provider for an already built ``BagelExternalLoader`` (``dataloader_type="external"``).
 
         ``seq_length`` defaults to the loader's packed sequence length (the packer's ``max_num_tokens``);
@@ -57,11 +72,6 @@ def megatron_mimo_provider_class() -> type:
         """
 
         train_loader: BagelExternalLoader
-        seq_length: int | None = None
-        dataloader_type: str | None = "external"
-        num_workers: int = 0
-        persistent_workers: bool = False
-        pin_memory: bool = False
 
         def __post_init__(self) -> None:
             packed = self.train_loader.seq_length
@@ -75,10 +85,6 @@ def megatron_mimo_provider_class() -> type:
         def build_datasets(self, context: Any) -> tuple[Any, None, None]:
             """(the train loader, or None when no training samples are requested; no valid; no test)."""
             return (self.train_loader if context.train_samples > 0 else None, None, None)
-
-        def get_collate_fn(self) -> Any:
-            """A guard that raises: Megatron requires the method but never collates external batches."""
-            return reject_collate
 
     BagelMegatronMIMODatasetProvider.__module__ = "bridge.models.bagel.data.external"
     BagelMegatronMIMODatasetProvider.__qualname__ = "BagelMegatronMIMODatasetProvider"
@@ -95,7 +101,7 @@ def dataset_provider_class() -> type:
     base = import_bridge().DatasetProvider
 
     @dataclasses.dataclass(kw_only=True)
-    class BagelDatasetProvider(base):
+    class BagelDatasetProvider(_ExternalLoaderFields, base):
         """Builds this rank's ``BagelExternalLoader`` from ``data`` (DP rank/size from ``context.pg_collection``).
 
         ``tokenizer`` is the HF tokenizer used for the BAGEL text (Bridge's own tokenizer in the context is a
@@ -105,11 +111,6 @@ def dataset_provider_class() -> type:
 
         data: BagelDataConfig
         tokenizer: Any = None
-        seq_length: int | None = None
-        dataloader_type: str | None = "external"
-        num_workers: int = 0
-        persistent_workers: bool = False
-        pin_memory: bool = False
 
         def __post_init__(self) -> None:
             self.seq_length = check_seq_length(self.seq_length, self.data.packer.max_num_tokens,
