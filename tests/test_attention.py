@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
 from _external_common import demo_loader
 from bridge.models.bagel.data.attention import (
@@ -70,6 +70,23 @@ def _assert_same_block_mask(a, b, where: str) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y), f"{where}: BlockMask.{name} differs"
 
 
+def _tables(num: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros(n, n, dtype=torch.bool)
+    for r in range(n):
+        out[r, idx[0, 0, r, :num[0, 0, r]].long()] = True
+    return out
+
+
+def _assert_tiles_match_dense(bm, dense: torch.Tensor, where: str) -> None:
+    """The BlockMask's partial/full tiles are exactly the mixed/all-True tiles of the (L, L) mask."""
+    bs, L = bm.BLOCK_SIZE[0], dense.shape[0]
+    n = -(-L // bs)
+    padded = torch.nn.functional.pad(dense, (0, n * bs - L, 0, n * bs - L))
+    counts = padded.view(n, bs, n, bs).sum(dim=(1, 3))
+    assert torch.equal(_tables(bm.full_kv_num_blocks, bm.full_kv_indices, n), counts == bs * bs), where
+    assert torch.equal(_tables(bm.kv_num_blocks, bm.kv_indices, n), (counts > 0) & (counts < bs * bs)), where
+
+
 @pytest.mark.parametrize("name", sorted(DENSE_SIBLING))
 def test_golden_flex_equals_official_dense_sibling(name: str) -> None:
     """Official flex batches vs the official dense batches of the same pack (both straight from BAGEL)."""
@@ -113,8 +130,7 @@ def test_demo_packs_flex_equals_dense(demo_setup) -> None:
             flex, dense = next(flex_loader), next(dense_loader)
             assert sum(flex["sample_lens"]) == 5120
             _assert_flex_equals_dense(flex, dense, f"demo[{k}]")
-            if k == 0:
-                _assert_same_block_mask(block_mask(flex), block_mask(flex, method="create_block_mask"), "demo[0]")
+            _assert_tiles_match_dense(block_mask(flex), dense_mask(flex), f"demo[{k}]")
 
 
 def test_padding_is_an_isolated_causal_block() -> None:
@@ -160,6 +176,9 @@ def test_block_mask_equals_create_block_mask(block_size: int) -> None:
         theirs = create_block_mask(make_mask_mod(meta), None, None, meta.length, meta.length, device="cpu",
                                    BLOCK_SIZE=block_size)
         _assert_same_block_mask(ours, theirs, f"batch {i}")
+        if block_size == 16:  # the slice-built dense mask == the mask_mod evaluated on every pair
+            assert torch.equal(dense_mask(meta), create_mask(make_mask_mod(meta), None, None, meta.length,
+                                                             meta.length, device="cpu")[0, 0])
 
 
 def test_flex_attention_matches_sdpa() -> None:
