@@ -241,3 +241,32 @@ def test_to_device_moves_tensors_keeps_lists() -> None:
     assert on_meta["nested"][0].device.type == "meta" and on_meta["nested"][1][0].device.type == "meta"
     assert [t.shape for t in tensors] == [v.shape for v in batch.values() if isinstance(v, torch.Tensor)]
     assert on_meta["split_lens"] is batch["split_lens"] and on_meta["sequence_length"] == batch["sequence_length"]
+
+
+def _gpu_check_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("bagel_gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_without_cuda_exits_cleanly(monkeypatch, capsys) -> None:
+    gpu_check = _gpu_check_module()
+    args = gpu_check.parse_args(["--batches", "2", "--heads", "28", "--kv-heads", "4"])
+    assert (args.batches, args.expected, args.max, args.head_dim, args.dry_run) == (2, 32768, 36864, 128, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == gpu_check.SKIP
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_cpu(demo_setup, capsys) -> None:
+    """The script's CPU-side path end to end (demo loader, to_device, block mask, flex vs SDPA) at small sizes."""
+    out, _ = demo_setup
+    assert _gpu_check_module().main(["--dry-run", "--data", str(out)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("gpu_check: copy_ms=") and last.endswith("ok=true")
