@@ -125,7 +125,8 @@ def test_golden_flex_equals_packer_dense_rerun(name: str) -> None:
 def test_demo_packs_flex_equals_dense(demo_setup) -> None:
     """Real builder on the demo data (small budgets), flex and dense with the same seed: the same packs."""
     out, tok = demo_setup
-    with demo_loader(out, tok, 0, True, length=3) as flex_loader, demo_loader(out, tok, 0, False, length=3) as dense_loader:
+    with (demo_loader(out, tok, 0, True, length=3) as flex_loader,
+          demo_loader(out, tok, 0, False, length=3) as dense_loader):
         for k in range(3):
             flex, dense = next(flex_loader), next(dense_loader)
             assert sum(flex["sample_lens"]) == 5120

@@ -123,9 +123,9 @@ def flex_metadata(batch: Mapping[str, Any], device: torch.device | str | None = 
     Raises:
         ValueError: a dense-mode batch (``nested_attention_masks``), lists of different lengths, unknown modes,
             negative lengths (over-cap pack), split/document boundaries that disagree, or (when the batch has
-            ``packed_position_ids``) more packed tokens than ``sequence_length``. The last two checks together
-            catch every pack whose modes are paired with the wrong splits: an extra mode comes only from an
-            unclosed split, whose tokens are packed but not counted. With the three lists alone, an unclosed
+            ``packed_position_ids``) more packed tokens than ``sequence_length``. The list-length and packed-token
+            checks together catch every pack whose modes are paired with the wrong splits: an extra mode comes
+            only from an unclosed split, whose tokens are packed but not counted. With the three lists alone, an unclosed
             split compensated by a mode-less one elsewhere in the pack cannot be detected.
     """
     if "split_lens" not in batch:
