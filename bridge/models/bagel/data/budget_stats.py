@@ -42,7 +42,7 @@ from .budgets import (BudgetIssue, budget_issues, edit_outcomes, image_tokens, t
                       vlm_estimate)
 from .config import (ConfigError, GroupConfig, PackerConfig, ResolvedGroup, load_dataset_info, load_grouped_yaml,
                      resolve_groups)
-from .energon.layout import EDIT, META_PART, T2I, VLM, image_index, load_manifest
+from .energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
 from .transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
 __all__ = ["Candidate", "DatasetStats", "GroupStats", "SampleEstimate", "SimResult", "StatsReport",
@@ -135,8 +135,6 @@ def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
     from .energon.cook_vlm import conversation_elements
 
     t = g.transform()
-    if meta.get("image_errors"):
-        raise _Unusable("missing_image")
     try:
         rec = json.loads(meta.get("raw_line") or "")
     except ValueError:
@@ -145,6 +143,8 @@ def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
         raise _Unusable("bad_record")
     if "image" not in rec and "video" in rec:
         raise _Unusable("video_unsupported")
+    if meta.get("image_errors"):  # recorded by the converter: missing file, wrong type, unreadable
+        raise _Unusable("missing_image")
     names = meta.get("image_names") or []
     sizes = _sizes(parts, range(len(names)))
     try:
@@ -529,7 +529,8 @@ class StatsReport:
             for d in g.datasets:
                 reasons.update({f"{d.group}/{d.name}: {r}": n for r, n in d.unusable.items()})
         if reasons:
-            lines += ["", "unusable samples (the cooker drops them):"] + [f"  {k}: {n}" for k, n in sorted(reasons.items())]
+            lines += ["", "unusable samples (the cooker drops them):"]
+            lines += [f"  {k}: {n}" for k, n in sorted(reasons.items())]
         lines += ["", "budget advisor (official pack loop replayed on the mean estimates, CFG dropout ignored):"]
         head = ("candidate", "expected", "max", "per-sample", "fill", "samples/pack", "dropped", "config check")
         rows = []
@@ -565,8 +566,10 @@ def _data_findings(packer: PackerConfig, groups: Sequence[GroupStats], pw: str) 
         name = g.group.name
         if not ests:
             if any(d.read for d in g.datasets):
-                out.append(BudgetIssue("error", "data", f"group {name!r}: no usable sample (all dropped for data "
-                                       "errors)" + (": the packer never yields a batch" if g.group.is_mandatory else "")))
+                never = ": the packer never yields a batch" if g.group.is_mandatory else ""
+                out.append(BudgetIssue("error" if never else "warning", "data",
+                                       f"group {name!r}: no usable sample (all dropped for data "
+                                       f"errors){never}"))
             continue
         always, some = g.over(lim)
         if g.group.is_mandatory and always == len(ests):

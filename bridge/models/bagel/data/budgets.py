@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .config import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
-from .transforms import DEFAULT_MAX_PIXELS, ImageTransform
+from .transforms import ImageTransform
 
 __all__ = [
     "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "TransformExtremes", "budget_issues",
@@ -345,9 +345,10 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
             f"{source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
             f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "
             f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "
-            f"{len(mandatory) * (limit - 1)} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job "
-            f"aborts with DataContractError). Set {pw}.max_num_tokens_per_sample <= {fit}, or "
-            f"{pw}.max_num_tokens >= {len(mandatory) * (limit - 1)}, or make fewer groups is_mandatory")))
+            f"{len(mandatory) * (limit - 1)} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job's "
+            f"batch-contract check stops the run at the first such pack). Set {pw}.max_num_tokens_per_sample "
+            f"<= {fit}, or {pw}.max_num_tokens >= {len(mandatory) * (limit - 1)}, or make fewer groups "
+            "is_mandatory")))
     if p.use_flex and p.max_num_tokens % FLEX_BLOCK:
         up = -(-p.max_num_tokens // FLEX_BLOCK) * FLEX_BLOCK
         issues.append(BudgetIssue("warning", f"{pw}.max_num_tokens", (
@@ -376,9 +377,3 @@ def check_budgets(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
             logger.warning("%s", w.message)
     return warnings
 
-
-def describe_transform(t: ImageTransform) -> dict[str, Any]:
-    """Plain dict of a transform's extremes (for reports)."""
-    ex = transform_extremes(t)
-    return {"stride": ex.stride, "max_side_px": ex.max_side_px, "max_side": ex.max_side, "max_tokens": ex.max_tokens,
-            "min_tokens": ex.min_tokens, "max_pixels": t.max_pixels if t.max_pixels != DEFAULT_MAX_PIXELS else None}
