@@ -50,7 +50,7 @@ def main() -> int:
     load = import_bridge().energon_torch_load
     cfg = BagelDataConfig(groups=os.path.join(args.demo_dir, "groups.yaml"),
                           dataset_info=os.path.join(args.demo_dir, "dataset_info.yaml"),
-                          num_workers=args.num_workers, packer=PackerConfig(use_flex=args.flex))
+                          num_workers=args.num_workers, packer=PackerConfig(use_flex=args.flex, max_latent_size=64))
 
     loader = build_bagel_train_loader(cfg, tok, (0, 1), length=1000)
     for _ in range(args.batches):

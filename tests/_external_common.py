@@ -15,6 +15,9 @@ from packer_golden import load_case
 
 FLEX_CASE = "c02_flex_extrap_3g2m_s14"
 DENSE_CASE = "c01_dense_extrap_3g2m_s14"
+#: demo_loader's max_num_tokens: two mandatory samples of up to 4095 tokens each must fit (budgets.py, case B6);
+#: expected 7168 (7/8 of it, like BAGEL's defaults) keeps packs overflowing into the buffer (restore_sample path)
+DEMO_MAX_TOKENS = 8192
 
 
 def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: int = 14,
@@ -36,9 +39,9 @@ def demo_config(out: Any, num_workers: int, use_flex: bool, *, seed: int = 42, p
 
     return BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
                            num_workers=num_workers, seed=seed, prefetch=prefetch,
-                           packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
+                           packer=PackerConfig(expected_num_tokens=7168, max_num_tokens=DEMO_MAX_TOKENS,
                                                max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
-                                               use_flex=use_flex))
+                                               use_flex=use_flex, max_latent_size=64))
 
 
 def demo_loader(out: Any, tok: Any, num_workers: int, use_flex: bool, *, length: int = 100, seed: int = 42,

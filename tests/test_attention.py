@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
-from _external_common import demo_loader
+from _external_common import DEMO_MAX_TOKENS, demo_loader
 from bridge.models.bagel.data.attention import (
     block_diagonal_mask,
     block_mask,
@@ -129,7 +129,7 @@ def test_demo_packs_flex_equals_dense(demo_setup) -> None:
           demo_loader(out, tok, 0, False, length=3) as dense_loader):
         for k in range(3):
             flex, dense = next(flex_loader), next(dense_loader)
-            assert sum(flex["sample_lens"]) == 5120
+            assert sum(flex["sample_lens"]) == DEMO_MAX_TOKENS
             _assert_flex_equals_dense(flex, dense, f"demo[{k}]")
             _assert_tiles_match_dense(block_mask(flex), dense_mask(flex), f"demo[{k}]")
 

@@ -92,11 +92,12 @@ def test_dataset_provider_for_pretrain_builds_the_rank_loader(bridge, tmp_path):
     tok = build_qwen2_tokenizer()
     cfg = BagelDataConfig(groups=str(tmp_path / "d" / "groups.yaml"),
                           dataset_info=str(tmp_path / "d" / "dataset_info.yaml"), seed=5,
-                          packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=5120,
-                                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048))
+                          packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=8192,
+                                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
+                                              max_latent_size=64))
     cls = build.BagelDatasetProvider
     assert issubclass(cls, bridge.DatasetProvider) and not issubclass(cls, bridge.MegatronMIMODatasetProvider)
-    provider = cls(data=cfg, tokenizer=tok, seq_length=5120)
+    provider = cls(data=cfg, tokenizer=tok, seq_length=8192)
     assert provider.dataloader_type == "external" and provider.num_workers == 0
     pgs = single_process_pg_collection()
     ctx = bridge.DatasetBuildContext(train_samples=12, valid_samples=0, test_samples=0, pg_collection=pgs)

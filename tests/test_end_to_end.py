@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _external_common import demo_loader
+from _external_common import DEMO_MAX_TOKENS, demo_loader
 from bridge.models.bagel.data.job.batch_check import check_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
-MAX_TOKENS = 5120
+MAX_TOKENS = DEMO_MAX_TOKENS
 INDEX_KEYS = ("packed_text_indexes", "packed_vit_token_indexes", "packed_vae_token_indexes", "mse_loss_indexes",
               "ce_loss_indexes")
 
@@ -22,7 +22,8 @@ def test_demo_batches_satisfy_the_official_invariants(demo_setup, use_flex: bool
     with demo_loader(out, tok, 0, use_flex) as loader:
         for _ in range(8):
             batch = next(loader)
-            assert check_batch(batch, max_num_tokens=MAX_TOKENS, use_flex=use_flex) == []
+            assert check_batch(batch, max_num_tokens=MAX_TOKENS, use_flex=use_flex, max_latent_size=64,
+                               max_num_patch_per_side=70) == []
             seq = batch["sequence_length"]
             sample_lens = batch["sample_lens"]
             if use_flex:

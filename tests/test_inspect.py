@@ -41,10 +41,11 @@ data:
   prefetch: 0
   tokenizer: null
   packer:
-    expected_num_tokens: 4096
-    max_num_tokens: 5120
+    expected_num_tokens: 7168
+    max_num_tokens: 8192
     max_num_tokens_per_sample: 4096
     prefer_buffer_before: 2048
+    max_latent_size: 64
     use_flex: {flex}
 """
 
@@ -119,7 +120,7 @@ def test_inspect_demo_pictures_and_counts(demo_setup, tmp_path, capsys):
     with demo_loader(out, tok, 0, True) as loader:  # built the same way, counted independently
         for i in range(n):
             batch = next(loader)
-            head, rows = _expected(batch, 5120)
+            head, rows = _expected(batch, 8192)
             assert report[i][0] == head
             assert report[i][1] == rows
             st = loader.stats()  # the pipeline counters after this batch, as the report shows them
@@ -170,7 +171,7 @@ def test_flex_and_dense_real_packer_same_picture(demo_setup):
     with demo_loader(out, tok, 0, True) as lf, demo_loader(out, tok, 0, False) as ld:
         bf, bd = next(lf), next(ld)
     assert "split_lens" in bf and "nested_attention_masks" in bd
-    assert pack_layout(bd, 5120).same_attention(pack_layout(bf))
+    assert pack_layout(bd, 8192).same_attention(pack_layout(bf))
     assert np.array_equal(np.asarray(render_pack(bd, max_num_tokens=5120, size=256)),
                           np.asarray(render_pack(bf, size=256)))
     s = summarize_batch(bf, 5120)

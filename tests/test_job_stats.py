@@ -61,7 +61,7 @@ def _run(root, prefetch: int, caplog) -> tuple[dict, list[str]]:
 
     cfg = load_job_config(None, [
         f"data.groups={root / 'groups.yaml'}", f"data.dataset_info={root / 'dataset_info.yaml'}",
-        f"data.prefetch={prefetch}", "data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=5120",
+        f"data.prefetch={prefetch}", "data.packer.expected_num_tokens=7168", "data.packer.max_num_tokens=8192",
         "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
         "data.packer.use_flex=true", "data.packer.max_latent_size=64", f"train.train_iters={STEPS}",
         "train.global_batch_size=1", "train.log_interval=1", "train.progress=false"])

@@ -96,11 +96,33 @@ def _parser() -> argparse.ArgumentParser:
     common(cfg, named=False)
 
     _add_inspect_parser(sub)
+    stats = sub.add_parser("stats", help="token estimates per group/dataset and a budget advisor for a job config")
+    stats.add_argument("--config", required=True, help="job YAML (configs/demo.yaml format)")
+    stats.add_argument("overrides", nargs="*", help="key=value job config overrides")
+    stats.add_argument("--max-samples", type=int, help="read only the first N samples of each dataset")
+    stats.add_argument("--histogram", default="bagel-data-stats.png", help="PNG to write ('' = none)")
+    stats.add_argument("--no-progress", action="store_true")
+
     demo = sub.add_parser("demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--scale", choices=("small", "medium"), default="small")
     return p
+
+
+def _stats(args: argparse.Namespace) -> int:
+    """``bagel-data stats``: print the report; exit 3 when the configured budgets can never yield a batch."""
+    from .budget_stats import job_stats
+    from .config import ConfigError
+
+    try:
+        report = job_stats(args.config, args.overrides, max_samples=args.max_samples, progress=not args.no_progress,
+                           histogram=args.histogram or None)
+    except ConfigError as e:
+        logger.error("%s", e)
+        return 2
+    print(report.format())
+    return 3 if report.impossible else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -109,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.cmd == "inspect":
         return _run_inspect(args)
+    if args.cmd == "stats":
+        return _stats(args)
     try:
         if args.cmd == "demo-data":
             from .converter.demo import make_demo_data

@@ -377,9 +377,17 @@ class BagelDataConfig:
             raise ConfigError(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
 
     def load_groups(self) -> list[ResolvedGroup]:
-        """Load and cross-check the grouped YAML and the registry named by this config."""
+        """Load and cross-check the grouped YAML and the registry named by this config.
+
+        Also checks the packer budgets against the groups' transforms (``budgets.check_budgets``): raises
+        ConfigError where they cannot work, logs a warning where they may drop much.
+        """
+        from .budgets import check_budgets
+
         groups = load_grouped_yaml(self.groups)
-        return resolve_groups(groups, load_dataset_info(self.dataset_info), source=str(self.dataset_info))
+        resolved = resolve_groups(groups, load_dataset_info(self.dataset_info), source=str(self.dataset_info))
+        check_budgets(self.packer, groups, source=str(self.groups))
+        return resolved
 
     @classmethod
     def from_omegaconf(cls, cfg: Any, *, source: str = "<config>") -> "BagelDataConfig":

@@ -20,8 +20,27 @@ def _ints(t: Any) -> torch.Tensor:
     return t if isinstance(t, torch.Tensor) else torch.tensor(t, dtype=torch.int64)
 
 
-def check_batch(batch: dict[str, Any], *, max_num_tokens: int, use_flex: bool) -> list[str]:
-    """Problems with ``batch`` under the official batch contract (empty list = valid)."""
+def _position_range(ids: Any, side: int | None, name: str, key: str) -> list[str]:
+    """``ids`` (int64 [T]) must index a ``side`` x ``side`` position table: 0 <= id < side**2."""
+    ids = _ints(ids)
+    if side is None or not len(ids):
+        return []
+    size = side * side
+    bad = int(((ids < 0) | (ids >= size)).sum())
+    if bad:
+        return [f"{bad} {name} outside [0, {size}) (max {int(ids.max())}; the table is {key} {side} squared): "
+                f"raise {key} or lower the group's max_image_size"]
+    return []
+
+
+def check_batch(batch: dict[str, Any], *, max_num_tokens: int, use_flex: bool, max_latent_size: int | None = None,
+                max_num_patch_per_side: int | None = None) -> list[str]:
+    """Problems with ``batch`` under the official batch contract (empty list = valid).
+
+    ``max_latent_size`` / ``max_num_patch_per_side`` (the packer's table sides; None = not checked) bound
+    ``packed_latent_position_ids`` / ``packed_vit_position_ids`` to ``[0, side**2)``: the model looks them up
+    in its 2D sin-cos position tables, and an id past the end is a device-side assert on a GPU.
+    """
     p: list[str] = []
     total = int(batch["packed_position_ids"].numel())
     seq_len = batch["sequence_length"]
@@ -43,6 +62,8 @@ def check_batch(batch: dict[str, Any], *, max_num_tokens: int, use_flex: bool) -
             p.append(f"ViT token count mismatch between tokens/indexes/position ids/seqlens: {sorted(lens)}")
         if torch.isnan(batch["packed_vit_tokens"]).any():
             p.append("NaN in packed_vit_tokens")
+        p += _position_range(batch["packed_vit_position_ids"], max_num_patch_per_side, "ViT position ids",
+                             "max_num_patch_per_side")
         covered.append(batch["packed_vit_token_indexes"])
     if "padded_images" in batch:
         n = sum(h * w for h, w in batch["patchified_vae_latent_shapes"])
@@ -60,6 +81,8 @@ def check_batch(batch: dict[str, Any], *, max_num_tokens: int, use_flex: bool) -
         elif len(batch["mse_loss_indexes"]) and not torch.equal(
                 batch["packed_vae_token_indexes"][noised], _ints(batch["mse_loss_indexes"])):
             p.append("mse_loss_indexes are not the positions of the noised VAE tokens")
+        p += _position_range(batch["packed_latent_position_ids"], max_latent_size, "latent position ids",
+                             "max_latent_size")
         covered.append(batch["packed_vae_token_indexes"])
     positions = torch.cat([_ints(c) for c in covered]) if covered else torch.zeros(0, dtype=torch.int64)
     if len(positions) != total or not torch.equal(torch.sort(positions).values, torch.arange(total)):

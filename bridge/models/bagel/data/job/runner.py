@@ -115,7 +115,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
                     batch = next(iterator)
                     wait = time.perf_counter() - t0
                     problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens,
-                                           use_flex=packer_cfg.use_flex)
+                                           use_flex=packer_cfg.use_flex, max_latent_size=packer_cfg.max_latent_size,
+                                           max_num_patch_per_side=packer_cfg.max_num_patch_per_side)
                     if problems:
                         raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
                     tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)

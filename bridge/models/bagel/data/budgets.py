@@ -1,0 +1,379 @@
+"""Packer budgets against the groups' transforms: one place for token estimates and config-time checks.
+
+The official packer estimates a sample as ``num_tokens + 2 * len(sequence_plan)`` (spec §5: the +2 per
+plan item are bos/eos or start/end-of-image), where an image contributes ``H * W // stride**2`` tokens
+after the group's :class:`~.transforms.ImageTransform`. Everything here derives from that rule:
+
+* :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (used by the config
+  checks below and by ``bagel-data stats``, so both always agree with the packer);
+* :func:`transform_extremes` — the largest / smallest output a transform can produce (grid side in
+  patches, tokens), found by evaluating the exact resize rule over a grid of input sizes;
+* :func:`budget_issues` / :func:`check_budgets` — what cannot work (``ConfigError``) and what may
+  drop much (logged warning), for a :class:`~.config.PackerConfig` and the grouped YAML:
+
+  - latent grid side > ``max_latent_size`` (VAE images of t2i/edit, extrapolated position ids index past
+    the ``max_latent_size**2`` table: case B4), ViT grid side > ``max_num_patch_per_side`` (vlm and the
+    edit ViT copy), a transform stride that is not a multiple of the patch size;
+  - every sample a group can produce over ``max_num_tokens_per_sample`` (error), or its largest image
+    over it (warning: case B3, a mandatory group whose data are all large never yields a batch);
+  - ``mandatory groups x (max_num_tokens_per_sample - 1) > max_num_tokens``: mandatory samples are never
+    checked against ``max_num_tokens`` (official quirk), so one pack can exceed it (case B6);
+  - ``max_num_tokens`` not a multiple of 128 with flex attention (warning).
+
+Units: "tokens" are packed sequence positions; sides are in pixels (``*_px``) or patches/latents.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .config import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
+from .transforms import ImageTransform
+
+__all__ = [
+    "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "TransformExtremes", "budget_issues",
+    "check_budgets", "edit_outcomes", "estimate", "group_bounds", "image_tokens", "t2i_estimate",
+    "transform_extremes", "vlm_estimate",
+]
+
+logger = logging.getLogger(__name__)
+
+#: FlexAttention block size: a padded length that is not a multiple of it costs a partial block per pack.
+FLEX_BLOCK = 128
+#: Groups whose ``image_transform_args`` feed the VAE (latent position ids); vlm feeds the ViT.
+_VAE_GROUPS = ("t2i_pretrain", "unified_edit")
+
+_warned: set[str] = set()
+
+
+# --------------------------------------------------------------------------------------------------
+# Estimates (the packer's rule)
+
+
+def image_tokens(transform: ImageTransform, width: int, height: int, img_num: int = 1) -> int:
+    """Tokens of one image of ``width`` x ``height`` input pixels after ``transform``: ``H*W // stride**2``.
+
+    ``img_num`` divides the pixel budget (vlm records with several images). Raises ValueError for a
+    non-positive size.
+    """
+    h, w = transform.target_size(width, height, img_num)
+    return h * w // transform.stride ** 2
+
+
+def estimate(num_tokens: int, plan_items: int) -> int:
+    """The packer's length estimate of one sample: ``num_tokens + 2 * plan_items`` (spec §5)."""
+    return int(num_tokens) + 2 * int(plan_items)
+
+
+def t2i_estimate(image_tokens: int, caption_tokens: int) -> int:
+    """t2i_pretrain: plan [text, vae_image] (2 items), ``num_tokens`` = latent tokens + caption tokens."""
+    return estimate(image_tokens + caption_tokens, 2)
+
+
+def vlm_estimate(image_tokens: Sequence[int], text_tokens: Sequence[int], image_items: int) -> int:
+    """vlm_sft: every image of the record counts (also those without a placeholder, quirk §13.14), every
+    non-empty text element is an item, ``image_items`` = placeholders that got an image."""
+    texts = [n for n in text_tokens if n > 0]
+    return estimate(sum(image_tokens) + sum(texts), len(texts) + image_items)
+
+
+@dataclass(frozen=True)
+class EditOutcome:
+    """One way the edit reader can cook a row: ``probability``, and the estimate's ``lo`` / ``hi`` / ``mean``
+    over the instruction alternatives."""
+
+    probability: float
+    lo: int
+    hi: int
+    mean: float
+
+
+def edit_outcomes(vae_tokens: Sequence[int], vit_tokens: Sequence[int],
+                  text_lens: Any, concat_lens: Any) -> list[EditOutcome]:
+    """Every (start, end, variant) the unified_edit reader can draw for a row of ``n`` images (spec §4.5).
+
+    ``vae_tokens[i]`` / ``vit_tokens[i]``: tokens of image ``i`` after the VAE / ViT transform.
+    ``text_lens(step)`` -> (min, max, mean) tokens of one alternative of ``instruction_list[step]``;
+    ``concat_lens(steps)`` -> (min, max, mean) tokens of the concatenated variant's text for those steps.
+    Start is uniform over ``[0, n-2]``, end uniform over ``[start+1, min(start+3, n)-1]``, the concatenated
+    variant has probability 0.5 when ``end - start > 1``. Raises ValueError for ``n < 2``.
+    """
+    n = len(vae_tokens)
+    if n < 2:
+        raise ValueError(f"an edit row needs at least 2 images, got {n}")
+    out: list[EditOutcome] = []
+    for s in range(n - 1):
+        ends = list(range(s + 1, min(s + 3, n)))
+        for e in ends:
+            p = 1.0 / (n - 1) / len(ends)
+            ctx_tokens, ctx_items = vae_tokens[s] + vit_tokens[s], 2
+            variants = [("step", p)] if e - s == 1 else [("concat", p / 2), ("step", p / 2)]
+            for kind, q in variants:
+                if kind == "concat":
+                    e2 = e - 1 if e == n - 1 else e
+                    lo, hi, mean = concat_lens(list(range(s, e2)))
+                    base, items = ctx_tokens + vae_tokens[e2], ctx_items + 2
+                    out.append(EditOutcome(q, estimate(base + lo, items), estimate(base + hi, items),
+                                           estimate(base, items) + mean))
+                    continue
+                base, items = ctx_tokens, ctx_items
+                lo = hi = 0
+                mean = 0.0
+                for i in range(s + 1, e + 1):
+                    tl, th, tm = text_lens(i - 1)
+                    lo, hi, mean = lo + tl, hi + th, mean + tm
+                    items += 1
+                    if i != e:
+                        base, items = base + 2 * vae_tokens[i] + vit_tokens[i], items + 3
+                    else:
+                        base, items = base + vae_tokens[i], items + 1
+                out.append(EditOutcome(q, estimate(base + lo, items), estimate(base + hi, items),
+                                       estimate(base, items) + mean))
+    return out
+
+
+@dataclass(frozen=True)
+class TransformExtremes:
+    """What a transform can produce over all input sizes (for ``img_num`` images per record).
+
+    ``max_side``: the largest output side in patches (``px // stride``); ``max_side_px`` in pixels;
+    ``max_tokens`` / ``min_tokens``: the largest / smallest ``H*W // stride**2``; ``max_hw``: an output
+    (H, W) in pixels reaching ``max_tokens``.
+    """
+
+    stride: int
+    max_side: int
+    max_side_px: int
+    max_tokens: int
+    min_tokens: int
+    max_hw: tuple[int, int]
+
+
+def _probe_sides(max_size: float, min_size: float, stride: int) -> list[int]:
+    """Input sides to evaluate: a geometric ladder 1 .. 16*max plus the values around the thresholds."""
+    sides = {1, 2, 3}
+    s = 4.0
+    while s <= 16 * max(max_size, min_size):
+        sides.add(int(s))
+        s *= 1.15
+    for base in (max_size, min_size, stride):
+        for k in (0.5, 1, 2, 3, 4):
+            for d in (-1, 0, 1):
+                v = int(round(base * k)) + d
+                if v > 0:
+                    sides.add(v)
+    return sorted(sides)
+
+
+@functools.lru_cache(maxsize=64)
+def _extremes(max_size: float, min_size: float, stride: int, max_pixels: float, img_num: int) -> TransformExtremes:
+    t = ImageTransform(max_size, min_size, stride, max_pixels)
+    sides = _probe_sides(max_size, min_size, stride)
+    best_side = best_tok = 0
+    min_tok = math.inf
+    best_hw = (0, 0)
+    for w in sides:
+        for h in sides:
+            oh, ow = t.target_size(w, h, img_num)
+            tok = oh * ow // stride ** 2
+            best_side = max(best_side, oh, ow)
+            if tok > best_tok:
+                best_tok, best_hw = tok, (oh, ow)
+            min_tok = min(min_tok, tok)
+    return TransformExtremes(stride=stride, max_side=best_side // stride, max_side_px=best_side,
+                             max_tokens=best_tok, min_tokens=int(min_tok), max_hw=best_hw)
+
+
+def transform_extremes(transform: ImageTransform, img_num: int = 1) -> TransformExtremes:
+    """Largest / smallest output of ``transform`` over input sizes 1 px .. 16 x ``max_image_size`` (cached).
+
+    The resize rule (spec §9.1) bounds the long side by ``max_image_size`` (snapped to the stride) and
+    scales the short side up to ``min_image_size``; the probe grid includes the inputs that reach those
+    bounds (squares at max_image_size, extreme aspect ratios), so ``max_side`` / ``max_tokens`` are reached
+    by real inputs.
+    """
+    return _extremes(transform.max_size, transform.min_size, transform.stride, transform.max_pixels, img_num)
+
+
+@dataclass(frozen=True)
+class GroupBounds:
+    """Transform-derived bounds of one group's sample estimates (tokens, including the +2 per plan item).
+
+    ``smallest``: the smallest estimate any sample can have (smallest images, empty texts where the
+    reader allows them); ``largest_image``: the estimate of the simplest sample built from the largest
+    images the transform can produce (longer texts and more images only add to it).
+    """
+
+    smallest: int
+    largest_image: int
+    detail: str
+
+
+def group_bounds(group: GroupConfig) -> GroupBounds | None:
+    """Bounds of ``group``'s estimates from its transforms, or None without ``image_transform_args``.
+
+    t2i: 1 text + 1 VAE image (2 items); unified_edit: context VAE + ViT copy, 1 text, target VAE
+    (4 items, the shortest edit); vlm_sft: 1 ViT image + 1 answer text (the smallest sample is text only,
+    at least one token: 3).
+    """
+    t = group.transform()
+    if t is None:
+        return None
+    ex = transform_extremes(t)
+    if group.name == "t2i_pretrain":
+        return GroupBounds(t2i_estimate(ex.min_tokens, 0), t2i_estimate(ex.max_tokens, 0),
+                           f"largest image {ex.max_hw[1]}x{ex.max_hw[0]} px = {ex.max_tokens} latent tokens + 2 x 2")
+    if group.name == "unified_edit":
+        vt = group.vit_transform()
+        vex = transform_extremes(vt) if vt is not None else None
+        vmax, vmin = (vex.max_tokens, vex.min_tokens) if vex else (0, 0)
+        no_text = lambda *_: (0, 0, 0.0)  # noqa: E731 - an empty instruction (encodes to nothing)
+        small = edit_outcomes([ex.min_tokens] * 2, [vmin] * 2, no_text, no_text)[0].lo
+        large = edit_outcomes([ex.max_tokens] * 2, [vmax] * 2, no_text, no_text)[0].lo
+        return GroupBounds(small, large, f"largest edit step: 2 x {ex.max_tokens} latent + {vmax} ViT tokens + 4 x 2")
+    return GroupBounds(vlm_estimate([], [1], 0), vlm_estimate([ex.max_tokens], [1], 1),
+                       f"largest image {ex.max_hw[1]}x{ex.max_hw[0]} px = {ex.max_tokens} ViT tokens + a 1-token "
+                       "answer + 2 x 2")
+
+
+# --------------------------------------------------------------------------------------------------
+# Config-time checks
+
+
+@dataclass(frozen=True)
+class BudgetIssue:
+    """One finding: ``level`` is "error" (cannot work) or "warning" (may drop much / waste); ``key`` the
+    config key to change; ``message`` says what happens and what to change."""
+
+    level: str
+    key: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.level}: {self.message}"
+
+
+def _groups(groups: Sequence[GroupConfig | ResolvedGroup]) -> list[GroupConfig]:
+    return [g.group if isinstance(g, ResolvedGroup) else g for g in groups]
+
+
+def _grid_issue(issues: list[BudgetIssue], *, where: str, key: str, t: ImageTransform, patch: int, table: int,
+                patch_key: str, table_key: str, interpolate: bool, kind: str) -> None:
+    if t.stride % patch:
+        issues.append(BudgetIssue("error", key, f"{where}: {key}.image_stride {t.stride} is not a multiple of "
+                                  f"{patch_key} {patch}: image sides would not split into whole {kind} patches; "
+                                  f"set image_stride to {patch}"))
+        return
+    if t.stride != patch:
+        issues.append(BudgetIssue("warning", key, f"{where}: {key}.image_stride {t.stride} differs from {patch_key} "
+                                  f"{patch}: the packer's token estimates (H*W/stride^2) undercount the "
+                                  f"{kind} tokens by {(t.stride // patch) ** 2}x"))
+    ex = transform_extremes(t)
+    side = ex.max_side_px // patch
+    if side > table and not interpolate:
+        issues.append(BudgetIssue("error", table_key, (
+            f"{where}: {key} (max_image_size {t.max_size}, stride {t.stride}) produces images up to "
+            f"{ex.max_side_px} px = {side} {kind} patches per side, but {table_key} is {table}: {kind} position "
+            f"ids reach {(side - 1) * table + side - 1} in a {table}x{table} = "
+            f"{table * table}-entry table (out of range / aliased rows). Set {table_key} >= {side}, or "
+            f"max_image_size <= {table * patch}, or interpolate_pos: true")))
+
+
+def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedGroup], *,
+                  source: str = "groups", packer_where: str = "packer") -> list[BudgetIssue]:
+    """Every budget finding for ``packer`` and ``groups`` (errors first), without logging or raising.
+
+    ``source`` names the grouped YAML in messages, ``packer_where`` the packer's key prefix (``packer`` in a
+    data config, ``data.packer`` in a job config). ``packer`` is assumed valid (``PackerConfig.validate``).
+    """
+    p, pw = packer, packer_where
+    gs = _groups(groups)
+    issues: list[BudgetIssue] = []
+    limit = p.max_num_tokens_per_sample
+    for g in gs:
+        where = f"{source}: group {g.name!r}"
+        t = g.transform()
+        if t is None:
+            continue
+        if g.name in _VAE_GROUPS:
+            _grid_issue(issues, where=where, key="image_transform_args", t=t, patch=p.vae_image_downsample,
+                        table=p.max_latent_size, patch_key=f"{pw}.vae_image_downsample",
+                        table_key=f"{pw}.max_latent_size", interpolate=p.interpolate_pos, kind="latent")
+        else:
+            _grid_issue(issues, where=where, key="image_transform_args", t=t, patch=p.vit_patch_size,
+                        table=p.max_num_patch_per_side, patch_key=f"{pw}.vit_patch_size",
+                        table_key=f"{pw}.max_num_patch_per_side", interpolate=p.interpolate_pos, kind="ViT")
+        vt = g.vit_transform() if g.name == "unified_edit" else None
+        if vt is not None:
+            _grid_issue(issues, where=where, key="vit_image_transform_args", t=vt, patch=p.vit_patch_size,
+                        table=p.max_num_patch_per_side, patch_key=f"{pw}.vit_patch_size",
+                        table_key=f"{pw}.max_num_patch_per_side", interpolate=p.interpolate_pos, kind="ViT")
+        b = group_bounds(g)
+        if b is None:
+            continue
+        # mandatory samples must be < limit (strict), the others <= limit (spec §5 / §13.1)
+        too_big = (lambda est: est >= limit) if g.is_mandatory else (lambda est: est > limit)
+        bound = f"< {limit}" if g.is_mandatory else f"<= {limit}"
+        kind = "mandatory group" if g.is_mandatory else "group"
+        if too_big(b.smallest):
+            issues.append(BudgetIssue("error", f"{pw}.max_num_tokens_per_sample", (
+                f"{where}: even the smallest sample this {kind} can produce is estimated at {b.smallest} tokens, "
+                f"but {pw}.max_num_tokens_per_sample {limit} keeps only estimates {bound}: every sample is "
+                f"dropped{' and the packer never yields a batch' if g.is_mandatory else ''}. Raise "
+                f"{pw}.max_num_tokens_per_sample above {b.smallest} or lower image_transform_args.min_image_size")))
+        elif too_big(b.largest_image):
+            side = transform_extremes(t).max_side_px
+            issues.append(BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
+                f"{where}: a sample with the largest image this transform produces ({b.detail}) is estimated at "
+                f">= {b.largest_image} tokens, over {pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such "
+                f"samples are dropped"
+                + (" - if most images of this mandatory group are that large (e.g. all at least "
+                   f"{side}x{side} px), the packer drops them one after another and never yields a batch"
+                   if g.is_mandatory else "")
+                + f". Raise {pw}.max_num_tokens_per_sample to >= {b.largest_image + (1 if g.is_mandatory else 0)} "
+                f"(and max_num_tokens accordingly) or lower image_transform_args.max_image_size; "
+                f"`bagel-data stats` counts the affected samples")))
+    mandatory = [g.name for g in gs if g.is_mandatory]
+    if len(mandatory) > 1 and len(mandatory) * (limit - 1) > p.max_num_tokens:
+        fit = p.max_num_tokens // len(mandatory) + 1
+        issues.append(BudgetIssue("error", f"{pw}.max_num_tokens_per_sample", (
+            f"{source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
+            f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "
+            f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "
+            f"{len(mandatory) * (limit - 1)} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job's "
+            f"batch-contract check stops the run at the first such pack). Set {pw}.max_num_tokens_per_sample "
+            f"<= {fit}, or {pw}.max_num_tokens >= {len(mandatory) * (limit - 1)}, or make fewer groups "
+            "is_mandatory")))
+    if p.use_flex and p.max_num_tokens % FLEX_BLOCK:
+        up = -(-p.max_num_tokens // FLEX_BLOCK) * FLEX_BLOCK
+        issues.append(BudgetIssue("warning", f"{pw}.max_num_tokens", (
+            f"{pw}.max_num_tokens {p.max_num_tokens} is not a multiple of {FLEX_BLOCK} with use_flex: every pack is "
+            f"padded to it and FlexAttention works in {FLEX_BLOCK}-token blocks; use {up} or "
+            f"{up - FLEX_BLOCK}")))
+    issues.sort(key=lambda i: i.level != "error")
+    return issues
+
+
+def check_budgets(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedGroup], *,
+                  source: str = "groups", packer_where: str = "packer") -> list[BudgetIssue]:
+    """Raise ConfigError listing every budget that cannot work; log each warning once per process.
+
+    Called by ``BagelDataConfig.load_groups`` (the builder's validation path). Returns the warnings.
+    """
+    issues = budget_issues(packer, groups, source=source, packer_where=packer_where)
+    errors = [i for i in issues if i.level == "error"]
+    if errors:
+        raise ConfigError("packer budgets cannot work with these groups:\n  - "
+                          + "\n  - ".join(i.message for i in errors))
+    warnings = [i for i in issues if i.level == "warning"]
+    for w in warnings:
+        if w.message not in _warned:
+            _warned.add(w.message)
+            logger.warning("%s", w.message)
+    return warnings
+
