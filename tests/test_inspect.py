@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from _external_common import demo_loader
+from _external_common import DEMO_MAX_TOKENS, demo_loader
 from bridge.models.bagel.data import cli
 from bridge.models.bagel.data.inspection import (
     attention_allowed,
@@ -171,10 +171,10 @@ def test_flex_and_dense_real_packer_same_picture(demo_setup):
     with demo_loader(out, tok, 0, True) as lf, demo_loader(out, tok, 0, False) as ld:
         bf, bd = next(lf), next(ld)
     assert "split_lens" in bf and "nested_attention_masks" in bd
-    assert pack_layout(bd, 8192).same_attention(pack_layout(bf))
-    assert np.array_equal(np.asarray(render_pack(bd, max_num_tokens=5120, size=256)),
+    assert pack_layout(bd, DEMO_MAX_TOKENS).same_attention(pack_layout(bf))
+    assert np.array_equal(np.asarray(render_pack(bd, max_num_tokens=DEMO_MAX_TOKENS, size=256)),
                           np.asarray(render_pack(bf, size=256)))
-    s = summarize_batch(bf, 5120)
+    s = summarize_batch(bf, DEMO_MAX_TOKENS)
     assert s.totals["tokens"] == sum(x["tokens"] for x in s.samples) == bf["sequence_length"]
 
 
