@@ -201,15 +201,16 @@ def test_resolve_groups_errors():
 
 # --- packer -------------------------------------------------------------------------------------------
 
-def test_packer_defaults_and_kwargs():
+def test_packer_defaults_and_from_mapping():
     p = PackerConfig()
-    kw = p.packer_kwargs()
-    assert kw == {
+    assert dataclasses.asdict(p) == {
         "expected_num_tokens": 32768, "max_num_tokens_per_sample": 16384, "max_num_tokens": 36864,
         "prefer_buffer_before": 16384, "max_buffer_size": 50, "interpolate_pos": False, "use_flex": False,
         "text_cond_dropout_prob": 0.1, "vit_cond_dropout_prob": 0.4, "vae_cond_dropout_prob": 0.1,
         "vae_image_downsample": 16, "max_latent_size": 32, "vit_patch_size": 14, "max_num_patch_per_side": 70,
+        "max_consecutive_drops": 100,
     }
+    assert PackerConfig.from_mapping({"use_flex": True, "seed": 3}) == PackerConfig(use_flex=True)
     PackerConfig(expected_num_tokens=10240, max_num_tokens=11520, max_num_tokens_per_sample=10240,
                  prefer_buffer_before=10240).validate()            # TRAIN.md fine-tuning recipe
 
