@@ -21,7 +21,7 @@ from bridge.models.bagel.data import cli
 from bridge.models.bagel.data.inspection import (
     attention_allowed,
     canvas_size,
-    pack_layout,
+    pack_view,
     render_pack,
     sampled_positions,
     summarize_batch,
@@ -149,9 +149,9 @@ def _sibling_batches(dense_case: str, flex_case: str, limit: int):
 @pytest.mark.parametrize("dense_case,flex_case", [("c01_dense_extrap_3g2m_s14", "c02_flex_extrap_3g2m_s14"),
                                                   ("c03_dense_interp_4g1m_s4", "c04_flex_interp_4g1m_s4")])
 def test_flex_and_dense_draw_the_same_picture(dense_case, flex_case):
-    """Golden sibling cases (same seed and streams, dense vs flex): same layout, same pixels, official masks."""
+    """Golden sibling cases (same seed and streams, dense vs flex): same view, same pixels, official masks."""
     for bd, bf, mx in _sibling_batches(dense_case, flex_case, limit=6):
-        ld, lf = pack_layout(bd, mx), pack_layout(bf)
+        ld, lf = pack_view(bd, mx), pack_view(bf)
         assert (ld.source, lf.source) == ("dense", "flex")
         assert ld.same_attention(lf)
         # the rule reproduces the official dense masks exactly, at full resolution
@@ -171,7 +171,7 @@ def test_flex_and_dense_real_packer_same_picture(demo_setup):
     with demo_loader(out, tok, 0, True) as lf, demo_loader(out, tok, 0, False) as ld:
         bf, bd = next(lf), next(ld)
     assert "split_lens" in bf and "nested_attention_masks" in bd
-    assert pack_layout(bd, DEMO_MAX_TOKENS).same_attention(pack_layout(bf))
+    assert pack_view(bd, DEMO_MAX_TOKENS).same_attention(pack_view(bf))
     assert np.array_equal(np.asarray(render_pack(bd, max_num_tokens=DEMO_MAX_TOKENS, size=256)),
                           np.asarray(render_pack(bf, size=256)))
     s = summarize_batch(bf, DEMO_MAX_TOKENS)
@@ -189,11 +189,11 @@ def test_render_is_deterministic():
     with Image.open(io.BytesIO(blobs[0])) as im:
         assert im.size == canvas_size(200)
     # one real position per pixel, inside that pixel's span of the axis
-    layout = pack_layout(batch)
-    pos = sampled_positions(layout, 200)
+    view = pack_view(batch)
+    pos = sampled_positions(view, 200)
     p = np.arange(200)
-    assert ((pos >= p * layout.length // 200) & (pos < np.maximum(p * layout.length // 200 + 1,
-                                                                  (p + 1) * layout.length // 200))).all()
+    assert ((pos >= p * view.length // 200) & (pos < np.maximum(p * view.length // 200 + 1,
+                                                                  (p + 1) * view.length // 200))).all()
 
 
 def test_energon_info_offline_on_converted_demo(demo_setup):

@@ -7,7 +7,8 @@ them into a FlexAttention block mask on the GPU (``data/data_utils.py`` ``create
 by ``modeling/bagel/qwen2_navit.py`` L294/L478). This module does the same from its own code:
 
 * ``flex_metadata(batch)`` validates the lists and expands them to per-token id tensors (``FlexMetadata``);
-* ``make_mask_mod(meta)`` is the FlexAttention ``mask_mod``; query ``q`` may attend key ``k`` iff
+* ``make_mask_mod(meta)`` is the FlexAttention ``mask_mod`` (``mask_rule`` on the per-token ids); query ``q``
+  may attend key ``k`` iff
   - ``q`` and ``k`` are in the same document (sample; the pad is a document of its own), and
   - ``q >= k``, or both lie in the same ``full``/``noise`` split (bidirectional inside it), and
   - ``k`` is not in a ``noise`` split other than ``q``'s (noised targets are invisible to every other token);
@@ -48,6 +49,7 @@ __all__ = [
     "dense_mask",
     "flex_metadata",
     "make_mask_mod",
+    "mask_rule",
     "to_device",
 ]
 
@@ -165,12 +167,25 @@ def make_mask_mod(meta: FlexMetadata) -> MaskMod:
     doc, full, noise = meta.document_id, meta.full_id, meta.noise_id
 
     def bagel_mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        same_doc = doc[q_idx] == doc[kv_idx]
-        bidirectional = (full[q_idx] == full[kv_idx]) & (full[q_idx] >= 0)
-        hidden_noise = (noise[kv_idx] >= 0) & (noise[kv_idx] != noise[q_idx])
-        return same_doc & ((q_idx >= kv_idx) | bidirectional) & ~hidden_noise
+        return mask_rule(doc, full, noise, q_idx, kv_idx)
 
     return bagel_mask_mod
+
+
+def mask_rule(document_id: torch.Tensor, full_id: torch.Tensor, noise_id: torch.Tensor, q_idx: torch.Tensor,
+              kv_idx: torch.Tensor) -> torch.Tensor:
+    """The mask rule (module docstring) on per-token ids: True where query ``q_idx`` may attend key ``kv_idx``.
+
+    ``document_id`` / ``full_id`` / ``noise_id`` are int [L] tensors as in ``FlexMetadata`` (only equality and
+    the sign of the ids matter); ``q_idx`` / ``kv_idx`` are integer tensors of broadcastable shapes, indices in
+    [0, L). Returns a bool tensor of the broadcast shape. Numpy arrays work the same way (the rule only
+    indexes, compares and combines). ``make_mask_mod`` is this rule over a ``FlexMetadata``;
+    ``bagel-data inspect`` applies it to the ids it reads from flex or dense batches.
+    """
+    same_doc = document_id[q_idx] == document_id[kv_idx]
+    bidirectional = (full_id[q_idx] == full_id[kv_idx]) & (full_id[q_idx] >= 0)
+    hidden_noise = (noise_id[kv_idx] >= 0) & (noise_id[kv_idx] != noise_id[q_idx])
+    return same_doc & ((q_idx >= kv_idx) | bidirectional) & ~hidden_noise
 
 
 def _as_meta(batch_or_meta: Mapping[str, Any] | FlexMetadata, device: torch.device | str | None) -> FlexMetadata:
