@@ -5,9 +5,12 @@ plan item are bos/eos or start/end-of-image), where an image contributes ``H * W
 after the group's :class:`~.transforms.ImageTransform`. Everything here derives from that rule:
 
 * :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (used by the config
-  checks below and by ``bagel-data stats``, so both always agree with the packer);
+  checks below and by ``bagel-data stats``, so both always agree with the packer); :func:`is_overlength`
+  — the packer's per-sample drop rule on such an estimate;
 * :func:`transform_extremes` — the largest / smallest output a transform can produce (grid side in
   patches, tokens), found by evaluating the exact resize rule over a grid of input sizes;
+  :func:`image_grids` / :func:`table_side` — which position table each of a group's transforms indexes
+  and how large that table must be;
 * :func:`budget_issues` / :func:`check_budgets` — what cannot work (``ConfigError``) and what may
   drop much (logged warning), for a :class:`~.config.PackerConfig` and the grouped YAML:
 
@@ -36,9 +39,10 @@ from .config import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
 from .transforms import ImageTransform
 
 __all__ = [
-    "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "TransformExtremes", "budget_issues",
-    "check_budgets", "edit_outcomes", "estimate", "group_bounds", "image_tokens", "t2i_estimate",
-    "transform_extremes", "vlm_estimate",
+    "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "ImageGrid", "TransformExtremes", "VAE_GROUPS",
+    "budget_issues", "check_budgets", "edit_outcomes", "estimate", "group_bounds", "image_grids",
+    "image_tokens", "is_overlength", "mandatory_tokens", "t2i_estimate", "table_side", "transform_extremes",
+    "vlm_estimate",
 ]
 
 logger = logging.getLogger(__name__)
@@ -46,7 +50,7 @@ logger = logging.getLogger(__name__)
 #: FlexAttention block size: a padded length that is not a multiple of it costs a partial block per pack.
 FLEX_BLOCK = 128
 #: Groups whose ``image_transform_args`` feed the VAE (latent position ids); vlm feeds the ViT.
-_VAE_GROUPS = ("t2i_pretrain", "unified_edit")
+VAE_GROUPS = ("t2i_pretrain", "unified_edit")
 
 _warned: set[str] = set()
 
@@ -68,6 +72,19 @@ def image_tokens(transform: ImageTransform, width: int, height: int, img_num: in
 def estimate(num_tokens: int, plan_items: int) -> int:
     """The packer's length estimate of one sample: ``num_tokens + 2 * plan_items`` (spec §5)."""
     return int(num_tokens) + 2 * int(plan_items)
+
+
+def is_overlength(est: float, limit: int, mandatory: bool) -> bool:
+    """The packer's per-sample drop rule (spec §5 / §13.1): a sample estimated at ``est`` tokens is dropped
+    when ``est >= limit`` in a mandatory group, ``est > limit`` otherwise (``limit`` =
+    ``max_num_tokens_per_sample``)."""
+    return est >= limit if mandatory else est > limit
+
+
+def mandatory_tokens(mandatory_groups: int, limit: int) -> int:
+    """The most tokens the mandatory samples alone can put into one pack: one sample ``< limit`` per mandatory
+    group; they are never checked against ``max_num_tokens`` (official quirk, case B6)."""
+    return mandatory_groups * (limit - 1)
 
 
 def t2i_estimate(image_tokens: int, caption_tokens: int) -> int:
@@ -201,6 +218,41 @@ def transform_extremes(transform: ImageTransform, img_num: int = 1) -> Transform
 
 
 @dataclass(frozen=True)
+class ImageGrid:
+    """One transform of a group (``args_key`` in the grouped YAML) and the position table its images index:
+    ``kind`` "latent" (VAE images of t2i / edit; packer knobs ``vae_image_downsample`` px per latent,
+    ``max_latent_size`` latents per side) or "ViT" (vlm, the edit ViT copy; ``vit_patch_size``,
+    ``max_num_patch_per_side``)."""
+
+    args_key: str
+    transform: ImageTransform
+    kind: str
+    patch_knob: str
+    table_knob: str
+
+
+_LATENT_GRID = ("latent", "vae_image_downsample", "max_latent_size")
+_VIT_GRID = ("ViT", "vit_patch_size", "max_num_patch_per_side")
+
+
+def image_grids(group: GroupConfig) -> list[ImageGrid]:
+    """The group's transforms with the table each feeds ([] without ``image_transform_args``)."""
+    t = group.transform()
+    if t is None:
+        return []
+    grids = [ImageGrid("image_transform_args", t, *(_LATENT_GRID if group.name in VAE_GROUPS else _VIT_GRID))]
+    vt = group.vit_transform() if group.name == "unified_edit" else None
+    if vt is not None:
+        grids.append(ImageGrid("vit_image_transform_args", vt, *_VIT_GRID))
+    return grids
+
+
+def table_side(transform: ImageTransform, patch: int) -> int:
+    """Position-table side (patches of ``patch`` px) that holds the largest image ``transform`` produces."""
+    return math.ceil(transform_extremes(transform).max_side_px / patch)
+
+
+@dataclass(frozen=True)
 class GroupBounds:
     """Transform-derived bounds of one group's sample estimates (tokens, including the +2 per plan item).
 
@@ -262,8 +314,11 @@ def _groups(groups: Sequence[GroupConfig | ResolvedGroup]) -> list[GroupConfig]:
     return [g.group if isinstance(g, ResolvedGroup) else g for g in groups]
 
 
-def _grid_issue(issues: list[BudgetIssue], *, where: str, key: str, t: ImageTransform, patch: int, table: int,
-                patch_key: str, table_key: str, interpolate: bool, kind: str) -> None:
+def _grid_issue(issues: list[BudgetIssue], grid: ImageGrid, packer: PackerConfig, *, where: str, pw: str) -> None:
+    """The issues of one transform against the position table it indexes (appended to ``issues``)."""
+    key, t, kind = grid.args_key, grid.transform, grid.kind
+    patch, table = getattr(packer, grid.patch_knob), getattr(packer, grid.table_knob)
+    patch_key, table_key = f"{pw}.{grid.patch_knob}", f"{pw}.{grid.table_knob}"
     if t.stride % patch:
         issues.append(BudgetIssue("error", key, f"{where}: {key}.image_stride {t.stride} is not a multiple of "
                                   f"{patch_key} {patch}: image sides would not split into whole {kind} patches; "
@@ -274,8 +329,8 @@ def _grid_issue(issues: list[BudgetIssue], *, where: str, key: str, t: ImageTran
                                   f"{patch}: the packer's token estimates (H*W/stride^2) undercount the "
                                   f"{kind} tokens by {(t.stride // patch) ** 2}x"))
     ex = transform_extremes(t)
-    side = ex.max_side_px // patch
-    if side > table and not interpolate:
+    side = table_side(t, patch)  # exact: the stride is a multiple of the patch
+    if side > table and not packer.interpolate_pos:
         issues.append(BudgetIssue("error", table_key, (
             f"{where}: {key} (max_image_size {t.max_size}, stride {t.stride}) produces images up to "
             f"{ex.max_side_px} px = {side} {kind} patches per side, but {table_key} is {table}: {kind} position "
@@ -297,27 +352,12 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
     limit = p.max_num_tokens_per_sample
     for g in gs:
         where = f"{source}: group {g.name!r}"
-        t = g.transform()
-        if t is None:
-            continue
-        if g.name in _VAE_GROUPS:
-            _grid_issue(issues, where=where, key="image_transform_args", t=t, patch=p.vae_image_downsample,
-                        table=p.max_latent_size, patch_key=f"{pw}.vae_image_downsample",
-                        table_key=f"{pw}.max_latent_size", interpolate=p.interpolate_pos, kind="latent")
-        else:
-            _grid_issue(issues, where=where, key="image_transform_args", t=t, patch=p.vit_patch_size,
-                        table=p.max_num_patch_per_side, patch_key=f"{pw}.vit_patch_size",
-                        table_key=f"{pw}.max_num_patch_per_side", interpolate=p.interpolate_pos, kind="ViT")
-        vt = g.vit_transform() if g.name == "unified_edit" else None
-        if vt is not None:
-            _grid_issue(issues, where=where, key="vit_image_transform_args", t=vt, patch=p.vit_patch_size,
-                        table=p.max_num_patch_per_side, patch_key=f"{pw}.vit_patch_size",
-                        table_key=f"{pw}.max_num_patch_per_side", interpolate=p.interpolate_pos, kind="ViT")
+        for grid in image_grids(g):
+            _grid_issue(issues, grid, p, where=where, pw=pw)
         b = group_bounds(g)
         if b is None:
             continue
-        # mandatory samples must be < limit (strict), the others <= limit (spec §5 / §13.1)
-        too_big = (lambda est: est >= limit) if g.is_mandatory else (lambda est: est > limit)
+        too_big = functools.partial(is_overlength, limit=limit, mandatory=g.is_mandatory)
         bound = f"< {limit}" if g.is_mandatory else f"<= {limit}"
         kind = "mandatory group" if g.is_mandatory else "group"
         if too_big(b.smallest):
@@ -327,7 +367,7 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
                 f"dropped{' and the packer never yields a batch' if g.is_mandatory else ''}. Raise "
                 f"{pw}.max_num_tokens_per_sample above {b.smallest} or lower image_transform_args.min_image_size")))
         elif too_big(b.largest_image):
-            side = transform_extremes(t).max_side_px
+            side = transform_extremes(g.transform()).max_side_px
             issues.append(BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
                 f"{where}: a sample with the largest image this transform produces ({b.detail}) is estimated at "
                 f">= {b.largest_image} tokens, over {pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such "
@@ -339,15 +379,16 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
                 f"(and max_num_tokens accordingly) or lower image_transform_args.max_image_size; "
                 f"`bagel-data stats` counts the affected samples")))
     mandatory = [g.name for g in gs if g.is_mandatory]
-    if len(mandatory) > 1 and len(mandatory) * (limit - 1) > p.max_num_tokens:
+    worst = mandatory_tokens(len(mandatory), limit)
+    if len(mandatory) > 1 and worst > p.max_num_tokens:
         fit = p.max_num_tokens // len(mandatory) + 1
         issues.append(BudgetIssue("error", f"{pw}.max_num_tokens_per_sample", (
             f"{source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
             f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "
             f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "
-            f"{len(mandatory) * (limit - 1)} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job's "
+            f"{worst} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job's "
             f"batch-contract check stops the run at the first such pack). Set {pw}.max_num_tokens_per_sample "
-            f"<= {fit}, or {pw}.max_num_tokens >= {len(mandatory) * (limit - 1)}, or make fewer groups "
+            f"<= {fit}, or {pw}.max_num_tokens >= {worst}, or make fewer groups "
             "is_mandatory")))
     if p.use_flex and p.max_num_tokens % FLEX_BLOCK:
         up = -(-p.max_num_tokens // FLEX_BLOCK) * FLEX_BLOCK
