@@ -1,0 +1,107 @@
+"""``bagel-data stats``: one pass over the converted datasets' metadata, token estimates and a budget advisor.
+
+For every group of a job config and every converted dataset of the group, read the shards once and
+estimate each sample's packed length with the packer's own rule (:mod:`..budgets`), then report. One
+module per concern:
+
+* ``estimate``: :func:`dataset_stats` reads ``meta.json`` + image *headers* (no pixel decode) and gives
+  one :class:`SampleEstimate` (tokens; lo / hi over the reader's random choices: t2i caption, edit start,
+  end and instructions) per usable sample, and the samples the cooker would drop for recorded data errors;
+  :class:`GroupStats` counts those over ``max_num_tokens_per_sample`` (always, or only for some choices);
+* ``simulate``: :func:`simulate_packing` replays the official pack loop (mandatory first, weighted draws,
+  overflow buffer, flush) on the estimates, for the configured and a few :func:`candidate_budgets`: fill
+  ratio (``sequence_length / max_num_tokens``), samples per pack, share of consumed samples dropped;
+* ``report``: :class:`StatsReport` (per group and dataset: sample counts, unusable samples, the
+  distribution of estimated tokens, the largest VAE / ViT grid; the advisor table; findings) and
+  :func:`draw_histogram`.
+
+Findings are the config-time budget issues (:func:`..budgets.budget_issues`) plus what only the data
+show (:func:`.report.data_findings`): a mandatory group none of whose samples fits (the packer would never
+yield a batch), VAE images larger than ``max_latent_size x vae_image_downsample`` (interpolated position
+ids; extrapolated ones are refused at config time already).
+
+Known approximations: corrupt pixel data behind a valid header is not detected; CFG dropout (which
+shortens packed samples) is ignored; edit rows are checked for null images / malformed instruction lists as
+a whole, whereas the reader only fails on the images and steps a draw reaches.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from ..budgets import budget_issues
+from ..config import ConfigError, PackerConfig, ResolvedGroup, load_dataset_info, load_grouped_yaml, resolve_groups
+from .estimate import DatasetStats, GroupStats, SampleEstimate, dataset_stats
+from .report import StatsReport, data_findings, draw_histogram
+from .simulate import Candidate, SimResult, candidate_budgets, simulate_packing
+
+__all__ = ["Candidate", "DatasetStats", "GroupStats", "SampleEstimate", "SimResult", "StatsReport",
+           "candidate_budgets", "collect_stats", "dataset_stats", "draw_histogram", "job_stats", "simulate_packing"]
+
+logger = logging.getLogger(__name__)
+
+
+def collect_stats(groups: Sequence[ResolvedGroup], packer: PackerConfig, tokenizer: Any, *, source: str = "groups",
+                  packer_where: str = "data.packer", max_samples: int | None = None, progress: bool = True,
+                  sim_packs: int = 200, histogram: str | None = None) -> StatsReport:
+    """Read every dataset of ``groups`` once and build the report (see the package docstring).
+
+    ``tokenizer``: anything with ``encode(str) -> list[int]`` (the job's tokenizer). ``sim_packs``: packs
+    replayed per candidate. ``histogram``: PNG path to write (None = none). Raises ConfigError for a dataset
+    without ``energon_path`` or manifest.
+    """
+    gstats = []
+    for rg in groups:
+        ds = []
+        for name, entry in zip(rg.group.dataset_names, rg.datasets):
+            if not entry.energon_path:
+                raise ConfigError(f"{rg.group.name}.{name}: no 'energon_path'; convert it first (bagel-data convert)")
+            ds.append(dataset_stats(rg.group, name, entry.energon_path, tokenizer, max_samples=max_samples,
+                                    progress=progress))
+        gstats.append(GroupStats(rg.group, ds))
+    cfg_groups = [g.group for g in gstats]
+    findings = budget_issues(packer, cfg_groups, source=source, packer_where=packer_where)
+    findings += data_findings(packer, gstats, packer_where)
+    findings.sort(key=lambda i: i.level != "error")
+    rng = random.Random(0)
+    streams = []
+    for g in gstats:
+        s = [round(e.mean) for e in g.estimates]
+        rng.shuffle(s)
+        streams.append(s)
+    advice = []
+    for c in candidate_budgets(packer, gstats):
+        r = simulate_packing(streams, [g.group.weight for g in gstats], [g.group.is_mandatory for g in gstats],
+                             [g.group.name for g in gstats], c.packer, packs=sim_packs)
+        advice.append((c, r, budget_issues(c.packer, cfg_groups, source=source, packer_where=packer_where)))
+    sampled = max_samples is not None and any(d.read < d.samples for g in gstats for d in g.datasets)
+    report = StatsReport(source, packer, gstats, advice, findings, sampled=sampled, packer_where=packer_where)
+    if histogram:
+        report.histogram = draw_histogram(report, histogram)
+    return report
+
+
+def job_stats(config: str, overrides: Sequence[str] = (), *, tokenizer: Any = None, **kw: Any) -> StatsReport:
+    """``bagel-data stats --config JOB.yaml``: load the job config (generating ``demo_data`` when set and
+    missing), the groups and registry *without* refusing bad budgets, the tokenizer, then :func:`collect_stats`.
+
+    Raises ConfigError for an invalid config or an unconverted dataset.
+    """
+    from ..job.config import load_job_config
+
+    cfg = load_job_config(config, list(overrides))
+    if cfg.demo_data:
+        from ..converter.demo import make_demo_data
+
+        make_demo_data(cfg.demo_data, seed=cfg.demo_seed)
+    data = cfg.data
+    groups = resolve_groups(load_grouped_yaml(data.groups), load_dataset_info(data.dataset_info),
+                            source=str(data.dataset_info))
+    if tokenizer is None:
+        from ..tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(data.tokenizer)
+    return collect_stats(groups, data.packer, tokenizer, source=str(data.groups), **kw)
