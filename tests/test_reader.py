@@ -195,7 +195,7 @@ def test_state_guards(tok, data):
     a = make(tok, data["t2i"], seed=3)
     take(a, 4)
     state = a.state_dict()
-    assert set(state) == {"energon", "drops"} and state["drops"]["stage"] == "DropCounter"
+    assert set(state) == {"energon", "drops", "unused"} and state["drops"]["stage"] == "DropCounter"
     with pytest.raises(StateError, match="before iterating"):
         a.load_state_dict(state)
     with pytest.raises(StateError, match="fields"):
