@@ -22,7 +22,9 @@ import yaml
 from .transforms import ImageTransform
 
 __all__ = [
+    "GROUP_KEYS",
     "KNOWN_GROUPS",
+    "ORDERS",
     "BagelDataConfig",
     "ConfigError",
     "DatasetInfoEntry",
@@ -42,8 +44,15 @@ KNOWN_GROUPS: tuple[str, ...] = ("t2i_pretrain", "unified_edit", "vlm_sft")
 
 _TRANSFORM_KEYS = frozenset(
     ("max_image_size", "min_image_size", "image_stride", "max_pixels", "image_mean", "image_std"))
-#: Pass-through keys some readers accept, with their expected type.
-_EXTRA_TYPES: dict[str, type | tuple[type, ...]] = {"shuffle_lines": bool, "shuffle_seed": int}
+#: Every per-group key of the official grouped YAML (spec bagel_packer.md §3.1); anything else is refused.
+GROUP_KEYS: tuple[str, ...] = ("dataset_names", "weight", "is_mandatory", "image_transform_args",
+                               "vit_image_transform_args", "frame_sampler_args", "num_used_data", "resume_data_status",
+                               "shuffle_lines", "shuffle_seed")
+#: Keys only the vlm_sft class accepts (the official t2i / edit constructors raise TypeError on them).
+_VLM_ONLY_KEYS = ("frame_sampler_args", "shuffle_lines", "shuffle_seed")
+_FRAME_SAMPLER_KEYS = frozenset(("max_num_frames", "min_num_frames"))
+#: Values ``BagelDataConfig.order`` accepts.
+ORDERS: tuple[str, ...] = ("energon", "official")
 #: Registry fields each group's readers need besides ``data_dir``.
 _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_path",)}
 
@@ -122,7 +131,14 @@ class PackerConfig:
 
 @dataclass
 class GroupConfig:
-    """One top-level group of the grouped YAML; unknown per-group keys are kept in ``extra``."""
+    """One top-level group of the grouped YAML (every key of ``GROUP_KEYS``; any other key is a ConfigError).
+
+    ``num_used_data`` is the official per-dataset selection (t2i / edit: that many parquet files, the
+    listing repeated when larger than the file count; vlm: the first n lines after the optional
+    ``shuffle_lines`` shuffle with ``random.Random(shuffle_seed)``); None = every converted sample once.
+    ``frame_sampler_args`` only concerns video records, which are not cooked (dropped as
+    ``video_unsupported``). ``resume_data_status`` must be true (every group resumes exactly).
+    """
 
     name: str
     dataset_names: list[str]
@@ -133,7 +149,8 @@ class GroupConfig:
     frame_sampler_args: dict[str, Any] | None = None
     num_used_data: list[int] | None = None
     resume_data_status: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    shuffle_lines: bool = False
+    shuffle_seed: int = 0
 
     def transform(self) -> ImageTransform | None:
         """The group's ``ImageTransform`` (the official ``transform`` kwarg), or None."""
@@ -220,17 +237,37 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
     weight = raw.pop("weight", 0.0)
     if not _is_number(weight) or weight < 0:
         raise ConfigError(f"{where}: key 'weight' must be a non-negative number, got {weight!r}")
+    unknown = [k for k in raw if k not in GROUP_KEYS]
+    if unknown:
+        raise ConfigError(f"{where}: key {unknown[0]!r} is not an official grouped-YAML key this loader supports "
+                          f"(known: {', '.join(GROUP_KEYS)})")
+    if name != "vlm_sft":
+        for key in _VLM_ONLY_KEYS:
+            if key in raw:
+                raise ConfigError(f"{where}: key {key!r} applies only to vlm_sft (the official {name} class "
+                                  "rejects it)")
     flags = {}
-    for key, default in (("is_mandatory", False), ("resume_data_status", True)):
+    for key, default in (("is_mandatory", False), ("resume_data_status", True), ("shuffle_lines", False)):
         flags[key] = raw.pop(key, default)
         if not isinstance(flags[key], bool):
-            raise ConfigError(f"{where}: key {key!r} must be true/false, got {flags[key]!r}")
+            raise ConfigError(f"{where}: key {key!r} must be of type bool (true/false), got {flags[key]!r}")
+    if not flags["resume_data_status"]:
+        raise ConfigError(f"{where}: key 'resume_data_status': false is not supported (official: the group restarts "
+                          "from its first unit after a resume); this loader always resumes every group exactly")
+    shuffle_seed = raw.pop("shuffle_seed", 0)
+    if not _is_int(shuffle_seed):
+        raise ConfigError(f"{where}: key 'shuffle_seed' must be of type int, got {shuffle_seed!r}")
     image_args = _check_transform_args(raw.pop("image_transform_args", None), f"{where}: key 'image_transform_args'")
     vit_args = _check_transform_args(raw.pop("vit_image_transform_args", None),
                                      f"{where}: key 'vit_image_transform_args'")
     frame_args = raw.pop("frame_sampler_args", None)
-    if frame_args is not None and not isinstance(frame_args, dict):
-        raise ConfigError(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
+    if frame_args is not None:
+        if not isinstance(frame_args, dict):
+            raise ConfigError(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
+        bad = sorted(set(frame_args) - _FRAME_SAMPLER_KEYS)
+        if bad or not all(_is_int(v) and v > 0 for v in frame_args.values()):
+            raise ConfigError(f"{where}: key 'frame_sampler_args' takes positive integers "
+                              f"{sorted(_FRAME_SAMPLER_KEYS)}, got {frame_args!r}")
     num_used = raw.pop("num_used_data", None)
     if num_used is not None:
         if not isinstance(num_used, list) or not all(_is_int(n) and n >= 0 for n in num_used):
@@ -238,17 +275,12 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
         if len(num_used) != len(names):
             raise ConfigError(f"{where}: key 'num_used_data' has {len(num_used)} entries but 'dataset_names' has "
                               f"{len(names)}")
-    for key, value in raw.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"{where}: key {key!r} is not a string")
-        expected = _EXTRA_TYPES.get(key)
-        if expected is bool and not isinstance(value, bool) or expected is int and not _is_int(value):
-            raise ConfigError(f"{where}: key {key!r} must be of type {expected.__name__}, got {value!r}")
-        if expected is None:
-            logger.warning("%s: passing unknown key %r through to the reader", where, key)
+        if not any(num_used):
+            raise ConfigError(f"{where}: key 'num_used_data' selects no data ({num_used!r})")
+    assert not raw, raw  # every key was checked against GROUP_KEYS above
     return GroupConfig(name=name, dataset_names=names, weight=float(weight), image_transform_args=image_args,
                        vit_image_transform_args=vit_args, frame_sampler_args=frame_args, num_used_data=num_used,
-                       extra=raw, **flags)
+                       shuffle_seed=shuffle_seed, **flags)
 
 
 def load_grouped_yaml(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>") -> list[GroupConfig]:
@@ -356,8 +388,11 @@ class BagelDataConfig:
     groups: str = "???"                 # grouped-datasets YAML (official example.yaml format)
     dataset_info: str = "???"           # registry YAML/JSON {group: {name: DatasetInfoEntry}}
     packer: PackerConfig = field(default_factory=PackerConfig)
-    seed: int = 42                      # data seed (official set_epoch(data_seed))
-    num_workers: int = 0
+    seed: int = 42                      # data seed: packer RNG streams (rank seed) and, unless data_seed is set,
+                                        # the unit / sample order
+    data_seed: int | None = None        # official set_epoch(data_seed) (unit order; Energon seed_offset); None = seed
+    order: str = "energon"              # "energon" (Energon reader order) or "official" (the official loader's stream)
+    num_workers: int = 0                # Energon workers ("energon") / emulated DataLoader workers ("official", >= 1)
     prefetch: int = 0                   # packed batches produced ahead in a background process (0 = synchronous)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
@@ -369,8 +404,21 @@ class BagelDataConfig:
             raise ConfigError(f"seed: must be a non-negative integer, got {self.seed!r}")
         if not _is_int(self.num_workers) or self.num_workers < 0:
             raise ConfigError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+        if self.data_seed is not None and (not _is_int(self.data_seed) or self.data_seed < 0):
+            raise ConfigError(f"data_seed: must be a non-negative integer or null, got {self.data_seed!r}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"order: must be one of {list(ORDERS)}, got {self.order!r}")
+        if self.order == "official" and self.num_workers < 1:
+            raise ConfigError("num_workers: order 'official' needs num_workers >= 1 (the official DataLoader workers "
+                              "it emulates; with 0 the official loader draws from the training process's own RNG, "
+                              "which cannot be reproduced)")
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
+
+    @property
+    def effective_data_seed(self) -> int:
+        """``data_seed``, or ``seed`` when it is not set."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     def load_groups(self) -> list[ResolvedGroup]:
         """Load and cross-check the grouped YAML and the registry named by this config."""
