@@ -20,6 +20,7 @@ from bridge.models.bagel.data.config import BagelDataConfig, ConfigError, Packer
 from bridge.models.bagel.data.converter.convert import convert_edit, convert_t2i, convert_vlm
 from bridge.models.bagel.data.energon.cookers import make_cook_context
 from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
+from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.official_mode import OfficialWorkers
 from bridge.models.bagel.data.packing import BagelPacker
 from bridge.models.bagel.data.rng import BagelRNGIterator
@@ -104,8 +105,8 @@ def _official_worker_stream(case, converted, tokenizer, *, rank, world, workers,
     """One official DataLoader worker, written out by hand from the official rules: its own unit slice
     (``shard_units``), its own packer, its RNG seeded as torch seeds worker ``worker`` of the rank's loader."""
     cfg = case["config"]
-    paths = {"t2i_pretrain": converted / "t2i_pretrain" / "t2i", "unified_edit": converted / "unified_edit" / "unified_edit",
-             "vlm_sft": converted / "vlm_sft" / "vlm_sft"}
+    paths = {"t2i_pretrain": converted / "t2i_pretrain" / "t2i",
+             "unified_edit": converted / "unified_edit" / "unified_edit", "vlm_sft": converted / "vlm_sft" / "vlm_sft"}
     readers = []
     for group, g in cfg["grouped_datasets"].items():
         ctx = make_cook_context(group, tokenizer, g["image_transform_args"], g.get("vit_image_transform_args"))
@@ -140,9 +141,26 @@ def test_dp2_and_two_workers_are_the_union_of_official_streams(world, workers, c
             assert {d["worker_id"] for d in b["batch_data_indexes"]} == {k % workers}
 
 
+def test_fingerprint_covers_num_used_data_not_frame_sampler(converted, tokenizer, tmp_path):
+    case = _load("d01_flex_extrap_edit_first")
+    with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as loader:
+        next(loader)
+        state = loader.save_state()
+    case["config"]["grouped_datasets"]["vlm_sft"]["frame_sampler_args"] = {"max_num_frames": 4, "min_num_frames": 2}
+    with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as same_stream:
+        same_stream.restore_state(state)       # frame_sampler_args cannot change the stream (no videos are cooked)
+    case["config"]["grouped_datasets"]["t2i_pretrain"]["num_used_data"] = [5]
+    with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as other:
+        with pytest.raises(ResumeMismatchError, match="num_used_data"):
+            other.restore_state(state)
+
+
 def test_official_order_needs_workers_and_num_used_data(converted, tokenizer, tmp_path):
     case = _load("d01_flex_extrap_edit_first")
     with pytest.raises(ConfigError, match="num_workers: order 'official' needs num_workers >= 1"):
         build_bagel_train_loader(_config(case, converted, tmp_path, num_workers=0), tokenizer, (0, 1))
     with pytest.raises(ConfigError, match="order: must be one of"):
         _config(case, converted, tmp_path, order="random").validate()
+    del case["config"]["grouped_datasets"]["t2i_pretrain"]["num_used_data"]
+    with pytest.raises(ConfigError, match=r"groups.yaml: group 't2i_pretrain': order 'official' needs 'num_used_data'"):
+        build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1))

@@ -109,11 +109,22 @@ def test_epoch_covers_exactly_the_official_selection(dp_size, workers, converted
             reader = BagelGroupReader([path], tokenizer=tokenizer, dp_rank=rank, dp_size=dp_size, num_workers=workers,
                                       group=group, num_used_data=num_used, **targs, **kw)
             try:
+                # one Energon epoch per worker (a worker that finishes first wraps into its next epoch while the
+                # others still deliver theirs: those reads are not part of this epoch)
+                slots = max(workers, 1)
+                need = {w: reader.loader.dataset.len_worker(w) for w in range(slots)}
                 it = iter(reader.loader)           # the cooked stream, tombstones included (reader.__next__ skips them)
-                for _ in range(len(reader.loader)):  # one Energon epoch of this rank
+                for _ in range(3 * len(reader.loader)):
+                    if not any(need.values()):
+                        break
                     s = next(it)
+                    w = s.__restore_key__[1] - rank * workers   # global worker id -> local
+                    if not need[w]:
+                        continue
+                    need[w] -= 1
                     got[(os.path.basename(str(s.__sources__[0].dataset_path)), s.__sources__[0].index)] += 1
                     drops += s.drop_reason is not None
+                assert not any(need.values()), need
             finally:
                 reader.close()
         assert got == expected, group                # nothing lost, nothing extra, repeats as official
