@@ -136,9 +136,18 @@ def test_dp2_and_two_workers_are_the_union_of_official_streams(world, workers, c
         with build_bagel_train_loader(_config(case, converted, tmp_path, num_workers=workers), tokenizer,
                                       (rank, world)) as loader:
             got = [ce.stored_batch(next(loader)) for _ in range(per * workers)]
+            stats = loader.stats()
+        assert stats["num_batches"] == per * workers and len(stats["workers"]) == workers
         assert ce.compare_batches({"batches": expected}, got) is None
         for k, b in enumerate(got):  # every sample carries its worker's id
             assert {d["worker_id"] for d in b["batch_data_indexes"]} == {k % workers}
+
+
+def test_official_order_with_prefetch_process(converted, tokenizer, tmp_path):
+    case = _load("d01_flex_extrap_edit_first")
+    with build_bagel_train_loader(_config(case, converted, tmp_path, prefetch=2), tokenizer, (0, 1)) as loader:
+        got = [ce.stored_batch(next(loader)) for _ in range(4)]
+    assert ce.compare_batches(case, got, allow_prefix=True) is None
 
 
 def test_fingerprint_covers_num_used_data_not_frame_sampler(converted, tokenizer, tmp_path):

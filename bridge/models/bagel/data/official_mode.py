@@ -65,10 +65,17 @@ class OfficialWorkers(Savable):
         return getattr(self.workers[0], "seq_length", None)
 
     def stats(self) -> dict[str, Any]:
-        """Per-worker counters (``workers``) and the batches / drops summed over workers."""
+        """The packer counters summed over workers (``num_batches``, ``consumed`` per group, ``buffer_len``,
+        ``drops``, ``packer_drops``, ``source_drops`` per group) and each worker's own (``workers``)."""
         per = [w.stats() if callable(getattr(w, "stats", None)) else {} for w in self.workers]
+        groups = list(per[0].get("source_drops", {})) if per else []
         return {"num_batches": sum(int(s.get("num_batches", 0)) for s in per),
-                "drops": merge_counts([s.get("drops", {}) for s in per]), "workers": per}
+                "consumed": merge_counts([s.get("consumed", {}) for s in per]),
+                "buffer_len": sum(int(s.get("buffer_len", 0)) for s in per),
+                "drops": merge_counts([s.get("drops", {}) for s in per]),
+                "packer_drops": merge_counts([s.get("packer_drops", {}) for s in per]),
+                "source_drops": {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups},
+                "workers": per}
 
     def __iter__(self) -> "OfficialWorkers":
         return self

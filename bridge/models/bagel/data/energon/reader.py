@@ -136,15 +136,15 @@ class BagelGroupReader(Savable):
 
     # -- construction helpers -------------------------------------------------------------------
     def _check_sizes(self, group: str | None, min_samples: int) -> str:
-        """Every dataset must give each global worker at least one sample (the official reader hangs otherwise)."""
+        """The group name and each dataset's sample count; an empty dataset is refused (the selected total is
+        checked against the global worker count in ``_selection``: the official reader hangs on an empty slice)."""
         groups = set()
         self._counts = []
         self._min_samples = min_samples
         for p in self.paths:
             g, n = dataset_num_samples(p)
             if n == 0:
-                raise ValueError(
-                    f"{p}: no samples; a dataset of a group must hold data")
+                raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
             groups.add(g or group)
             self._counts.append(n)
         groups.discard(None)
@@ -183,8 +183,11 @@ class BagelGroupReader(Savable):
             for start, end, reps in runs:
                 lines += [f"      - repetitions: {reps}", f"        path: {json.dumps(p)}",
                           f"        subset: {{range: [{start}, {end}]}}"]
-        logger.info("reader %s: official selection = %d Energon ranges over %d datasets", self.group_name,
-                    sum(map(len, self.runs)), len(self.paths))
+        n_ranges = sum(map(len, self.runs))
+        logger.log(logging.WARNING if n_ranges > 256 else logging.INFO,
+                   "reader %s: official selection = %d Energon sample ranges over %d datasets (a shuffled partial vlm "
+                   "selection costs one range per run of consecutive lines; many ranges make the reader slow to open)",
+                   self.group_name, n_ranges, len(self.paths))
         path = os.path.join(self._tmpdir, "blend.yaml")
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
