@@ -10,6 +10,7 @@ seeded ``base_seed + w``, and the DataLoader yields worker ``k % W``'s batches i
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,18 @@ def test_production_builder_official_order_is_bit_exact(name, converted, tokeniz
         got = [ce.stored_batch(next(loader)) for _ in range(len(case["batches"]))]
     finally:
         loader.close()
+    assert ce.compare_batches(case, got) is None
+
+
+FULL = os.environ.get("BAGEL_E2E_GOLDEN_DIR")  # the untrimmed golden directory (e.g. /work/shared/golden/bagel_e2e)
+
+
+@pytest.mark.skipif(not FULL, reason="set BAGEL_E2E_GOLDEN_DIR to check all 34-36 batches of the full golden cases")
+@pytest.mark.parametrize("name", CASES)
+def test_full_golden_cases_when_available(name, converted, tokenizer, tmp_path):
+    case = ce.load_case(os.path.join(FULL, f"{name}.pt"))
+    with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as loader:
+        got = [ce.stored_batch(next(loader)) for _ in range(len(case["batches"]))]
     assert ce.compare_batches(case, got) is None
 
 
