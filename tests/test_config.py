@@ -54,7 +54,7 @@ def test_example_yaml_matches_official_table():
     assert (vlm.dataset_names, vlm.is_mandatory, vlm.num_used_data) == (["llava_ov"], True, [1000])
     assert vlm.transform().max_pixels == 2_007_040
     assert vlm.frame_sampler_args == {"max_num_frames": 12, "min_num_frames": 8}
-    assert vlm.extra == {"shuffle_lines": True, "shuffle_seed": 0}
+    assert (vlm.shuffle_lines, vlm.shuffle_seed) == (True, 0)
     assert all(g.resume_data_status for g in groups)
 
 
@@ -63,7 +63,7 @@ def test_input_dict_not_mutated():
     before = copy.deepcopy(data)
     groups = load_grouped_yaml(data)
     assert data == before
-    groups[2].extra["shuffle_seed"] = 99
+    groups[2].frame_sampler_args["max_num_frames"] = 99
     groups[0].image_transform_args["image_stride"] = 8
     assert data == before
     assert [g.name for g in load_grouped_yaml(data)] == list(KNOWN_GROUPS)   # loadable twice
@@ -71,8 +71,8 @@ def test_input_dict_not_mutated():
 
 def test_defaults_for_optional_keys():
     (g,) = load_grouped_yaml({"t2i_pretrain": {"dataset_names": ["a"], "weight": 2}})
-    assert (g.is_mandatory, g.resume_data_status, g.num_used_data, g.image_transform_args, g.extra) == (
-        False, True, None, None, {})
+    assert (g.is_mandatory, g.resume_data_status, g.num_used_data, g.image_transform_args, g.shuffle_lines) == (
+        False, True, None, None, False)
 
 
 def _write(tmp_path: Path, data, name="groups.yaml") -> Path:
@@ -97,6 +97,13 @@ def _write(tmp_path: Path, data, name="groups.yaml") -> Path:
         (lambda d: d["vlm_sft"].update(shuffle_lines="true"), r"group 'vlm_sft': key 'shuffle_lines' must be of type bool"),
         (lambda d: d["vlm_sft"].update(shuffle_seed=1.5), r"group 'vlm_sft': key 'shuffle_seed' must be of type int"),
         (lambda d: d["vlm_sft"].update(frame_sampler_args=[12, 8]), r"key 'frame_sampler_args' must be a mapping"),
+        (lambda d: d["vlm_sft"].update(frame_sampler_args={"fps": 2}), r"group 'vlm_sft': key 'frame_sampler_args'"),
+        (lambda d: d["vlm_sft"].update(json_dir_list=["x"]), r"group 'vlm_sft': key 'json_dir_list' is not an official"),
+        (lambda d: d["t2i_pretrain"].update(shuffle_lines=True), r"group 't2i_pretrain': key 'shuffle_lines' applies only"),
+        (lambda d: d["unified_edit"].update(frame_sampler_args={"max_num_frames": 2}),
+         r"group 'unified_edit': key 'frame_sampler_args' applies only"),
+        (lambda d: d["vlm_sft"].update(resume_data_status=False), r"group 'vlm_sft': key 'resume_data_status': false"),
+        (lambda d: d["t2i_pretrain"].update(num_used_data=[0]), r"group 't2i_pretrain': key 'num_used_data' selects no"),
         (lambda d: d["t2i_pretrain"]["image_transform_args"].update(stride=16),
          r"group 't2i_pretrain': key 'image_transform_args': unknown ImageTransform argument\(s\) \['stride'\]"),
         (lambda d: d["unified_edit"]["vit_image_transform_args"].update(image_stride=0),
@@ -134,12 +141,14 @@ def test_grouped_yaml_file_level_errors(tmp_path):
         load_grouped_yaml({})
 
 
-def test_unknown_group_key_passes_through(caplog):
+def test_unknown_group_key_is_refused_naming_file_group_key(tmp_path, caplog):
     data = _example()
     data["vlm_sft"]["max_video_len"] = 5
-    groups = load_grouped_yaml(data)
-    assert groups[2].extra["max_video_len"] == 5
-    assert "max_video_len" in caplog.text
+    path = _write(tmp_path, data)
+    with pytest.raises(ConfigError, match=r"group 'vlm_sft': key 'max_video_len' is not an official") as info:
+        load_grouped_yaml(path)
+    assert str(path) in str(info.value)
+    assert "passing" not in caplog.text      # never a "passed through" warning
 
 
 # --- dataset registry ---------------------------------------------------------------------------------

@@ -1,6 +1,10 @@
 """Config-driven assembly: per-group Energon readers → BagelPacker → BagelRNGIterator → [PrefetchStage] →
 BagelExternalLoader, each stage owning the one before it.
 
+``data.order: official`` replaces the reader/packer/RNG part by ``OfficialWorkers`` over ``num_workers``
+emulated official DataLoader workers, each a ``BagelRNGIterator(BagelPacker([OfficialOrderReader per group]))``
+chain (see ``official_mode``).
+
 ``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML.
 ``BagelDatasetProvider`` (created lazily through ``_bridge``, so importing this module needs no
 Megatron-Bridge) is a plain ``DatasetProvider`` for Bridge's standard ``pretrain()`` path, which passes the
@@ -17,6 +21,7 @@ from typing import Any
 from .config import BagelDataConfig, ConfigError, ResolvedGroup
 from .energon.reader import BagelGroupReader
 from .external import BagelExternalLoader, BagelRNGIterator
+from .official_mode import OfficialWorkers
 from .packing import BagelPacker
 from .prefetch import PrefetchStage
 from .tokenizer import add_special_tokens
@@ -61,8 +66,7 @@ def rank_seed(seed: int, dp_rank: int, dp_size: int) -> int:
     return int(seed) * int(dp_size) + int(dp_rank)
 
 
-def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_rank: int, dp_size: int
-            ) -> BagelGroupReader:
+def _paths(group: ResolvedGroup, config: BagelDataConfig) -> list[str]:
     g = group.group
     paths = []
     for name, entry in zip(g.dataset_names, group.datasets):
@@ -72,16 +76,63 @@ def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_ra
         paths.append(entry.energon_path)
     if not g.image_transform_args:
         raise ConfigError(f"{config.groups}: group {g.name!r} needs 'image_transform_args'")
-    return BagelGroupReader(paths, tokenizer=tokenizer, image_transform_args=g.image_transform_args,
-                            vit_image_transform_args=g.vit_image_transform_args, dp_rank=dp_rank, dp_size=dp_size,
-                            num_workers=config.num_workers, seed=config.seed, group=g.name)
+    return paths
+
+
+def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_rank: int, dp_size: int
+            ) -> BagelGroupReader:
+    g = group.group
+    paths = _paths(group, config)
+    try:
+        return BagelGroupReader(paths, tokenizer=tokenizer, image_transform_args=g.image_transform_args,
+                                vit_image_transform_args=g.vit_image_transform_args, dp_rank=dp_rank,
+                                dp_size=dp_size, num_workers=config.num_workers, seed=config.effective_data_seed,
+                                group=g.name, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
+                                shuffle_seed=g.shuffle_seed)
+    except ValueError as exc:
+        raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
+
+
+def _official_chain(groups: list[ResolvedGroup], tokenizer: Any, special: dict[str, int], config: BagelDataConfig,
+                    dp_rank: int, dp_size: int, worker: int) -> BagelRNGIterator:
+    """Emulated official DataLoader worker ``worker``: its readers, its packer, its RNG streams."""
+    from .energon.cookers import make_cook_context
+    from .energon.official_order import OfficialOrderReader
+
+    readers: list[OfficialOrderReader] = []
+    try:
+        for r in groups:
+            g = r.group
+            paths = _paths(r, config)
+            num_used = g.num_used_data
+            if num_used is None:
+                raise ConfigError(f"{config.groups}: group {g.name!r}: order 'official' needs 'num_used_data' "
+                                  "(the official loader requires it)")
+            try:
+                ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args)
+                readers.append(OfficialOrderReader(
+                    paths, ctx, num_used, seed=config.effective_data_seed, rank=dp_rank, world_size=dp_size,
+                    num_workers=config.num_workers, worker_id=worker, shuffle_lines=g.shuffle_lines,
+                    shuffle_seed=g.shuffle_seed, repeat=True))
+            except ValueError as exc:
+                raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
+        packer = BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
+                             special, config.packer, group_names=[g.group.name for g in groups])
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return BagelRNGIterator(packer, rank_seed(config.seed, dp_rank, dp_size), worker_id=worker)
 
 
 def _fingerprint(config: BagelDataConfig, groups: list[ResolvedGroup], special: dict[str, int], dp_rank: int,
                  dp_size: int) -> dict[str, Any]:
+    """What changes the stream besides the stages' own identities (frame_sampler_args does not: no videos)."""
     return {
         "package_version": package_version(),
+        "order": config.order,
         "seed": config.seed,
+        "data_seed": config.effective_data_seed,
         "dp_rank": dp_rank,
         "dp_size": dp_size,
         "num_workers": config.num_workers,
@@ -89,6 +140,8 @@ def _fingerprint(config: BagelDataConfig, groups: list[ResolvedGroup], special: 
         "special_tokens": dict(special),
         "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
                     "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,
+                    "shuffle_lines": r.group.shuffle_lines,
+                    "shuffle_seed": r.group.shuffle_seed if r.group.shuffle_lines else None,
                     "image_transform_args": r.group.image_transform_args,
                     "vit_image_transform_args": r.group.vit_image_transform_args} for r in groups],
     }
@@ -107,20 +160,33 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
     groups = config.load_groups()
     tokenizer, special, _ = add_special_tokens(tokenizer)
-    readers: list[BagelGroupReader] = []
-    try:
-        for g in groups:
-            readers.append(_reader(g, tokenizer, config, dp_rank, dp_size))
-        packer = BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
-                             special, config.packer, group_names=[g.group.name for g in groups])
-    except BaseException:
-        for r in readers:
-            r.close()
-        raise
     seed = rank_seed(config.seed, dp_rank, dp_size)
-    logger.info("BAGEL loader: DP rank %d/%d, groups %s, rank seed %d, %d Energon workers, prefetch %d", dp_rank,
-                dp_size, [g.group.name for g in groups], seed, config.num_workers, config.prefetch)
-    upstream: Any = BagelRNGIterator(packer, seed)
+    logger.info("BAGEL loader: order %s, DP rank %d/%d, groups %s, rank seed %d, data seed %d, %d workers, "
+                "prefetch %d", config.order, dp_rank, dp_size, [g.group.name for g in groups], seed,
+                config.effective_data_seed, config.num_workers, config.prefetch)
+    upstream: Any
+    if config.order == "official":
+        chains: list[BagelRNGIterator] = []
+        try:
+            for w in range(config.num_workers):
+                chains.append(_official_chain(groups, tokenizer, special, config, dp_rank, dp_size, w))
+        except BaseException:
+            for c in chains:
+                c.close()
+            raise
+        upstream = OfficialWorkers(chains)
+    else:
+        readers: list[BagelGroupReader] = []
+        try:
+            for g in groups:
+                readers.append(_reader(g, tokenizer, config, dp_rank, dp_size))
+            packer = BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
+                                 special, config.packer, group_names=[g.group.name for g in groups])
+        except BaseException:
+            for r in readers:
+                r.close()
+            raise
+        upstream = BagelRNGIterator(packer, seed)
     if config.prefetch:
         upstream = PrefetchStage(upstream, depth=config.prefetch)
     return BagelExternalLoader(upstream, length=length,

@@ -1,28 +1,35 @@
 """Configuration: packer knobs, the official grouped-dataset YAML, the dataset registry and the top config.
 
-The grouped YAML (``configs/example.yaml``) and the dataset-info registry keep the official BAGEL
-formats (spec ``bagel_packer.md`` §3), but are parsed without mutating the input and with errors that
-name the file, group and key. ``BagelDataConfig`` is an OmegaConf-structured dataclass, so YAML files and
-``key=value`` overrides are type-checked and unknown keys are rejected.
+The grouped YAML (``configs/example.yaml``; parsed in ``grouped_yaml``, re-exported here) and the
+dataset-info registry keep the official BAGEL formats (spec ``bagel_packer.md`` §3), but are parsed
+without mutating the input and with errors that name the file, group and key. ``BagelDataConfig`` is an
+OmegaConf-structured dataclass, so YAML files and ``key=value`` overrides are type-checked and unknown keys
+are rejected.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import logging
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
-
-from .transforms import ImageTransform
+from .grouped_yaml import (
+    GROUP_KEYS,
+    KNOWN_GROUPS,
+    ConfigError,
+    GroupConfig,
+    _is_int,
+    _is_number,
+    _read_mapping,
+    load_grouped_yaml,
+)
 
 __all__ = [
+    "GROUP_KEYS",
     "KNOWN_GROUPS",
+    "ORDERS",
     "BagelDataConfig",
     "ConfigError",
     "DatasetInfoEntry",
@@ -37,19 +44,10 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Group names with a reader (the official ``DATASET_REGISTRY`` keys).
-KNOWN_GROUPS: tuple[str, ...] = ("t2i_pretrain", "unified_edit", "vlm_sft")
-
-_TRANSFORM_KEYS = frozenset(
-    ("max_image_size", "min_image_size", "image_stride", "max_pixels", "image_mean", "image_std"))
-#: Pass-through keys some readers accept, with their expected type.
-_EXTRA_TYPES: dict[str, type | tuple[type, ...]] = {"shuffle_lines": bool, "shuffle_seed": int}
+#: Values ``BagelDataConfig.order`` accepts.
+ORDERS: tuple[str, ...] = ("energon", "official")
 #: Registry fields each group's readers need besides ``data_dir``.
 _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_path",)}
-
-
-class ConfigError(ValueError):
-    """A configuration file or value is invalid; the message names the file and key."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -118,153 +116,6 @@ class PackerConfig:
         cfg = cls(**{k: v for k, v in values.items() if k in names})
         cfg.validate()
         return cfg
-
-
-# --------------------------------------------------------------------------------------------------
-# Grouped datasets YAML (official example.yaml format)
-
-
-@dataclass
-class GroupConfig:
-    """One top-level group of the grouped YAML; unknown per-group keys are kept in ``extra``."""
-
-    name: str
-    dataset_names: list[str]
-    weight: float = 0.0
-    is_mandatory: bool = False
-    image_transform_args: dict[str, Any] | None = None
-    vit_image_transform_args: dict[str, Any] | None = None
-    frame_sampler_args: dict[str, Any] | None = None
-    num_used_data: list[int] | None = None
-    resume_data_status: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def transform(self) -> ImageTransform | None:
-        """The group's ``ImageTransform`` (the official ``transform`` kwarg), or None."""
-        return ImageTransform(**self.image_transform_args) if self.image_transform_args else None
-
-    def vit_transform(self) -> ImageTransform | None:
-        """The group's ViT ``ImageTransform`` (edit groups), or None."""
-        return ImageTransform(**self.vit_image_transform_args) if self.vit_image_transform_args else None
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys (YAML would silently keep the last one)."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise ConfigError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:
-    """Deep copy of a mapping, or the parsed YAML/JSON file; returns (data, source name)."""
-    if isinstance(path_or_dict, Mapping):
-        return copy.deepcopy(dict(path_or_dict)), source
-    path = Path(path_or_dict)
-    source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read: {exc}") from exc
-    try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_StrictLoader)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{source}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
-    return data, source
-
-
-def _check_transform_args(args: Any, where: str) -> dict | None:
-    if args is None:
-        return None
-    if not isinstance(args, dict):
-        raise ConfigError(f"{where}: must be a mapping of ImageTransform arguments, got {type(args).__name__}")
-    unknown = sorted(set(args) - _TRANSFORM_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown ImageTransform argument(s) {unknown} (known: {sorted(_TRANSFORM_KEYS)})")
-    try:
-        ImageTransform(**args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    return args
-
-
-def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
-    where = f"{src}: group {name!r}"
-    if name not in KNOWN_GROUPS:
-        raise ConfigError(f"{where}: unknown group (known groups: {', '.join(KNOWN_GROUPS)})")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: must be a mapping, got {type(raw).__name__}")
-    raw = dict(raw)
-    if "dataset_names" not in raw:
-        raise ConfigError(f"{where}: missing required key 'dataset_names'")
-    names = raw.pop("dataset_names")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
-        raise ConfigError(f"{where}: key 'dataset_names' must be a non-empty list of names, got {names!r}")
-    weight = raw.pop("weight", 0.0)
-    if not _is_number(weight) or weight < 0:
-        raise ConfigError(f"{where}: key 'weight' must be a non-negative number, got {weight!r}")
-    flags = {}
-    for key, default in (("is_mandatory", False), ("resume_data_status", True)):
-        flags[key] = raw.pop(key, default)
-        if not isinstance(flags[key], bool):
-            raise ConfigError(f"{where}: key {key!r} must be true/false, got {flags[key]!r}")
-    image_args = _check_transform_args(raw.pop("image_transform_args", None), f"{where}: key 'image_transform_args'")
-    vit_args = _check_transform_args(raw.pop("vit_image_transform_args", None),
-                                     f"{where}: key 'vit_image_transform_args'")
-    frame_args = raw.pop("frame_sampler_args", None)
-    if frame_args is not None and not isinstance(frame_args, dict):
-        raise ConfigError(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
-    num_used = raw.pop("num_used_data", None)
-    if num_used is not None:
-        if not isinstance(num_used, list) or not all(_is_int(n) and n >= 0 for n in num_used):
-            raise ConfigError(f"{where}: key 'num_used_data' must be a list of non-negative integers, got {num_used!r}")
-        if len(num_used) != len(names):
-            raise ConfigError(f"{where}: key 'num_used_data' has {len(num_used)} entries but 'dataset_names' has "
-                              f"{len(names)}")
-    for key, value in raw.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"{where}: key {key!r} is not a string")
-        expected = _EXTRA_TYPES.get(key)
-        if expected is bool and not isinstance(value, bool) or expected is int and not _is_int(value):
-            raise ConfigError(f"{where}: key {key!r} must be of type {expected.__name__}, got {value!r}")
-        if expected is None:
-            logger.warning("%s: passing unknown key %r through to the reader", where, key)
-    return GroupConfig(name=name, dataset_names=names, weight=float(weight), image_transform_args=image_args,
-                       vit_image_transform_args=vit_args, frame_sampler_args=frame_args, num_used_data=num_used,
-                       extra=raw, **flags)
-
-
-def load_grouped_yaml(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>") -> list[GroupConfig]:
-    """Parse the official grouped-datasets YAML (top-level keys = groups, in order); input is not mutated."""
-    data, src = _read_mapping(path_or_dict, source)
-    if not data:
-        raise ConfigError(f"{src}: no groups defined")
-    groups = [_parse_group(name, raw, src) for name, raw in data.items()]
-    total = sum(g.weight for g in groups)
-    if total <= 0:
-        raise ConfigError(f"{src}: the group weights sum to {total}; at least one 'weight' must be positive")
-    return groups
 
 
 # --------------------------------------------------------------------------------------------------
@@ -360,8 +211,11 @@ class BagelDataConfig:
     groups: str = "???"                 # grouped-datasets YAML (official example.yaml format)
     dataset_info: str = "???"           # registry YAML/JSON {group: {name: DatasetInfoEntry}}
     packer: PackerConfig = field(default_factory=PackerConfig)
-    seed: int = 42                      # data seed (official set_epoch(data_seed))
-    num_workers: int = 0
+    seed: int = 42                      # data seed: packer RNG streams (rank seed) and, unless data_seed is set,
+                                        # the unit / sample order
+    data_seed: int | None = None        # official set_epoch(data_seed) (unit order; Energon seed_offset); None = seed
+    order: str = "energon"              # "energon" (Energon reader order) or "official" (the official loader's stream)
+    num_workers: int = 0                # Energon workers ("energon") / emulated DataLoader workers ("official", >= 1)
     prefetch: int = 0                   # packed batches produced ahead in a background process (0 = synchronous)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
@@ -373,8 +227,21 @@ class BagelDataConfig:
             raise ConfigError(f"seed: must be a non-negative integer, got {self.seed!r}")
         if not _is_int(self.num_workers) or self.num_workers < 0:
             raise ConfigError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+        if self.data_seed is not None and (not _is_int(self.data_seed) or self.data_seed < 0):
+            raise ConfigError(f"data_seed: must be a non-negative integer or null, got {self.data_seed!r}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"order: must be one of {list(ORDERS)}, got {self.order!r}")
+        if self.order == "official" and self.num_workers < 1:
+            raise ConfigError("num_workers: order 'official' needs num_workers >= 1 (the official DataLoader workers "
+                              "it emulates; with 0 the official loader draws from the training process's own RNG, "
+                              "which cannot be reproduced)")
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
+
+    @property
+    def effective_data_seed(self) -> int:
+        """``data_seed``, or ``seed`` when it is not set."""
+        return self.seed if self.data_seed is None else self.data_seed
 
     def load_groups(self) -> list[ResolvedGroup]:
         """Load and cross-check the grouped YAML and the registry named by this config.

@@ -55,21 +55,22 @@ def _torch_from_plain(value: Any) -> torch.Tensor:
     return value.detach().clone()
 
 
-def initial_worker_rng_states(rank_seed: int) -> tuple[tuple, tuple, torch.Tensor]:
-    """(python, numpy, torch) RNG states of worker 0 of a torch DataLoader whose generator is seeded ``rank_seed``.
+def initial_worker_rng_states(rank_seed: int, worker_id: int = 0) -> tuple[tuple, tuple, torch.Tensor]:
+    """(python, numpy, torch) RNG states of worker ``worker_id`` of a torch DataLoader seeded ``rank_seed``.
 
-    Mirrors ``torch.utils.data``: the iterator draws ``base_seed`` as one int64 ``random_`` from the loader's
-    generator; worker 0 then seeds ``random``/torch with ``base_seed + 0`` and NumPy with
-    ``_generate_state(base_seed, 0)``. Computed on private generators: the process RNG is not touched.
+    Mirrors ``torch.utils.data`` (``_BaseDataLoaderIter.__init__`` + ``_worker_loop``): the iterator draws
+    ``base_seed`` as one int64 ``random_`` from the (``torch.manual_seed(rank_seed)``-seeded) generator; worker
+    w then seeds ``random``/torch with ``base_seed + w`` and NumPy with ``_generate_state(base_seed, w)``.
+    Computed on private generators: the process RNG is not touched.
     """
     from torch.utils.data._utils.worker import _generate_state
 
     generator = torch.Generator()
     generator.manual_seed(int(rank_seed))
     base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-    seed = base_seed + 0
+    seed = base_seed + int(worker_id)
     py_state = random.Random(seed).getstate()
-    np_state = np.random.RandomState(_generate_state(base_seed, 0)).get_state()
+    np_state = np.random.RandomState(_generate_state(base_seed, int(worker_id))).get_state()
     torch_gen = torch.Generator()
     torch_gen.manual_seed(seed)
     return py_state, np_state, torch_gen.get_state()
@@ -98,16 +99,18 @@ class BagelRNGIterator(Savable):
 
     _savable_fields = ("python_rng", "numpy_rng", "torch_rng", "inner")
 
-    def __init__(self, iterator: Iterator[Any], rank_seed: int) -> None:
+    def __init__(self, iterator: Iterator[Any], rank_seed: int, *, worker_id: int = 0) -> None:
         self.inner = iterator
         self.rank_seed = int(rank_seed)
+        self.worker_id = int(worker_id)
         self.reset_state()
 
     def reset_state(self) -> None:
-        self._python, self._numpy, self._torch = initial_worker_rng_states(self.rank_seed)
+        self._python, self._numpy, self._torch = initial_worker_rng_states(self.rank_seed, self.worker_id)
 
     def identity(self) -> dict[str, Any]:
-        return {"rank_seed": self.rank_seed}
+        # worker_id only when set, so states saved before it existed keep their fingerprint
+        return {"rank_seed": self.rank_seed, **({"worker_id": self.worker_id} if self.worker_id else {})}
 
     # Declared fields: the plain forms are what gets saved; the setters rebuild (and check) the live states.
     @property

@@ -8,8 +8,13 @@ cooked with the global ``random`` module, and ``data_indexes`` are positions in 
 
 :class:`OfficialOrderReader` does the same from the converter's manifest, fetching crude samples by
 key through Energon's sqlite index, so its output can be compared sample by sample with the official
-classes (the golden tests). Listing order: the official reader selects ``num_used_data`` files in
+classes (the golden tests), and it is the per-group source of the production ``data.order: official``
+mode (``official_mode``). Listing order: the official reader selects ``num_used_data`` files in
 ``os.listdir`` order (file-system dependent); here the manifest's (sorted) file order is used.
+
+State (``Savable``): ``cursor`` = [unit position, row position in the unit] of the next row, and the
+drop counts; a buffered sample is rebuilt by ``restore_sample((position, row), rng choices)`` by
+replaying its recorded draws (no RNG is touched).
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from typing import Any
 from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
 
+from ..state import Savable, StateError
 from ..stats import DropCounter
 from .cook_common import CookContext, Draws, cook_with, global_random
 from .cookers import CORES
 from .layout import SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
 from .sample import BagelSample
+from .selection import select_files
 
 __all__ = ["OfficialOrderReader", "Unit", "official_units", "select_files", "shard_units"]
 
@@ -46,13 +53,6 @@ class Unit:
     sort_key: Any
     rows: tuple[tuple[tuple, int, int], ...] | None
     label: str
-
-
-def select_files(files: Sequence[Any], n: int) -> list[Any]:
-    """``get_parquet_data_paths``: the listing repeated ``n // len + 1`` times, first ``n`` entries."""
-    if not files:
-        return []
-    return (list(files) * (n // len(files) + 1))[:n]
 
 
 def _coord_index(manifest: Mapping[str, Any]) -> dict[tuple, int]:
@@ -124,13 +124,17 @@ def official_units(group: str, manifests: Sequence[Mapping[str, Any]], readers: 
     return units
 
 
-class OfficialOrderReader:
+class OfficialOrderReader(Savable):
     """Cooked samples of converted datasets in the official order, with the official ``data_indexes``.
 
     Draws from the global ``random`` module like the official classes (seed it as the official run
-    does). Iterating gives one pass (``repeat=True``: endless, the same order each pass, as official).
-    Dropped rows are counted in ``drops`` and listed in ``skipped`` as ``{row_id, reason, detail}``.
+    does, or run it under ``BagelRNGIterator``). Iterating gives one pass (``repeat=True``: endless, the
+    same order each pass, as official). Dropped rows are counted in ``drops`` and listed in ``skipped``
+    as ``{row_id, reason, detail}`` (diagnostics, not state). Raises ValueError when this worker's unit
+    slice is empty (the official reader would hang).
     """
+
+    _savable_fields = ("cursor", "drops")
 
     def __init__(self, paths: Sequence[str], ctx: CookContext, num_used_data: Sequence[int], *, seed: int = 42,
                  rank: int = 0, world_size: int = 1, num_workers: int = 0, worker_id: int = 0,
@@ -152,44 +156,98 @@ class OfficialOrderReader:
         if not self.units:
             raise ValueError(f"{self.group}: no units for rank {rank}/{world_size} worker {worker_id}/{num_workers} "
                              f"({len(units)} units in {self.paths}); the official reader would hang here")
-        self.drops = DropCounter(f"official-order reader {self.group}", logger)
+        self._identity = {"group": self.group, "seed": seed, "rank": rank, "world_size": world_size,
+                          "num_workers": num_workers, "worker_id": self.worker_id, "num_used_data": list(num_used_data),
+                          "shuffle_lines": shuffle_lines, "shuffle_seed": shuffle_seed if shuffle_lines else None,
+                          "num_units": len(self.units), "datasets": [m.get("dataset_name") for m in manifests],
+                          "num_samples": [m.get("num_samples") for m in manifests]}
+        self.drops = DropCounter(f"official-order reader {self.group} worker {self.worker_id}", logger)
         self.skipped: list[dict[str, Any]] = []
+        self.reset_state()
+
+    # -- state -------------------------------------------------------------------------------
+    def reset_state(self) -> None:
+        self._pos, self._row = 0, 0
+        self.drops.reset_state()
+
+    def identity(self) -> dict[str, Any]:
+        """Group, unit selection and sharding: what a saved cursor must match (no paths)."""
+        return self._identity
+
+    @property
+    def cursor(self) -> list[int]:
+        """``[unit position, row position in that unit]`` of the next row to read."""
+        return [self._pos, self._row]
+
+    @cursor.setter
+    def cursor(self, value: Any) -> None:
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)
+                and 0 <= value[0] <= len(self.units) and value[1] >= 0):
+            raise StateError(f"OfficialOrderReader {self.group}: bad cursor {value!r} for {len(self.units)} units")
+        self._pos, self._row = int(value[0]), int(value[1])
+
+    def stats(self) -> dict[str, Any]:
+        """``{"drops": {reason: count}}`` of this reader's rows so far."""
+        return {"drops": dict(self.drops.counts)}
 
     def close(self) -> None:
         for r in self.readers:
             r.close()
 
+    # -- reading -----------------------------------------------------------------------------
     def _row_id(self, pos: int, suffix: tuple) -> Any:
         return pos if self.group == VLM else [pos, *suffix]
 
-    def _cook(self, ds: int, idx: int) -> BagelSample:
+    def _cook(self, ds: int, idx: int, draws: Draws) -> BagelSample:
         crude = dict(self.readers[ds][sample_key(idx)])
         crude["__subflavors__"] = {SUBFLAVOR_KEY: self.group}
-        return cook_with(self.core, crude, self.ctx, Draws(rng=global_random()), self.worker_id)
+        return cook_with(self.core, crude, self.ctx, draws, self.worker_id)
 
-    def one_pass(self) -> Iterator[BagelSample]:
-        """The samples of one pass over this worker's units (drops counted, not yielded)."""
-        for pos, unit in enumerate(self.units):
-            if unit.rows is None:
-                logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official",
-                               self.group, unit.label)
-                self.skipped.append({"row_id": self._row_id(pos, ()), "reason": "missing_row_group",
-                                     "detail": unit.label})
-                continue
-            for suffix, ds, idx in unit.rows:
-                sample = self._cook(ds, idx)
-                row_id = self._row_id(pos, suffix)
-                if sample.drop_reason is not None:
-                    self.drops.drop(sample.drop_reason, sample.drop_detail)
-                    self.skipped.append({"row_id": row_id, "reason": sample.drop_reason, "detail": sample.drop_detail})
-                    continue
-                sample.data_indexes = {"data_indexes": row_id, "worker_id": self.worker_id,
-                                       "dataset_name": self.group}
-                yield sample
+    def _finish(self, sample: BagelSample, pos: int, row: int, suffix: tuple) -> BagelSample:
+        sample.data_indexes = {"data_indexes": self._row_id(pos, suffix), "worker_id": self.worker_id,
+                               "dataset_name": self.group}
+        sample.__restore_key__ = (pos, row)
+        return sample
 
-    def __iter__(self) -> Iterator[BagelSample]:
+    def restore_sample(self, restore_key: Any) -> BagelSample:
+        """Rebuild a sample from its ``restore_key`` (``((position, row), rng choices)``), drawing no RNG."""
+        try:
+            (pos, row), choices = restore_key
+            suffix, ds, idx = self.units[pos].rows[row]
+        except (TypeError, ValueError, IndexError):
+            raise StateError(f"OfficialOrderReader {self.group}: bad restore key {restore_key!r}") from None
+        sample = self._cook(ds, idx, Draws(replay=choices))
+        if sample.drop_reason is not None:
+            raise StateError(f"OfficialOrderReader {self.group}: restore key {restore_key!r} names a dropped row")
+        return self._finish(sample, pos, row, suffix)
+
+    def __iter__(self) -> OfficialOrderReader:
+        return self
+
+    def __next__(self) -> BagelSample:
+        """The next non-dropped row of this worker's units (official order; wraps when ``repeat``)."""
         while True:
-            yield from self.one_pass()
-            if not self.repeat:
-                return
-            logger.info("%s repeat in worker %d", self.group, self.worker_id)
+            if self._pos >= len(self.units):
+                if not self.repeat:
+                    raise StopIteration
+                logger.info("%s repeat in worker %d", self.group, self.worker_id)
+                self._pos, self._row = 0, 0
+            pos, unit = self._pos, self.units[self._pos]
+            if unit.rows is None or self._row >= len(unit.rows):
+                if unit.rows is None:
+                    logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official",
+                                   self.group, unit.label)
+                    self.skipped.append({"row_id": self._row_id(pos, ()), "reason": "missing_row_group",
+                                         "detail": unit.label})
+                self._pos, self._row = pos + 1, 0
+                continue
+            row = self._row
+            suffix, ds, idx = unit.rows[row]
+            self._row += 1
+            sample = self._cook(ds, idx, Draws(rng=global_random()))
+            if sample.drop_reason is not None:
+                self.drops.drop(sample.drop_reason, sample.drop_detail)
+                self.skipped.append({"row_id": self._row_id(pos, suffix), "reason": sample.drop_reason,
+                                     "detail": sample.drop_detail})
+                continue
+            return self._finish(sample, pos, row, suffix)

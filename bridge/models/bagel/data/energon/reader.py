@@ -4,9 +4,12 @@ One :class:`BagelGroupReader` per group and DP rank. It reads the group's conver
 ``get_train_dataset`` (unbatched, no shuffle buffer, endless) and a savable loader, cooks every crude
 sample into a :class:`BagelSample`, counts tombstones by reason and yields the rest.
 
-Several datasets of one group are combined as an Energon ``MetadatasetV2`` weighted blend with
-weight = sample count (each sample equally likely, like the official reader that merges all units of
-a group into one list). The blend YAML lives in a private temporary directory of the reader.
+The group's official selection (``num_used_data`` per dataset: t2i / edit files repeated or subset, vlm
+first-n lines after ``shuffle_lines``; see ``selection``) is expressed as an Energon ``MetadatasetV2``
+``blend_epochized`` over sample-index ranges of the converted datasets with ``repetitions``, so one
+Energon epoch of the DP rank set reads exactly the rows the official loader selects (each as often). A
+single dataset read whole and once is opened directly. The metadataset YAML lives in a private
+temporary directory of the reader.
 Sharding is by DP rank only (``WorkerConfig(rank=dp_rank, world_size=dp_size)``): TP/CP peers that
 pass the same DP rank read identical data.
 """
@@ -31,6 +34,7 @@ from .cook_common import replaying
 from .cookers import BagelTaskEncoder
 from .layout import MANIFEST_NAME, load_manifest
 from .sample import BagelSample
+from .selection import selection_counts, selection_runs
 
 __all__ = ["BagelGroupReader", "DataReadError", "dataset_num_samples", "strip_paths"]
 
@@ -116,19 +120,25 @@ class BagelGroupReader(Savable):
     def __init__(self, paths: str | Sequence[str], *, tokenizer: Any, image_transform_args: Mapping[str, Any],
                  vit_image_transform_args: Mapping[str, Any] | None = None, dp_rank: int = 0, dp_size: int = 1,
                  num_workers: int = 0, seed: int = 0, max_samples_per_sequence: int | None = 100,
-                 checkpoint_every_sec: float = 60, group: str | None = None) -> None:
+                 checkpoint_every_sec: float = 60, group: str | None = None,
+                 num_used_data: Sequence[int] | None = None, shuffle_lines: bool = False,
+                 shuffle_seed: int = 0) -> None:
         self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         if not self.paths:
             raise ValueError("BagelGroupReader needs at least one dataset path")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        if num_used_data is not None and len(num_used_data) != len(self.paths):
+            raise ValueError(f"num_used_data has {len(num_used_data)} entries for {len(self.paths)} datasets")
         self.group_name = self._check_sizes(group, dp_size * max(num_workers, 1))
+        self.runs = self._selection(num_used_data, shuffle_lines, shuffle_seed)
         self.transform_args = {"image_transform_args": dict(image_transform_args),
                                "vit_image_transform_args": None if vit_image_transform_args is None
                                else dict(vit_image_transform_args)}
         self.seed, self.dp_rank, self.dp_size, self.num_workers = seed, dp_rank, dp_size, num_workers
         self._tmpdir: str | None = None
-        ds_path = self.paths[0] if len(self.paths) == 1 else self._write_blend()
+        whole = len(self.paths) == 1 and self.runs == [[(0, self._counts[0], 1)]]
+        ds_path = self.paths[0] if whole else self._write_blend()
         self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                           global_error_handler=reraise_exception)
@@ -149,15 +159,15 @@ class BagelGroupReader(Savable):
 
     # -- construction helpers -------------------------------------------------------------------
     def _check_sizes(self, group: str | None, min_samples: int) -> str:
-        """Every dataset must give each global worker at least one sample (the official reader hangs otherwise)."""
+        """The group name and each dataset's sample count; an empty dataset is refused (the selected total is
+        checked against the global worker count in ``_selection``: the official reader hangs on an empty slice)."""
         groups = set()
         self._counts = []
+        self._min_samples = min_samples
         for p in self.paths:
             g, n = dataset_num_samples(p)
-            if n < min_samples:
-                raise ValueError(
-                    f"{p}: {n} samples, fewer than dp_size x max(num_workers, 1) = {min_samples}; some data-parallel "
-                    "workers would get no data. Use fewer ranks/workers or more data.")
+            if n == 0:
+                raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
             groups.add(g or group)
             self._counts.append(n)
         groups.discard(None)
@@ -167,12 +177,40 @@ class BagelGroupReader(Savable):
             raise ValueError(f"datasets {self.paths} are not all of one group: {sorted(map(str, groups))}")
         return groups.pop()
 
+    def _selection(self, num_used_data: Sequence[int] | None, shuffle_lines: bool, shuffle_seed: int
+                   ) -> list[list[tuple[int, int, int]]]:
+        """Per dataset, the official selection as ``(start, end, repetitions)`` sample-index runs."""
+        runs = []
+        for i, (p, n) in enumerate(zip(self.paths, self._counts)):
+            used = None if num_used_data is None else int(num_used_data[i])
+            if used is None and not (shuffle_lines and self.group_name == "vlm_sft"):
+                runs.append([(0, n, 1)] if n else [])
+                continue
+            if not os.path.isfile(os.path.join(p, MANIFEST_NAME)):
+                raise ValueError(f"{p}: num_used_data / shuffle_lines need the converter's {MANIFEST_NAME}")
+            runs.append(selection_runs(selection_counts(load_manifest(p), used, shuffle_lines=shuffle_lines,
+                                                        shuffle_seed=shuffle_seed)))
+        total = sum((e - s) * r for ds in runs for s, e, r in ds)
+        if total < self._min_samples:
+            raise ValueError(f"{', '.join(self.paths)}: {total} samples, fewer than dp_size x max(num_workers, 1) = "
+                             f"{self._min_samples} (after the num_used_data selection); some data-parallel workers "
+                             "would get no data. Use fewer ranks/workers or more data.")
+        return runs
+
     def _write_blend(self) -> str:
-        """A MetadatasetV2 blend of all paths, weight = sample count, in a private temporary directory."""
+        """A MetadatasetV2 ``blend_epochized`` of the selection runs, in a private temporary directory."""
         self._tmpdir = tempfile.mkdtemp(prefix=f"bagel-blend-{self.group_name}-")
-        lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:", "    blend:"]
-        for p, n in zip(self.paths, self._counts):
-            lines += [f"      - weight: {n}", f"        path: {json.dumps(p)}"]
+        lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:",
+                 "    blend_epochized:"]
+        for p, runs in zip(self.paths, self.runs):
+            for start, end, reps in runs:
+                lines += [f"      - repetitions: {reps}", f"        path: {json.dumps(p)}",
+                          f"        subset: {{range: [{start}, {end}]}}"]
+        n_ranges = sum(map(len, self.runs))
+        logger.log(logging.WARNING if n_ranges > 256 else logging.INFO,
+                   "reader %s: official selection = %d Energon sample ranges over %d datasets (a shuffled partial vlm "
+                   "selection costs one range per run of consecutive lines; many ranges make the reader slow to open)",
+                   self.group_name, n_ranges, len(self.paths))
         path = os.path.join(self._tmpdir, "blend.yaml")
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
@@ -185,6 +223,7 @@ class BagelGroupReader(Savable):
             "seed": self.seed,
             "transform_args": self.transform_args,
             "datasets": [{"name": os.path.basename(p), "num_samples": n} for p, n in zip(self.paths, self._counts)],
+            "selection": [[list(r) for r in runs] for runs in self.runs],
             "loader": strip_paths(self.loader.config()),
         }
 

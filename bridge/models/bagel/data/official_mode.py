@@ -1,0 +1,92 @@
+"""``data.order: official``: the official BAGEL loader's batch stream, emulated in-process with exact resume.
+
+The official training script (spec bagel_packer.md §11.1–§11.2) wraps one ``PackedDataset`` in a torch
+``DataLoader(num_workers=W)``. Each worker w runs its own ``PackedDataset.__iter__``: its own group
+readers over its slice of every group's units (``shard_units``: sort, ``Random(data_seed).shuffle``, the
+rank's ``len // world_size`` slice, the worker's ``per_rank // W`` slice reversed), its own packer and
+buffer, and its own process-global RNG streams (seeded ``base_seed + w`` / ``_generate_state(base_seed, w)``
+with ``base_seed`` the first int64 of ``torch.manual_seed(rank seed)``). The DataLoader delivers batches
+in order, so batch k comes from worker ``k % W``.
+
+:class:`OfficialWorkers` holds one ``BagelRNGIterator(BagelPacker([OfficialOrderReader per group]),
+rank_seed, worker_id=w)`` chain per emulated worker and takes batches round-robin. Its state is the
+round-robin position plus each chain's own state (RNG streams, packer buffer keys, reader cursors).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from .state import Savable, StateError
+from .stats import merge_counts
+
+__all__ = ["OfficialWorkers"]
+
+logger = logging.getLogger(__name__)
+
+
+class OfficialWorkers(Savable):
+    """Round-robin over per-worker chains (``workers[w]`` = emulated DataLoader worker w), like ``DataLoader``.
+
+    ``next()`` returns the next batch of worker ``next_worker`` and advances it modulo ``len(workers)``.
+    State: ``workers`` (each chain's own tagged state) and ``next_worker`` (int in ``[0, W)``).
+    """
+
+    _savable_fields = ("workers", "next_worker")
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        if not workers:
+            raise ValueError("OfficialWorkers needs at least one worker chain")
+        self.workers = list(workers)
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        self._next = 0
+
+    def identity(self) -> dict[str, Any]:
+        return {"num_workers": len(self.workers)}
+
+    @property
+    def next_worker(self) -> int:
+        """The worker whose batch ``next()`` returns."""
+        return self._next
+
+    @next_worker.setter
+    def next_worker(self, value: Any) -> None:
+        if not isinstance(value, int) or not 0 <= value < len(self.workers):
+            raise StateError(f"OfficialWorkers: next_worker {value!r} out of range for {len(self.workers)} workers")
+        self._next = value
+
+    @property
+    def seq_length(self) -> int | None:
+        """Packed sequence length of every batch (the chains' ``max_num_tokens``)."""
+        return getattr(self.workers[0], "seq_length", None)
+
+    def stats(self) -> dict[str, Any]:
+        """The packer counters summed over workers (``num_batches``, ``consumed`` per group, ``buffer_len``,
+        ``drops``, ``packer_drops``, ``source_drops`` per group) and each worker's own (``workers``)."""
+        per = [w.stats() if callable(getattr(w, "stats", None)) else {} for w in self.workers]
+        groups = list(per[0].get("source_drops", {})) if per else []
+        return {"num_batches": sum(int(s.get("num_batches", 0)) for s in per),
+                "consumed": merge_counts([s.get("consumed", {}) for s in per]),
+                "buffer_len": sum(int(s.get("buffer_len", 0)) for s in per),
+                "drops": merge_counts([s.get("drops", {}) for s in per]),
+                "packer_drops": merge_counts([s.get("packer_drops", {}) for s in per]),
+                "source_drops": {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups},
+                "workers": per}
+
+    def __iter__(self) -> "OfficialWorkers":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.workers[self._next])
+        self._next = (self._next + 1) % len(self.workers)
+        return batch
+
+    def close(self) -> None:
+        for w in self.workers:
+            close = getattr(w, "close", None)
+            if callable(close):
+                close()

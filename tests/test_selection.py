@@ -1,0 +1,141 @@
+"""The official data selection (num_used_data / shuffle_lines / shuffle_seed) in the default Energon path.
+
+* ``selection_counts`` follows the official rules (files repeated for t2i/edit, first-n shuffled lines for vlm);
+* epoch coverage: over one Energon epoch of every DP rank, the multiset of consumed raw rows (dataset, sample),
+  drops included, equals the rows the official loader selects (oracle: ``official_units``, the unit lists the
+  reader-golden tests prove against the official classes), for DP 1/2 and Energon workers 0/2.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+from pathlib import Path
+
+import pytest
+from megatron.energon.epathlib import EPath
+from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
+
+from bridge.models.bagel.data.converter.convert import convert_edit, convert_t2i, convert_vlm
+from bridge.models.bagel.data.energon.layout import load_manifest
+from bridge.models.bagel.data.energon.official_order import official_units
+from bridge.models.bagel.data.energon.reader import BagelGroupReader
+from bridge.models.bagel.data.energon.selection import selection_counts, selection_runs
+from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+
+RAW = Path(__file__).parent / "fixtures" / "bagel_readers" / "raw"
+VAE = dict(max_image_size=1024, min_image_size=512, image_stride=16)
+VIT = dict(max_image_size=518, min_image_size=224, image_stride=14)
+VLM_T = dict(max_image_size=980, min_image_size=378, image_stride=14, max_pixels=2_007_040)
+
+
+def _file_manifest(group, rows_per_file):
+    files, samples = [], []
+    for fi, n in enumerate(rows_per_file):
+        files.append({"file": f"d/part-{fi}.parquet", "file_index": fi, "row_groups": [n]})
+        samples += [[fi, 0, r] for r in range(n)]
+    return {"group": group, "files": files, "samples": samples}
+
+
+def _vlm_manifest(n):
+    return {"group": "vlm_sft", "num_lines": n, "files": [{"file": "x.jsonl"}], "samples": [[i] for i in range(n)]}
+
+
+def test_t2i_edit_files_repeat_or_subset():
+    man = _file_manifest("t2i_pretrain", [2, 3, 1])
+    assert selection_counts(man, 2) == {0: 1, 1: 1, 2: 1, 3: 1, 4: 1}                  # first 2 files
+    assert selection_counts(man, 7) == {0: 3, 1: 3, 2: 2, 3: 2, 4: 2, 5: 2}            # listing repeated, first 7
+    assert selection_runs(selection_counts(man, 7)) == [(0, 2, 3), (2, 6, 2)]
+    assert selection_counts(_file_manifest("unified_edit", [1, 1]), 1) == {0: 1}
+    assert selection_counts(man, None) == {i: 1 for i in range(6)}
+
+
+def test_vlm_first_n_lines_after_shuffle():
+    assert selection_counts(_vlm_manifest(16), 4) == {0: 1, 1: 1, 2: 1, 3: 1}
+    lines = list(range(16))
+    random.Random(7).shuffle(lines)
+    assert selection_counts(_vlm_manifest(16), 4, shuffle_lines=True, shuffle_seed=7) == {i: 1 for i in lines[:4]}
+    assert selection_counts(_vlm_manifest(16), 100) == {i: 1 for i in range(16)}      # no repetition for vlm
+    # the issue's example: two vlm datasets (4 and 16 lines), [1, 16] and [4, 16] select different rows
+    a = [selection_counts(_vlm_manifest(4), n) for n in (1, 4)]
+    assert a[0] == {0: 1} and a[1] == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sel_converted")
+    convert_t2i(str(RAW / "t2i"), out, progress=False)
+    convert_edit(str(RAW / "unified_edit"), str(RAW / "parquet_info" / "unified_edit.json"), out, progress=False)
+    convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(RAW / "vlm" / "images"), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok, _, _ = add_special_tokens(build_qwen2_tokenizer())
+    return tok
+
+
+# group -> (converted dir, transforms, num_used_data, shuffle kwargs): t2i files repeated (6 of 4), edit a file
+# subset (2 of 4), vlm 10 of 25 shuffled lines
+GROUPS = {
+    "t2i_pretrain": ("t2i_pretrain/t2i", dict(image_transform_args=VAE), [6], {}),
+    "unified_edit": ("unified_edit/unified_edit", dict(image_transform_args=VAE, vit_image_transform_args=VIT), [2],
+                     {}),
+    "vlm_sft": ("vlm_sft/vlm_sft", dict(image_transform_args=VLM_T), [10], dict(shuffle_lines=True, shuffle_seed=3)),
+}
+
+
+def _official_rows(path, group, num_used, kw):
+    reader = SqliteITarEntryReader(EPath(path))
+    try:
+        units = official_units(group, [load_manifest(path)], [reader], num_used, **kw)
+    finally:
+        reader.close()
+    return collections.Counter((os.path.basename(path), idx) for u in units for _, _, idx in (u.rows or ()))
+
+
+@pytest.mark.parametrize("dp_size,workers", [(1, 0), (1, 2), (2, 0), (2, 2)])
+def test_epoch_covers_exactly_the_official_selection(dp_size, workers, converted, tokenizer):
+    for group, (rel, targs, num_used, kw) in GROUPS.items():
+        path = str(converted / rel)
+        expected = _official_rows(path, group, num_used, kw)
+        got: collections.Counter = collections.Counter()
+        drops = 0
+        for rank in range(dp_size):
+            reader = BagelGroupReader([path], tokenizer=tokenizer, dp_rank=rank, dp_size=dp_size, num_workers=workers,
+                                      group=group, num_used_data=num_used, **targs, **kw)
+            try:
+                # one Energon epoch per worker (a worker that finishes first wraps into its next epoch while the
+                # others still deliver theirs: those reads are not part of this epoch)
+                slots = max(workers, 1)
+                need = {w: reader.loader.dataset.len_worker(w) for w in range(slots)}
+                it = iter(reader.loader)           # the cooked stream, tombstones included (reader.__next__ skips them)
+                for _ in range(3 * len(reader.loader)):
+                    if not any(need.values()):
+                        break
+                    s = next(it)
+                    w = s.__restore_key__[1] - rank * workers   # global worker id -> local
+                    if not need[w]:
+                        continue
+                    need[w] -= 1
+                    got[(os.path.basename(str(s.__sources__[0].dataset_path)), s.__sources__[0].index)] += 1
+                    drops += s.drop_reason is not None
+                assert not any(need.values()), need
+            finally:
+                reader.close()
+        assert got == expected, group                # nothing lost, nothing extra, repeats as official
+        assert sum(expected.values()) > drops        # drops are rows of the selection, counted, not missing
+
+
+def test_num_used_data_changes_the_reader_identity(converted, tokenizer):
+    path = str(converted / "t2i_pretrain/t2i")
+    ids = []
+    for n in ([4], [6]):
+        r = BagelGroupReader([path], tokenizer=tokenizer, image_transform_args=VAE, num_used_data=n)
+        ids.append(r.identity()["selection"])
+        r.close()
+    assert ids[0] == [[[0, 21, 1]]] and ids[1] == [[[0, 10, 2], [10, 21, 1]]]
