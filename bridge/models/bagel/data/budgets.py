@@ -340,7 +340,7 @@ def _grid_issue(issues: list[BudgetIssue], grid: ImageGrid, packer: PackerConfig
 
 
 def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedGroup], *,
-                  source: str = "groups", packer_where: str = "packer") -> list[BudgetIssue]:
+                  source: str = "groups", packer_where: str = "packer", official: bool = False) -> list[BudgetIssue]:
     """Every budget finding for ``packer`` and ``groups`` (errors first), without logging or raising.
 
     ``source`` names the grouped YAML in messages, ``packer_where`` the packer's key prefix (``packer`` in a
@@ -382,7 +382,9 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
     worst = mandatory_tokens(len(mandatory), limit)
     if len(mandatory) > 1 and worst > p.max_num_tokens:
         fit = p.max_num_tokens // len(mandatory) + 1
-        issues.append(BudgetIssue("error", f"{pw}.max_num_tokens_per_sample", (
+        # data.order: official reproduces the official stream, whose configs may carry this risk (it only bites
+        # when large mandatory samples meet): a warning there, an error for the default order.
+        issues.append(BudgetIssue("warning" if official else "error", f"{pw}.max_num_tokens_per_sample", (
             f"{source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
             f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "
             f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "
@@ -401,12 +403,12 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
 
 
 def check_budgets(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedGroup], *,
-                  source: str = "groups", packer_where: str = "packer") -> list[BudgetIssue]:
+                  source: str = "groups", packer_where: str = "packer", official: bool = False) -> list[BudgetIssue]:
     """Raise ConfigError listing every budget that cannot work; log each warning once per process.
 
     Called by ``BagelDataConfig.load_groups`` (the builder's validation path). Returns the warnings.
     """
-    issues = budget_issues(packer, groups, source=source, packer_where=packer_where)
+    issues = budget_issues(packer, groups, source=source, packer_where=packer_where, official=official)
     errors = [i for i in issues if i.level == "error"]
     if errors:
         raise ConfigError("packer budgets cannot work with these groups:\n  - "

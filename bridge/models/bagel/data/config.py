@@ -253,7 +253,7 @@ class BagelDataConfig:
 
         groups = load_grouped_yaml(self.groups)
         resolved = resolve_groups(groups, load_dataset_info(self.dataset_info), source=str(self.dataset_info))
-        check_budgets(self.packer, groups, source=str(self.groups))
+        check_budgets(self.packer, groups, source=str(self.groups), official=self.order == "official")
         return resolved
 
     @classmethod

@@ -73,6 +73,7 @@ class OfficialWorkers(Savable):
                 "consumed": merge_counts([s.get("consumed", {}) for s in per]),
                 "buffer_len": sum(int(s.get("buffer_len", 0)) for s in per),
                 "drops": merge_counts([s.get("drops", {}) for s in per]),
+                "unused": merge_counts([s.get("unused", {}) for s in per]),
                 "packer_drops": merge_counts([s.get("packer_drops", {}) for s in per]),
                 "source_drops": {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups},
                 "workers": per}

@@ -29,7 +29,7 @@ from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
 
 from ..state import Savable, StateError
-from ..stats import DropCounter
+from ..stats import DataStallError, DropCounter
 from .cook_common import CookContext, Draws, cook_with, global_random
 from .cookers import CORES
 from .layout import SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
@@ -124,17 +124,21 @@ def official_units(group: str, manifests: Sequence[Mapping[str, Any]], readers: 
     return units
 
 
+_MAX_SKIPPED = 1000
+
+
 class OfficialOrderReader(Savable):
     """Cooked samples of converted datasets in the official order, with the official ``data_indexes``.
 
     Draws from the global ``random`` module like the official classes (seed it as the official run
     does, or run it under ``BagelRNGIterator``). Iterating gives one pass (``repeat=True``: endless, the
     same order each pass, as official). Dropped rows are counted in ``drops`` and listed in ``skipped``
-    as ``{row_id, reason, detail}`` (diagnostics, not state). Raises ValueError when this worker's unit
+    as ``{row_id, reason, detail}`` (diagnostics, not state; the first ``_MAX_SKIPPED``). A whole pass without
+    a usable row raises ``DataStallError`` (the official reader would spin forever). Raises ValueError when this worker's unit
     slice is empty (the official reader would hang).
     """
 
-    _savable_fields = ("cursor", "drops")
+    _savable_fields = ("cursor", "drops", "unused")
 
     def __init__(self, paths: Sequence[str], ctx: CookContext, num_used_data: Sequence[int], *, seed: int = 42,
                  rank: int = 0, world_size: int = 1, num_workers: int = 0, worker_id: int = 0,
@@ -162,13 +166,17 @@ class OfficialOrderReader(Savable):
                           "num_units": len(self.units), "datasets": [m.get("dataset_name") for m in manifests],
                           "num_samples": [m.get("num_samples") for m in manifests]}
         self.drops = DropCounter(f"official-order reader {self.group} worker {self.worker_id}", logger)
+        self.unused = DropCounter(f"official-order reader {self.group} worker {self.worker_id}", logger,
+                                  what="ignored part of a record (the sample is kept, as officially)")
         self.skipped: list[dict[str, Any]] = []
         self.reset_state()
 
     # -- state -------------------------------------------------------------------------------
     def reset_state(self) -> None:
         self._pos, self._row = 0, 0
+        self._yielded_in_pass = False
         self.drops.reset_state()
+        self.unused.reset_state()
 
     def identity(self) -> dict[str, Any]:
         """Group, unit selection and sharding: what a saved cursor must match (no paths)."""
@@ -187,8 +195,8 @@ class OfficialOrderReader(Savable):
         self._pos, self._row = int(value[0]), int(value[1])
 
     def stats(self) -> dict[str, Any]:
-        """``{"drops": {reason: count}}`` of this reader's rows so far."""
-        return {"drops": dict(self.drops.counts)}
+        """``{"drops": {reason: count}, "unused": {reason: count}}`` of this reader's rows so far."""
+        return {"drops": dict(self.drops.counts), "unused": dict(self.unused.counts)}
 
     def close(self) -> None:
         for r in self.readers:
@@ -230,15 +238,23 @@ class OfficialOrderReader(Savable):
             if self._pos >= len(self.units):
                 if not self.repeat:
                     raise StopIteration
+                if not self._yielded_in_pass:  # liveness: a whole pass without one usable row never ends
+                    raise DataStallError(
+                        f"official-order reader {self.group!r} ({self._identity['datasets']}, rank "
+                        f"{self._identity['rank']}/{self._identity['world_size']}, worker {self.worker_id}): a whole "
+                        f"pass over its {len(self.units)} units yielded no usable sample; drops so far "
+                        f"{dict(self.drops.counts)}, e.g. {self.skipped[0]['detail'] if self.skipped else 'none'}. "
+                        "Fix the rows, or use fewer ranks / workers so this worker's slice holds usable data.")
                 logger.info("%s repeat in worker %d", self.group, self.worker_id)
-                self._pos, self._row = 0, 0
+                self._pos, self._row, self._yielded_in_pass = 0, 0, False
             pos, unit = self._pos, self.units[self._pos]
             if unit.rows is None or self._row >= len(unit.rows):
                 if unit.rows is None:
                     logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official",
                                    self.group, unit.label)
-                    self.skipped.append({"row_id": self._row_id(pos, ()), "reason": "missing_row_group",
-                                         "detail": unit.label})
+                    if len(self.skipped) < _MAX_SKIPPED:
+                        self.skipped.append({"row_id": self._row_id(pos, ()), "reason": "missing_row_group",
+                                             "detail": unit.label})
                 self._pos, self._row = pos + 1, 0
                 continue
             row = self._row
@@ -247,7 +263,11 @@ class OfficialOrderReader(Savable):
             sample = self._cook(ds, idx, Draws(rng=global_random()))
             if sample.drop_reason is not None:
                 self.drops.drop(sample.drop_reason, sample.drop_detail)
-                self.skipped.append({"row_id": self._row_id(pos, suffix), "reason": sample.drop_reason,
-                                     "detail": sample.drop_detail})
+                if len(self.skipped) < _MAX_SKIPPED:  # diagnostics only: bounded however long the run
+                    self.skipped.append({"row_id": self._row_id(pos, suffix), "reason": sample.drop_reason,
+                                         "detail": sample.drop_detail})
                 continue
+            self._yielded_in_pass = True
+            for reason, n in (sample.unused or {}).items():
+                self.unused.drop(reason, f"{self.group} row {self._row_id(pos, suffix)}", n)
             return self._finish(sample, pos, row, suffix)
