@@ -52,16 +52,25 @@ def _init_distributed(train):
     return init_model_parallel(train)
 
 
-def _barrier_if_all_ranks_failed(exc: BaseException) -> None:
-    """After an error every rank raised together, wait for all ranks to have printed before exiting (torchrun
-    stops the remaining workers as soon as one exits non-zero)."""
+def _exit_together_if_all_ranks_failed(exc: BaseException) -> None:
+    """After an error every rank raised together: wait until all ranks have printed, then leave at once.
+
+    torchrun stops the remaining workers as soon as one exits non-zero, so a slow interpreter teardown would
+    end in SIGTERM instead of exit status 1; every rank has reported and synchronised here, nothing is lost.
+    """
     import torch.distributed as dist
 
-    if getattr(exc, "all_ranks", False) and dist.is_available() and dist.is_initialized():
-        try:
-            dist.barrier()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
+    if not (getattr(exc, "all_ranks", False) and dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        return
+    if dist.get_world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(1)
 
 
 def _prepare_demo_data(cfg) -> None:
@@ -142,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(exc).split())  # one line, however the exception formats itself
         print(f"error [rank {rank}]: {getattr(exc, 'kind', type(exc).__name__)}: {message}", file=sys.stderr,
               flush=True)
-        _barrier_if_all_ranks_failed(exc)
+        _exit_together_if_all_ranks_failed(exc)
         return 1
     finally:
         import torch.distributed as dist
