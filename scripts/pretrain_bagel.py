@@ -36,11 +36,11 @@ def _load_symbol(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _init_distributed():
+def _init_distributed(train):
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from bridge.models.bagel.data.job.topology import init_model_parallel
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
@@ -49,8 +49,28 @@ def _init_distributed():
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     dist.init_process_group(backend=backend)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp", "dp"])
+    return init_model_parallel(train)
+
+
+def _exit_together_if_all_ranks_failed(exc: BaseException) -> None:
+    """After an error every rank raised together: wait until all ranks have printed, then leave at once.
+
+    torchrun stops the remaining workers as soon as one exits non-zero, so a slow interpreter teardown would
+    end in SIGTERM instead of exit status 1; every rank has reported and synchronised here, nothing is lost.
+    """
+    import torch.distributed as dist
+
+    if not (getattr(exc, "all_ranks", False) and dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - exiting anyway
+        return
+    if dist.get_world_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(1)
 
 
 def _prepare_demo_data(cfg) -> None:
@@ -77,6 +97,9 @@ def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_ste
     container.train.train_iters = cfg.train.train_iters
     container.train.global_batch_size = cfg.train.global_batch_size
     container.train.micro_batch_size = cfg.train.micro_batch_size
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                "virtual_pipeline_model_parallel_size"):  # Bridge rebuilds its groups from the model config
+        setattr(container.model, key, getattr(cfg.train, key))
     container.validation.eval_iters = 0
     container.validation.eval_interval = None
     if cfg.train.save:
@@ -111,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
         overrides = list(args.overrides) + ([f"train.digest_log={args.digest_log}"] if args.digest_log else [])
         cfg = load_job_config(args.config, overrides)
-        pg_collection = _init_distributed()
+        pg_collection = _init_distributed(cfg.train)
         if cfg.demo_data:
             _prepare_demo_data(cfg)
         tokenizer = load_tokenizer(cfg.data.tokenizer)
@@ -126,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = " ".join(str(exc).split())  # one line, however the exception formats itself
-        print(f"error [rank {rank}]: {type(exc).__name__}: {message}", file=sys.stderr, flush=True)
+        print(f"error [rank {rank}]: {getattr(exc, 'kind', type(exc).__name__)}: {message}", file=sys.stderr,
+              flush=True)
+        _exit_together_if_all_ranks_failed(exc)
         return 1
     finally:
         import torch.distributed as dist

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import zipfile
 import zlib
 from typing import Any
@@ -18,7 +19,8 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 
-__all__ = ["TRACKER", "rank_state_file", "read_step", "restore_loader", "save_checkpoint"]
+__all__ = ["TRACKER", "check_resume_dp", "loader_state_files", "rank_state_file", "read_step", "restore_loader",
+           "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # What reading a damaged torch.save zip raises inside Bridge's loader (energon_torch_load parses the zip itself).
@@ -36,6 +38,32 @@ def read_step(root: str) -> int:
     return int(text)
 
 
+def loader_state_files(root: str, step: int) -> list[str]:
+    """Sorted ``train_dataloader_dprankNNN.pt`` names under ``{root}/energon/iter_{step:07d}/`` (one per DP replica)."""
+    iter_dir = os.path.join(root, "energon", f"iter_{step:07d}")
+    if not os.path.isdir(iter_dir):
+        return []
+    return sorted(n for n in os.listdir(iter_dir) if re.fullmatch(r"train_dataloader_dprank\d{3,}\.pt", n))
+
+
+def check_resume_dp(root: str, step: int, dp_size: int) -> None:
+    """Refuse to resume under a different data-parallel size (``ConfigError``, the same line on every rank).
+
+    Bridge writes one state file per DP replica, so the checkpoint's DP size is the number of files.
+    Bridge itself would refuse too, but differently per rank (a missing file on the new DP ranks, a
+    fingerprint mismatch on the old ones); this check says what happened once, before anything is built.
+    A changed TP/PP/CP with the same DP passes: the stream depends only on the DP rank and size.
+    """
+    files = loader_state_files(root, step)
+    if not files:
+        raise ConfigError(f"train.load: {root} has no loader state for step {step} "
+                          f"({os.path.join(root, 'energon', f'iter_{step:07d}')} is missing or empty)")
+    if len(files) != dp_size:
+        raise ConfigError(f"train.load: the checkpoint at step {step} was written with data-parallel size "
+                          f"{len(files)} ({len(files)} loader state files), this run has DP {dp_size}; "
+                          f"resuming under a different DP size is refused (change TP/PP/CP, keep DP)")
+
+
 def _bridge_ckpt() -> Any:
     api = import_bridge()
     if api.maybe_save_dataloader_state is None:
@@ -44,7 +72,11 @@ def _bridge_ckpt() -> Any:
 
 
 def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any) -> None:
-    """Write this rank's loader state (Bridge) and, after all ranks wrote, the step tracker (rank 0)."""
+    """Bridge's loader-state save, then (after a world barrier) the step tracker (rank 0).
+
+    Called on every rank; Bridge lets only the ``tp = pp = cp = 0`` rank of each DP replica write, so the
+    step directory holds exactly one ``train_dataloader_dprankNNN.pt`` per DP replica.
+    """
     api = _bridge_ckpt()
     api.maybe_save_dataloader_state(None, iterator, step, os.path.join(root, "energon"), pg_collection=pg_collection)
     dist.barrier()
@@ -72,15 +104,18 @@ def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigErro
 
 
 def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> None:
-    """Restore this rank's loader from ``root`` at ``step`` through Bridge (refuses a changed DP size).
+    """Restore this rank's loader from its DP replica's file at ``step`` through Bridge (every rank restores).
 
-    A truncated or corrupt state file is reported with its own path (Bridge's loader would only say
-    ``BadZipFile: File is not a zip file``, and its log line names rank 0's file).
+    Refuses a changed DP size first (``check_resume_dp``), then defers to Bridge's
+    ``maybe_load_dataloader_state`` (file ``train_dataloader_dprank{dp:03d}.pt``, ``dp`` = rank in
+    ``pg_collection.dp``). A truncated or corrupt state file is reported with its own path (Bridge's loader
+    would only say ``BadZipFile: File is not a zip file``, and its log line names rank 0's file).
     """
     api = _bridge_ckpt()
     state_dir = os.path.join(root, "energon")
     if not os.path.isdir(state_dir):
         raise ConfigError(f"train.load: {root} has no loader state directory ({state_dir})")
+    check_resume_dp(root, step, pg_collection.dp.size())
     dp_rank = pg_collection.dp.rank()
     path = rank_state_file(state_dir, step, dp_rank)
     if os.path.isfile(path):  # a missing file (changed DP size) is Bridge's own, clear error

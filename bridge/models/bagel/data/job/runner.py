@@ -4,6 +4,12 @@ Per step each rank pulls ``global_batch_size / (micro_batch_size × DP)`` packed
 Megatron-Bridge's real data path (provider → ``build_pretraining_data_loader(..., "external")`` →
 ``RerunDataIterator``), validates each against the batch contract, accounts for it, and optionally
 records a digest. Loader state is checkpointed with Bridge's own functions and restored on ``train.load``.
+
+Topology (``train.tensor/pipeline/context/virtual_pipeline_model_parallel_size``, see ``topology``): DP
+rank/size come from Megatron's ``dp`` group; every rank — all TP/CP peers and every PP stage — builds
+and reads its own loader, as BAGEL's packed metadata (sample lengths, masks, position ids) is needed on
+every stage; peers of one DP replica therefore read identical streams. With a virtual pipeline the
+micro-batches are served to the model chunks through Bridge's ``make_data_iterator_list``.
 """
 
 from __future__ import annotations
@@ -21,28 +27,18 @@ from .._bridge import import_bridge
 from ..config import ConfigError
 from ..packing import batch_digest
 from .batch_check import account_batch, check_batch
-from .checkpoint import read_step, restore_loader, save_checkpoint
+from .checkpoint import check_resume_dp, read_step, restore_loader, save_checkpoint
 from .config import JobConfig
 from .telemetry import Telemetry
+from .topology import agree, rank_coords
 
-__all__ = ["DataContractError", "OtherRankFailed", "build_iterator", "run_job"]
+__all__ = ["DataContractError", "build_iterator", "run_job"]
 
 logger = logging.getLogger(__name__)
 
 
 class DataContractError(RuntimeError):
     """A batch violated the packed-batch contract."""
-
-
-class OtherRankFailed(RuntimeError):
-    """This rank stops because another rank's data pipeline failed (that rank reports why)."""
-
-
-def _all_ok(ok: bool) -> bool:
-    """True on every rank iff ``ok`` holds on every rank (so one failing rank never leaves others hanging)."""
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item()) == 0
 
 
 def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> tuple[Any, Any]:
@@ -69,33 +65,56 @@ def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> tuple[
     return RerunDataIterator(external), loader
 
 
+def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
+    """One step's per-model-chunk iterators: Bridge's ``make_data_iterator_list`` over ``vpp`` chunks, or
+    ``[iterator]`` without a virtual pipeline (the source advances once per micro-batch either way)."""
+    if not vpp:
+        return [iterator]
+    import_bridge()  # registers the CPU stand-in that any megatron.bridge import needs without TE
+    from megatron.bridge.data.iterator_utils import make_data_iterator_list
+
+    return make_data_iterator_list([None] * vpp, iterator)
+
+
 def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any]:
-    """Run ``cfg.train.train_iters`` steps (from the checkpoint step when ``train.load`` is set)."""
+    """Run ``cfg.train.train_iters`` steps (from the checkpoint step when ``train.load`` is set).
+
+    ``pg_collection`` holds Megatron's ``tp``/``pp``/``cp``/``dp`` groups (``topology.init_model_parallel``).
+    Collective: every rank must call it. A failure while building or restoring the loader on any rank is
+    raised on every rank as the same ``AgreedError``; a changed DP size on resume is a ``ConfigError``
+    (via ``AgreedError``) before the loader is built.
+    """
     from megatron.core import num_microbatches_calculator as nmc
 
     train, packer_cfg = cfg.train, cfg.data.packer
-    rank, dp_size = dist.get_rank(), pg_collection.dp.size()
-    if train.global_batch_size % (train.micro_batch_size * dp_size):
-        raise ConfigError(f"train.global_batch_size {train.global_batch_size} is not divisible by micro_batch_size "
-                          f"{train.micro_batch_size} x data-parallel size {dp_size}")
+    coords = rank_coords(pg_collection)
+    rank, dp_size = coords["rank"], coords["dp_size"]
+    layout = train.parallel_layout(dist.get_world_size())
+    if layout["dp"] != dp_size:
+        raise ConfigError(f"train: Megatron's data-parallel group has {dp_size} ranks, the config implies {layout['dp']}")
     nmc.init_num_microbatches_calculator(rank, None, train.global_batch_size, train.micro_batch_size, dp_size)
     num_micro = nmc.get_num_microbatches()
+    vpp = train.virtual_pipeline_model_parallel_size
 
     error: BaseException | None = None
     iterator = loader = None
     start_step = 0
     try:
-        iterator, loader = build_iterator(cfg, pg_collection, tokenizer)
         if train.load:
             start_step = read_step(train.load)
+            check_resume_dp(train.load, start_step, dp_size)
+        iterator, loader = build_iterator(cfg, pg_collection, tokenizer)
+        if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
             logger.info("resumed from %s at step %d", train.load, start_step)
     except Exception as exc:  # agree across ranks before raising, so no rank waits forever in a collective
         error = exc
-    if not _all_ok(error is None):
+    try:
+        agree(error, "building/restoring the loader")
+    except BaseException:
         if loader is not None:
             loader.close()
-        raise error if error is not None else RuntimeError("another rank failed while building/restoring the loader")
+        raise
 
     weights = {g.group.name: g.group.weight for g in cfg.data.load_groups()}
     tele = Telemetry(max_num_tokens=packer_cfg.max_num_tokens, group_weights=weights,
@@ -108,12 +127,15 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         bar = tqdm(total=train.train_iters, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
     try:
         for step in range(start_step + 1, train.train_iters + 1):
+            chunks = _chunk_iterators(iterator, vpp)
             step_error: BaseException | None = None
             try:
                 for micro in range(num_micro):
                     t0 = time.perf_counter()
-                    batch = next(iterator)
+                    batch = next(chunks[0])
                     wait = time.perf_counter() - t0
+                    if any(next(view) is not batch for view in chunks[1:]):
+                        raise DataContractError(f"rank {rank} step {step}: model chunks saw different micro-batches")
                     problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens,
                                            use_flex=packer_cfg.use_flex, max_latent_size=packer_cfg.max_latent_size,
                                            max_num_patch_per_side=packer_cfg.max_num_patch_per_side)
@@ -121,18 +143,16 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
                         raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
                     tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)
                     if digest_fh is not None:
-                        digest_fh.write(json.dumps({"rank": rank, "step": step, "micro": micro,
+                        digest_fh.write(json.dumps({**coords, "step": step, "micro": micro,
                                                     "digest": batch_digest(batch)}) + "\n")
                         digest_fh.flush()
-            except Exception as exc:  # noqa: BLE001 - agreed on below, then re-raised
+            except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
                 step_error = exc
             # Every rank learns of a failing rank's data error at the same step, so none waits in a collective.
-            if not _all_ok(step_error is None):
-                raise step_error if step_error is not None else OtherRankFailed(
-                    f"rank {rank}: another rank's data pipeline failed at step {step} (see its error line)")
+            agree(step_error, f"step {step}")
             if step % train.log_interval == 0 or step == train.train_iters:
                 tokens = torch.tensor([tele.interval["tokens"]], dtype=torch.int64)
-                dist.all_reduce(tokens)
+                dist.all_reduce(tokens, group=pg_collection.dp)  # TP/PP/CP peers hold copies of the same batches
                 tele.log(step, loader.stats(), global_tokens=int(tokens.item()))
             if train.exit_after_step is not None and step == train.exit_after_step:
                 logger.warning("train.exit_after_step=%d: simulating a crash (no final checkpoint)", step)
@@ -155,5 +175,5 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         loader.close()
     summary = tele.summary()
     summary.update(start_step=start_step, steps=train.train_iters - start_step, micro_batches_per_step=num_micro,
-                   pipeline=loader.stats())
+                   layout=layout, pipeline=loader.stats())
     return summary

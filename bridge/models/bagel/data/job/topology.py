@@ -1,0 +1,98 @@
+"""Model-parallel layout of the job: Megatron-Core process groups, per-rank coordinates, cross-rank agreement.
+
+The loader is sharded by data parallelism only. Following Megatron-Bridge's standard ``pretrain()`` path:
+
+* every rank builds the loader and reads its own iterator (no broadcast), with DP rank/size taken from
+  Megatron's ``dp`` group (``ProcessGroupCollection.dp``: DP *without* CP), never from the world size —
+  so all TP/CP peers and all PP stages of one DP replica read byte-identical streams;
+* the loader state is written once per DP replica by its ``tp = pp = cp = 0`` rank and restored on every
+  rank of the replica (Bridge's ``maybe_save_dataloader_state`` / ``maybe_load_dataloader_state``);
+* with a virtual (interleaved) pipeline, Bridge keeps one iterator per rank and hands every model chunk
+  a view of one shared per-step cache (``make_data_iterator_list``), so the source still advances once
+  per micro-batch and the stream does not depend on the virtual pipeline size.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config import ConfigError
+from .config import TrainConfig
+
+__all__ = ["AgreedError", "agree", "init_model_parallel", "rank_coords"]
+
+logger = logging.getLogger(__name__)
+
+
+class AgreedError(RuntimeError):
+    """A failure every rank raises together (after ``agree``), carrying the first failing rank's message.
+
+    ``kind`` is that rank's exception class name; ``all_ranks`` tells launchers that every rank is failing
+    at the same point, so a final barrier before exiting is safe.
+    """
+
+    all_ranks = True
+
+    def __init__(self, kind: str, message: str, source_rank: int) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.source_rank = source_rank
+
+
+def agree(error: BaseException | None, what: str = "setup") -> None:
+    """Collective over the world: return iff no rank failed, else raise the lowest failing rank's error.
+
+    Every rank must call this at the same point. Ranks that did not fail raise ``AgreedError`` too, so no
+    rank is left waiting in a later collective; every rank raises the same kind and message, so a failure
+    reads as one line however many ranks print it. The local exception (if any) is chained as the cause.
+    """
+    mine = None if error is None else (type(error).__name__, " ".join(str(error).split()))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
+    if not failed:
+        return
+    rank, (kind, message) = failed[0]
+    if len(failed) > 1:
+        logger.debug("%s failed on ranks %s", what, [r for r, _ in failed])
+    raise AgreedError(kind, message, rank) from error
+
+
+def init_model_parallel(train: TrainConfig) -> Any:
+    """Initialise Megatron-Core's TP/PP/CP/DP groups from ``train`` on the default process group.
+
+    Requires ``torch.distributed`` to be initialised (gloo on CPU, NCCL on GPU). Validates the layout first
+    (``TrainConfig.parallel_layout``; a bad one raises ``AgreedError`` of kind ``ConfigError`` on every rank,
+    a collective) and returns the
+    ``ProcessGroupCollection`` with ``tp``, ``pp``, ``cp`` and ``dp`` (DP without CP) groups.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    try:
+        layout, error = train.parallel_layout(dist.get_world_size()), None
+    except ConfigError as exc:
+        error = exc
+    agree(error, "the parallel layout")  # identical on every rank; raised together so every rank exits cleanly
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout["tp"], pipeline_model_parallel_size=layout["pp"],
+        context_parallel_size=layout["cp"],
+        virtual_pipeline_model_parallel_size=train.virtual_pipeline_model_parallel_size)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp", "dp"])
+    if pgs.dp.size() != layout["dp"]:  # guards the config arithmetic against Megatron's own groups
+        raise RuntimeError(f"Megatron's data-parallel group has {pgs.dp.size()} ranks, expected {layout['dp']}")
+    if dist.get_rank() == 0:
+        logger.info("parallel layout: world %d = TP %d x PP %d x CP %d x DP %d%s, %d micro-batches per step",
+                    dist.get_world_size(), layout["tp"], layout["pp"], layout["cp"], layout["dp"],
+                    f" (VPP {train.virtual_pipeline_model_parallel_size})"
+                    if train.virtual_pipeline_model_parallel_size else "", layout["num_microbatches"])
+    return pgs
+
+
+def rank_coords(pg_collection: Any) -> dict[str, int]:
+    """This rank's ``{"rank", "tp", "pp", "cp", "dp", "dp_size"}`` from Megatron's groups (global rank from the world)."""
+    return {"rank": dist.get_rank(), "tp": pg_collection.tp.rank(), "pp": pg_collection.pp.rank(),
+            "cp": pg_collection.cp.rank(), "dp": pg_collection.dp.rank(), "dp_size": pg_collection.dp.size()}
