@@ -14,13 +14,17 @@ from bridge.models.bagel.data.job.checkpoint import rank_state_file, restore_loa
 
 
 class _Rank:
-    """A process group stand-in that only answers ``rank()`` (what Bridge's per-rank file lookup asks)."""
+    """A DP process group stand-in of a 2-replica world: ``rank()`` (Bridge's per-rank file lookup) and
+    ``size()`` (the job's DP-size check)."""
 
     def __init__(self, rank: int) -> None:
         self._rank = rank
 
     def rank(self) -> int:
         return self._rank
+
+    def size(self) -> int:
+        return 2
 
 
 @pytest.fixture(scope="module")
@@ -82,5 +86,6 @@ def test_good_state_file_still_restores(saved) -> None:
 
     root, pgs = saved
     fresh = RerunDataIterator(golden_loader())
-    restore_loader(str(root), 2, fresh, pgs)
+    pg = types.SimpleNamespace(tp=pgs.tp, pp=pgs.pp, cp=pgs.cp, dp=_Rank(0))  # the 2-replica checkpoint's rank 0
+    restore_loader(str(root), 2, fresh, pg)
     assert fresh.iterable.position == 1
