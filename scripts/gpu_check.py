@@ -54,11 +54,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--dry-run", action="store_true",
-                    help="CPU smoke path: 1 batch at 4096/5120 tokens, 2/1 heads of 16, eager FlexAttention, "
+                    help="CPU smoke path: 1 batch at 7168/8192 tokens, 2/1 heads of 16, eager FlexAttention, "
                          "no create_block_mask comparison")
     args = ap.parse_args(argv)
     if args.dry_run:
-        args.batches, args.expected, args.max = 1, 4096, 5120
+        args.batches, args.expected, args.max = 1, 7168, 8192
         args.heads, args.kv_heads, args.head_dim = 2, 1, 16
     return args
 
@@ -70,8 +70,9 @@ def loader(data: Path, tok, *, use_flex: bool, expected: int, max_tokens: int, s
     cfg = BagelDataConfig(groups=str(data / "groups.yaml"), dataset_info=str(data / "dataset_info.yaml"),
                           num_workers=0, seed=seed,
                           packer=PackerConfig(expected_num_tokens=expected, max_num_tokens=max_tokens,
-                                              max_num_tokens_per_sample=min(16384, expected),
-                                              prefer_buffer_before=min(16384, expected // 2), use_flex=use_flex))
+                                              max_num_tokens_per_sample=min(16384, max_tokens // 2),
+                                              prefer_buffer_before=min(16384, expected // 2), use_flex=use_flex,
+                                              max_latent_size=64))  # the demo transforms reach 1024 px / 16
     return build_bagel_train_loader(cfg, tok, (0, 1), length=length)
 
 

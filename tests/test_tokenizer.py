@@ -62,9 +62,7 @@ def test_cache_reload_gives_identical_ids(cache_root, tok):
     assert len(key_dirs) == 1 and (key_dirs[0] / "tokenizer.json").is_file()
     assert not [p for p in cache_root.iterdir() if p.name.startswith(".")], "temp dir left behind"
     tk._MEMO.clear()                                   # force a load from disk
-    t0 = time.perf_counter()
-    reloaded = build_qwen2_tokenizer(cache_root)
-    assert time.perf_counter() - t0 < 30
+    reloaded = build_qwen2_tokenizer(cache_root)  # (its speed is a benchmark matter, not a unit test's)
     assert len(reloaded) == QWEN2_LEN
     for text in [*PROBES, "<|vision_start|><|vision_end|>", "日本語のテキスト\n\ttabs  ", "emoji 👩‍👩‍👧 ok"]:
         assert reloaded.encode(text) == tok.encode(text), text

@@ -63,7 +63,7 @@ class Runs:
         data = root / "data"
         self.common = [f"demo_data={data}", f"data.groups={data}/groups.yaml",
                        f"data.dataset_info={data}/dataset_info.yaml", "data.prefetch=0",
-                       "data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=6144",
+                       "data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=8192",
                        "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
                        f"train.train_iters={STEPS}", "train.global_batch_size=4", "train.progress=false"]
         self.crashed: dict[str, Path] = {}
