@@ -108,3 +108,59 @@ def test_release_from_another_thread_and_limit() -> None:
         assert memory.empty((1024, 1024)).untyped_storage().nbytes() == 4 << 20
     finally:
         memory.set_pool_limit(2 << 30)
+
+
+def _consumer(inbox, outbox) -> None:
+    """Child: keep the first tensor while the parent reuses memory, then check it and drop it."""
+    torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork (as in the prefetch producer)
+    kept = inbox.get()
+    expected = kept.clone()
+    outbox.put("holding")
+    assert inbox.get() == "check"
+    outbox.put(bool(torch.equal(kept, expected)))
+    del kept
+    outbox.put("dropped")
+    inbox.get()
+
+
+def test_shared_blocks_reused_only_after_the_other_process_drops_them() -> None:
+    """Prefetch hand-over: a shared block the trainer (here a child process) still maps is never reused."""
+    import torch.multiprocessing as torch_mp
+
+    old = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    memory.use_shared_memory(True)
+    ctx = torch_mp.get_context("fork")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_consumer, args=(inbox, outbox))
+    proc.start()
+    try:
+        if not memory._check_refcount_layout():
+            pytest.skip("torch's shared-segment refcount is not readable here: shared buffers are not pooled")
+        sent = memory.empty((1024, 1024))
+        assert sent.is_shared()
+        sent.fill_(3.0)
+        inbox.put(sent)
+        del sent  # only the child (and the in-flight handle) keeps it now
+        assert outbox.get(timeout=60) == "holding"
+        before = memory.pool_stats()
+        for _ in range(6):
+            other = memory.empty((1024, 1024))
+            other.fill_(9.0)
+            del other
+        after = memory.pool_stats()
+        assert after["misses"] == before["misses"] + 1, "exactly one new block: the child's block is in use"
+        inbox.put("check")
+        assert outbox.get(timeout=60) is True
+        assert outbox.get(timeout=60) == "dropped"
+        hits = memory.pool_stats()["hits"]
+        blocks = [memory.empty((1024, 1024)) for _ in range(2)]  # both blocks are free again
+        stats = memory.pool_stats()
+        assert stats["hits"] == hits + 2 and stats["misses"] == after["misses"]
+        del blocks
+    finally:
+        inbox.put("bye")
+        proc.join(30)
+        memory.use_shared_memory(False)
+        torch_mp.set_sharing_strategy(old)
+    assert proc.exitcode == 0

@@ -14,20 +14,29 @@ Free blocks kept in the pool are capped at ``pool_limit_bytes`` (default 2 GiB, 
 ``BAGEL_DATA_POOL_BYTES``; 0 disables pooling); beyond it freed blocks are released to the system.
 
 **Shared memory (prefetch producers).** A torch multiprocessing queue would copy every tensor into shared
-memory; allocating the large buffers there from the start makes the hand-over a handle exchange. These are
-not pooled: the producer cannot see when the trainer drops a batch (see README, Performance).
+memory; allocating the large buffers there from the start makes the hand-over a handle exchange. They are
+pooled too: with torch's ``file_system`` sharing strategy every segment carries a cross-process reference
+count (one per process mapping it, plus one while a pickled handle is in flight). A block is reused only
+when that count is 1 (only this producer maps it: the trainer has dropped every tensor of it) *and* no
+tensor in this process refers to it (storage use count 1: only the pool). Reading the count relies on
+torch's ``RefcountedMapAllocator`` layout (an int 64 bytes before the data), so it is checked once against
+``_shared_incref``/``_shared_decref``; if the check fails, shared buffers are simply not pooled.
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import logging
 import math
+import mmap
 import os
 import threading
 import weakref
 
 import numpy as np
 import torch
+import torch.multiprocessing
 
 __all__ = ["POOL_MIN_BYTES", "empty", "pool_stats", "set_pool_limit", "use_shared_memory"]
 
@@ -38,6 +47,9 @@ _FREE: list[tuple[int, int, np.ndarray]] = []  # (capacity bytes, serial, block)
 _STATS = {"hits": 0, "misses": 0, "released": 0}
 _serial = 0
 _limit = int(os.environ.get("BAGEL_DATA_POOL_BYTES", str(2 << 30)))
+_SHM_BLOCKS: list[torch.UntypedStorage] = []  # shared-memory blocks owned by this process's pool
+_shm_refcount_ok: bool | None = None  # layout self-check result (None: not checked yet)
+logger = logging.getLogger(__name__)
 
 
 def use_shared_memory(enabled: bool) -> None:
@@ -52,13 +64,15 @@ def set_pool_limit(nbytes: int) -> None:
     with _LOCK:
         _limit = max(0, int(nbytes))
         _trim_locked()
+        _trim_shared_locked(0)
 
 
 def pool_stats() -> dict[str, int]:
     """Counters: ``hits`` (buffers served from a warm block), ``misses`` (new blocks), ``released`` (blocks
     given back to the system over the limit), ``free_blocks`` / ``free_bytes`` currently pooled."""
     with _LOCK:
-        return {**_STATS, "free_blocks": len(_FREE), "free_bytes": sum(c for c, _, _ in _FREE)}
+        return {**_STATS, "free_blocks": len(_FREE), "free_bytes": sum(c for c, _, _ in _FREE),
+                "shared_blocks": len(_SHM_BLOCKS), "shared_bytes": sum(b.nbytes() for b in _SHM_BLOCKS)}
 
 
 def _capacity(nbytes: int) -> int:
@@ -94,13 +108,75 @@ def _take(nbytes: int) -> np.ndarray:
     return np.empty(_capacity(nbytes), dtype=np.uint8)
 
 
+def _shared_refcount(storage: torch.UntypedStorage) -> int:
+    """Processes mapping this ``file_system`` segment (+1 per handle in flight): RefcountedMapAllocator's
+    int header, 64 bytes before the data; -1 where the data does not start 64 bytes into a page (another
+    allocator: the header would not be on the data's own, surely mapped, page)."""
+    ptr = storage.data_ptr()
+    if ptr % mmap.PAGESIZE != 64:
+        return -1
+    return ctypes.c_int.from_address(ptr - 64).value
+
+
+def _check_refcount_layout() -> bool:
+    """True if shared buffers can be pooled: ``file_system`` strategy and a readable segment refcount."""
+    global _shm_refcount_ok
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        return False
+    if _shm_refcount_ok is None:
+        try:
+            probe = torch.UntypedStorage._new_shared(4096)
+            first = _shared_refcount(probe)
+            probe._shared_incref()
+            second = _shared_refcount(probe)
+            probe._shared_decref()
+            _shm_refcount_ok = (first, second, _shared_refcount(probe)) == (1, 2, 1)
+        except Exception:  # noqa: BLE001 - another sharing strategy or layout: just do not pool
+            _shm_refcount_ok = False
+        if not _shm_refcount_ok:
+            logger.info("shared-memory buffers are not pooled: torch's segment reference count is not readable")
+    return _shm_refcount_ok
+
+
+def _shared_free(block: torch.UntypedStorage) -> bool:
+    """Nobody but the pool uses ``block``: no tensor here (use count 1), no other process (refcount 1)."""
+    return torch._C._storage_Use_Count(block._cdata) == 1 and _shared_refcount(block) == 1
+
+
+def _trim_shared_locked(keep: int) -> None:
+    """Drop free shared blocks (smallest first) until at most ``_limit - keep`` free bytes remain."""
+    free = sorted((b for b in _SHM_BLOCKS if _shared_free(b)), key=lambda b: b.nbytes())
+    total = sum(b.nbytes() for b in free)
+    while free and total > max(0, _limit - keep):
+        block = free.pop(0)
+        total -= block.nbytes()
+        _SHM_BLOCKS.remove(block)
+        _STATS["released"] += 1
+
+
+def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+    if nbytes < POOL_MIN_BYTES or _limit <= 0 or not _check_refcount_layout():
+        storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    with _LOCK:
+        fits = [b for b in _SHM_BLOCKS if nbytes <= b.nbytes() <= 2 * nbytes and _shared_free(b)]
+        if fits:
+            block = min(fits, key=lambda b: b.nbytes())
+            _STATS["hits"] += 1
+        else:
+            _STATS["misses"] += 1
+            _trim_shared_locked(_capacity(nbytes))
+            block = torch.UntypedStorage._new_shared(_capacity(nbytes))
+            _SHM_BLOCKS.append(block)
+    return torch.empty(0, dtype=dtype).set_(block, 0, shape)
+
+
 def empty(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uninitialised contiguous CPU tensor of ``shape``/``dtype``: pooled warm memory, or shared memory
     when enabled for this process. The memory is never reused while any view of the tensor is alive."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if _SHARED:
-        storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+        return _empty_shared(tuple(shape), dtype, nbytes)
     if nbytes < POOL_MIN_BYTES or _limit <= 0:
         return torch.empty(shape, dtype=dtype)
     block = _take(nbytes)
