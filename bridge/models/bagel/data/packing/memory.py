@@ -52,6 +52,17 @@ _shm_refcount_ok: bool | None = None  # layout self-check result (None: not chec
 logger = logging.getLogger(__name__)
 
 
+def _reset_lock_in_child() -> None:
+    # A thread of the parent may have held the lock at fork (e.g. a finalizer returning a block); the child
+    # has no such thread, so it starts with a fresh lock. The blocks stay referenced: dropping inherited
+    # shared storages here would decrement their cross-process counts for the parent.
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_lock_in_child)
+
+
 def use_shared_memory(enabled: bool) -> None:
     """Allocate the packer's large buffers in shared memory in this process (prefetch producers only)."""
     global _SHARED
