@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import random
 import statistics
 import subprocess
@@ -115,7 +116,7 @@ def load_baseline(rev: str):
     tmp = Path(tempfile.mkdtemp(prefix="bagel-baseline-"))
     blob = subprocess.run(["git", "-C", str(root), "archive", rev, "bridge/models/bagel/data"],
                           check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=__import__("io").BytesIO(blob)) as tar:
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         tar.extractall(tmp, filter="data")
     name = f"_bagel_data_{rev.replace('~', '_').replace('^', '_')}"
     (tmp / "bridge/models/bagel/data").rename(tmp / name)
