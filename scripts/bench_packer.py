@@ -3,18 +3,26 @@
 
 Samples are synthetic but realistically sized: t2i (caption 20-400 tokens + VAE image 512-1024 px),
 VLM (ViT image 378-980 px + question + answer) and edit (VAE+ViT source, instruction, VAE target).
-Prints batches/s, tokens/s and ms/batch per mode. With ``--reference MODULE:FACTORY`` (any callable with
-BagelPacker's signature) it first checks both produce equal batches on the same samples and RNG, then
-prints the speed ratio ours/reference. The last line is machine-readable:
-``speedup vs reference: flex=<x> dense=<y>`` or ``reference: none``.
+Prints batches/s, tokens/s and ms/batch per mode. The comparison packer is ``--reference MODULE:FACTORY``
+(any callable with BagelPacker's signature, e.g. the official packer behind an adapter) or, without one, our
+own packer at git revision ``--baseline`` (default: the commit before the warm-memory work), imported from
+``git archive`` under another package name. Equality first: both must produce equal batches on the same
+samples and RNG. Then ``--runs`` timed runs per mode in rotated order (ours first, then the other first, ...)
+and the median of the per-run ratios. The last line is machine-readable:
+``speedup vs reference: flex=<x> dense=<y>`` or ``speedup vs baseline <rev>: flex=<x> dense=<y>``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import io
 import random
+import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,10 +90,13 @@ def ours(sources, weights, mandatory, special, *, use_flex: bool) -> BagelPacker
     return BagelPacker(sources, weights, mandatory, special, PackerConfig(use_flex=use_flex))
 
 
-def run(factory, streams, use_flex: bool, n_batches: int, seed: int, keep: bool = False):
+def run(factory, streams, use_flex: bool, n_batches: int, seed: int, keep: bool = False, warmup: int = 0):
+    """Time ``n_batches`` after ``warmup`` untimed ones (steady state: the warm-memory pool has filled)."""
     random.seed(seed)
     np.random.seed(seed)
     packer = build(factory, streams, use_flex)
+    for _ in range(warmup):
+        next(packer)
     batches, tokens = [], 0
     t0 = time.perf_counter()
     for _ in range(n_batches):
@@ -94,6 +105,29 @@ def run(factory, streams, use_flex: bool, n_batches: int, seed: int, keep: bool 
         if keep:
             batches.append(b)
     return time.perf_counter() - t0, tokens, batches
+
+
+BASELINE_REV = "660104d"  # last commit before the warm-memory pool and the one-pass patchify
+
+
+def load_baseline(rev: str):
+    """Our packer as of git ``rev``: its ``bridge/models/bagel/data`` imported as ``_bagel_data_<rev>``."""
+    root = Path(__file__).resolve().parents[1]
+    tmp = Path(tempfile.mkdtemp(prefix="bagel-baseline-"))
+    blob = subprocess.run(["git", "-C", str(root), "archive", rev, "bridge/models/bagel/data"],
+                          check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        tar.extractall(tmp, filter="data")
+    name = f"_bagel_data_{rev.replace('~', '_').replace('^', '_')}"
+    (tmp / "bridge/models/bagel/data").rename(tmp / name)
+    sys.path.insert(0, str(tmp))
+    old_config = importlib.import_module(f"{name}.config")
+    old_packing = importlib.import_module(f"{name}.packing")
+
+    def factory(sources, weights, mandatory, special, *, use_flex: bool):
+        return old_packing.BagelPacker(sources, weights, mandatory, special, old_config.PackerConfig(use_flex=use_flex))
+
+    return factory
 
 
 def load_factory(spec: str):
@@ -110,33 +144,40 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reference", help="MODULE:FACTORY(sources, weights, mandatory, special_tokens, use_flex=...) to compare against")
     ap.add_argument("--check-batches", type=int, default=5, help="batches compared for equality with the reference")
+    ap.add_argument("--baseline", default=BASELINE_REV, help=f"git revision compared against when no --reference "
+                    f"is given (default {BASELINE_REV})")
+    ap.add_argument("--warmup", type=int, default=8, help="untimed batches before each timed run (default 8)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per mode, in rotated order (default 3)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     streams = make_samples(args.samples_per_group, args.seed)
-    reference = load_factory(args.reference) if args.reference else None
+    if args.reference:
+        reference, label = load_factory(args.reference), "reference"
+    else:
+        reference, label = load_baseline(args.baseline), f"baseline {args.baseline}"
     ratios = {}
     for mode, use_flex in (("flex", True), ("dense", False)):
-        if reference is not None:
-            _, _, ours_b = run(ours, streams, use_flex, args.check_batches, args.seed, keep=True)
-            _, _, ref_b = run(reference, streams, use_flex, args.check_batches, args.seed, keep=True)
-            for k, (a, b) in enumerate(zip(ref_b, ours_b)):
-                diff = first_difference(a, b, f"{mode}[{k}]")
-                if diff:
-                    print(f"reference and ours differ: {diff}")
-                    return 1
-            del ours_b, ref_b
-        secs, tokens, _ = run(ours, streams, use_flex, args.batches, args.seed)
-        print(f"{mode:5s} ours: {args.batches / secs:8.2f} batches/s  {tokens / secs:12.0f} tokens/s  "
-              f"{1000 * secs / args.batches:8.1f} ms/batch")
-        if reference is not None:
-            rsecs, rtokens, _ = run(reference, streams, use_flex, args.batches, args.seed)
-            print(f"{mode:5s} ref : {args.batches / rsecs:8.2f} batches/s  {rtokens / rsecs:12.0f} tokens/s  "
-                  f"{1000 * rsecs / args.batches:8.1f} ms/batch")
-            ratios[mode] = rsecs / secs
-    if reference is None:
-        print("reference: none")
-    else:
-        print(f"speedup vs reference: flex={ratios['flex']:.2f} dense={ratios['dense']:.2f}")
+        _, _, ours_b = run(ours, streams, use_flex, args.check_batches, args.seed, keep=True)
+        _, _, ref_b = run(reference, streams, use_flex, args.check_batches, args.seed, keep=True)
+        for k, (a, b) in enumerate(zip(ref_b, ours_b)):
+            diff = first_difference(a, b, f"{mode}[{k}]")
+            if diff:
+                print(f"{label} and ours differ: {diff}")
+                return 1
+        print(f"{mode:5s} equal: {len(ours_b)} batches identical to the {label}")
+        ours_b = ref_b = a = b = None  # free the kept batches (their pooled blocks) before timing
+        per_run = []
+        for r in range(args.runs):
+            order = [("ours", ours), ("ref ", reference)]
+            secs = {}
+            for name, factory in (order if r % 2 == 0 else order[::-1]):
+                secs[name], tokens, _ = run(factory, streams, use_flex, args.batches, args.seed, warmup=args.warmup)
+                print(f"{mode:5s} run {r} {name}: {args.batches / secs[name]:8.2f} batches/s  "
+                      f"{tokens / secs[name]:12.0f} tokens/s  {1000 * secs[name] / args.batches:8.1f} ms/batch")
+            per_run.append(secs["ref "] / secs["ours"])
+        ratios[mode] = statistics.median(per_run)
+        print(f"{mode:5s} ratios per run: {' '.join(f'{x:.2f}' for x in per_run)}")
+    print(f"speedup vs {label}: flex={ratios['flex']:.2f} dense={ratios['dense']:.2f}")
     return 0
 
 

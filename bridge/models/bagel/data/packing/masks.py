@@ -17,30 +17,42 @@ from . import memory
 __all__ = ["dense_attention_mask"]
 
 _NEG_INF = float("-inf")
+_causal = torch.zeros(0, 0)
+
+
+def _causal_block(n: int) -> torch.Tensor:
+    """(n, n) float32 view: 0.0 on and below the diagonal, -inf above (cached, grown on demand)."""
+    global _causal
+    if _causal.shape[0] < n:
+        _causal = torch.full((n, n), _NEG_INF).triu_(1)
+    return _causal[:n, :n]
 
 
 def dense_attention_mask(split_lens: list[int], attn_modes: list[str]) -> torch.Tensor:
-    """Build the (L, L) float32 additive mask for one sample from its splits (see module docstring)."""
+    """Build the (L, L) float32 additive mask for one sample from its splits (see module docstring).
+
+    Row block by row block, every element written exactly once: the columns of earlier splits are copied
+    from a one-row ``seen`` template (0.0, or -inf for noise splits: rule 2), then the split's own block,
+    then -inf for every later column.
+    """
     total = sum(split_lens)
     mask = memory.empty((total, total), torch.float32)
+    seen = torch.empty(total, dtype=torch.float32)  # what later rows see in columns [0, offset)
     offset = 0
-    noise_blocks: list[tuple[int, int]] = []
     for length, mode in zip(split_lens, attn_modes):
         if mode not in ("causal", "full", "noise"):
             raise ValueError(f"unknown attention mode {mode!r} (expected causal, full or noise)")
         end = offset + length
-        if length > 0:  # each element is written exactly once: [earlier | own block | later]
-            mask[offset:end, :offset] = 0.0
+        if length > 0:
+            rows = mask[offset:end]
+            if offset:
+                rows[:, :offset].copy_(seen[:offset].expand(length, offset))
             if mode == "causal":
-                mask[offset:end, offset:end] = torch.full((length, length), _NEG_INF).triu_(1)
+                rows[:, offset:end].copy_(_causal_block(length))
             else:
-                mask[offset:end, offset:end] = 0.0
-            mask[offset:end, end:] = _NEG_INF
-        if mode == "noise":
-            noise_blocks.append((offset, end))
+                rows[:, offset:end].fill_(0.0)
+            rows[:, end:].fill_(_NEG_INF)
+        seen[offset:end].fill_(_NEG_INF if mode == "noise" else 0.0)
         offset = end
-    mask[offset:] = _NEG_INF  # rows of splits without a recorded mode stay fully blocked
-    for start, end in noise_blocks:
-        mask[:, start:end] = _NEG_INF
-        mask[start:end, start:end] = 0.0
+    mask[offset:].fill_(_NEG_INF)  # rows of splits without a recorded mode stay fully blocked
     return mask

@@ -60,13 +60,15 @@ def _repeat(values: list, lengths: list[int], dtype) -> np.ndarray:
 
 
 def _patchify_into(out: torch.Tensor, image: torch.Tensor, p: int) -> None:
-    """Write ``transforms.patchify(image, p)`` into ``out`` (N, p*p*C) without intermediates.
+    """Write ``transforms.patchify(image, p)`` into ``out`` (N, p*p*C) float32 without intermediates.
 
-    Going through an HWC copy first keeps both copies cache-friendly (rows of p*C contiguous floats).
+    ``image`` is (C, H, W); token (i, j) holds its p x p patch channel-last. One strided copy per channel
+    writes every output element once (measured faster than a copy through an HWC intermediate).
     """
     c, h, w = image.shape
-    hwc = image.permute(1, 2, 0).contiguous()
-    out.view(h // p, w // p, p, p * c).copy_(hwc.view(h // p, p, w // p, p * c).permute(0, 2, 1, 3))
+    dst = out.view(h // p, w // p, p, p, c)
+    for k in range(c):
+        dst[..., k].copy_(image[k].view(h // p, p, w // p, p).permute(0, 2, 1, 3))
 
 
 def _pad_stack(images: list[torch.Tensor]) -> torch.Tensor:
