@@ -17,3 +17,25 @@ def demo_setup(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo") / "d"
     make_demo_data(str(out), seed=0)
     return out, build_qwen2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """The golden reader raw data (tests/fixtures/bagel_readers/raw, official formats) converted to Energon."""
+    from bridge.models.bagel.data.converter.convert import convert_edit, convert_t2i, convert_vlm
+
+    raw = Path(__file__).parent / "fixtures" / "bagel_readers" / "raw"
+    out = tmp_path_factory.mktemp("golden_converted")
+    convert_t2i(str(raw / "t2i"), out, progress=False)
+    convert_edit(str(raw / "unified_edit"), str(raw / "parquet_info" / "unified_edit.json"), out, progress=False)
+    convert_vlm(str(raw / "vlm" / "vlm_sft.jsonl"), str(raw / "vlm" / "images"), out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The offline Qwen2 tokenizer with BAGEL's special tokens added."""
+    from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
+
+    tok, _, _ = add_special_tokens(build_qwen2_tokenizer())
+    return tok

@@ -19,14 +19,12 @@ import yaml
 
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import BagelDataConfig, ConfigError, PackerConfig
-from bridge.models.bagel.data.converter.convert import convert_edit, convert_t2i, convert_vlm
 from bridge.models.bagel.data.energon.cookers import make_cook_context
 from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
 from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.official_mode import OfficialWorkers
 from bridge.models.bagel.data.packing import BagelPacker
 from bridge.models.bagel.data.rng import BagelRNGIterator
-from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
@@ -39,20 +37,6 @@ _spec = importlib.util.spec_from_file_location("bagel_compare_e2e", E2E / "compa
 ce = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ce)
 
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("e2e_converted")
-    convert_t2i(str(RAW / "t2i"), out, progress=False)
-    convert_edit(str(RAW / "unified_edit"), str(RAW / "parquet_info" / "unified_edit.json"), out, progress=False)
-    convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(RAW / "vlm" / "images"), out, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    tok, _, _ = add_special_tokens(build_qwen2_tokenizer())
-    return tok
 
 
 def _config(case: dict, converted: Path, tmp_path: Path, **overrides) -> BagelDataConfig:

@@ -21,10 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from bridge.models.bagel.data.converter.convert import convert_edit, convert_group, convert_t2i, convert_vlm
+from bridge.models.bagel.data.converter.convert import convert_group
 from bridge.models.bagel.data.energon.cookers import make_cook_context
 from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
-from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
@@ -51,20 +50,6 @@ GROUPS = {
                 {"image_decode_error": 2, "missing_image": 1, "bad_json": 2, "no_loss_item": 2}),
 }
 
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("golden_converted")
-    convert_t2i(str(RAW / "t2i"), out, progress=False)
-    convert_edit(str(RAW / "unified_edit"), str(RAW / "parquet_info" / "unified_edit.json"), out, progress=False)
-    convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(RAW / "vlm" / "images"), out, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    tok, _, _ = add_special_tokens(build_qwen2_tokenizer())
-    return tok
 
 
 def _rng_sha() -> str:

@@ -17,12 +17,10 @@ import pytest
 from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
 
-from bridge.models.bagel.data.converter.convert import convert_edit, convert_t2i, convert_vlm
 from bridge.models.bagel.data.energon.layout import load_manifest
 from bridge.models.bagel.data.energon.official_order import official_units
 from bridge.models.bagel.data.energon.reader import BagelGroupReader
 from bridge.models.bagel.data.energon.selection import selection_counts, selection_runs
-from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
@@ -63,20 +61,6 @@ def test_vlm_first_n_lines_after_shuffle():
     a = [selection_counts(_vlm_manifest(4), n) for n in (1, 4)]
     assert a[0] == {0: 1} and a[1] == {0: 1, 1: 1, 2: 1, 3: 1}
 
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sel_converted")
-    convert_t2i(str(RAW / "t2i"), out, progress=False)
-    convert_edit(str(RAW / "unified_edit"), str(RAW / "parquet_info" / "unified_edit.json"), out, progress=False)
-    convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(RAW / "vlm" / "images"), out, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    tok, _, _ = add_special_tokens(build_qwen2_tokenizer())
-    return tok
 
 
 # group -> (converted dir, transforms, num_used_data, shuffle kwargs): t2i files repeated (6 of 4), edit a file

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from importlib import metadata
+from collections.abc import Callable
 from typing import Any
 
 from .config import BagelDataConfig, ConfigError, ResolvedGroup
@@ -93,35 +94,44 @@ def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_ra
         raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
 
 
+def _packer(groups: list[ResolvedGroup], special: dict[str, int], config: BagelDataConfig,
+            make_reader: Callable[[ResolvedGroup], Any]) -> BagelPacker:
+    """One reader per group (``make_reader``) owned by a ``BagelPacker``; readers opened so far are closed when
+    building fails."""
+    readers: list[Any] = []
+    try:
+        for g in groups:
+            readers.append(make_reader(g))
+        return BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
+                           special, config.packer, group_names=[g.group.name for g in groups])
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+
+
 def _official_chain(groups: list[ResolvedGroup], tokenizer: Any, special: dict[str, int], config: BagelDataConfig,
                     dp_rank: int, dp_size: int, worker: int) -> BagelRNGIterator:
     """Emulated official DataLoader worker ``worker``: its readers, its packer, its RNG streams."""
     from .energon.cookers import make_cook_context
     from .energon.official_order import OfficialOrderReader
 
-    readers: list[OfficialOrderReader] = []
-    try:
-        for r in groups:
-            g = r.group
-            paths = _paths(r, config)
-            num_used = g.num_used_data
-            if num_used is None:
-                raise ConfigError(f"{config.groups}: group {g.name!r}: order 'official' needs 'num_used_data' "
-                                  "(the official loader requires it)")
-            try:
-                ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args)
-                readers.append(OfficialOrderReader(
-                    paths, ctx, num_used, seed=config.effective_data_seed, rank=dp_rank, world_size=dp_size,
-                    num_workers=config.num_workers, worker_id=worker, shuffle_lines=g.shuffle_lines,
-                    shuffle_seed=g.shuffle_seed, repeat=True))
-            except ValueError as exc:
-                raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
-        packer = BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
-                             special, config.packer, group_names=[g.group.name for g in groups])
-    except BaseException:
-        for reader in readers:
-            reader.close()
-        raise
+    def official_reader(r: ResolvedGroup) -> OfficialOrderReader:
+        g = r.group
+        if g.num_used_data is None:
+            raise ConfigError(f"{config.groups}: group {g.name!r}: order 'official' needs 'num_used_data' "
+                              "(the official loader requires it)")
+        paths = _paths(r, config)
+        try:
+            ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args)
+            return OfficialOrderReader(
+                paths, ctx, g.num_used_data, seed=config.effective_data_seed, rank=dp_rank,
+                world_size=dp_size, num_workers=config.num_workers, worker_id=worker, shuffle_lines=g.shuffle_lines,
+                shuffle_seed=g.shuffle_seed, repeat=True)
+        except ValueError as exc:
+            raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
+
+    packer = _packer(groups, special, config, official_reader)
     return BagelRNGIterator(packer, rank_seed(config.seed, dp_rank, dp_size), worker_id=worker)
 
 
@@ -176,16 +186,7 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
             raise
         upstream = OfficialWorkers(chains)
     else:
-        readers: list[BagelGroupReader] = []
-        try:
-            for g in groups:
-                readers.append(_reader(g, tokenizer, config, dp_rank, dp_size))
-            packer = BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
-                                 special, config.packer, group_names=[g.group.name for g in groups])
-        except BaseException:
-            for r in readers:
-                r.close()
-            raise
+        packer = _packer(groups, special, config, lambda g: _reader(g, tokenizer, config, dp_rank, dp_size))
         upstream = BagelRNGIterator(packer, seed)
     if config.prefetch:
         upstream = PrefetchStage(upstream, depth=config.prefetch)
