@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = " ".join(str(exc).split())  # one line, however the exception formats itself
-        print(f"error [rank {rank}]: {getattr(exc, 'kind', type(exc).__name__)}: {message}", file=sys.stderr,
-              flush=True)
+        # One write per line: ranks share torchrun's stderr pipe, and print() writes the newline separately.
+        sys.stderr.write(f"error [rank {rank}]: {getattr(exc, 'kind', type(exc).__name__)}: {message}\n")
+        sys.stderr.flush()
         _exit_together_if_all_ranks_failed(exc)
         return 1
     finally:

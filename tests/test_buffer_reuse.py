@@ -130,6 +130,7 @@ def test_shared_blocks_reused_only_after_the_other_process_drops_them() -> None:
     old = torch_mp.get_sharing_strategy()
     torch_mp.set_sharing_strategy("file_system")
     memory.use_shared_memory(True)
+    memory.POOL_SHARED = True  # off in production (see packing/memory.py); the mechanism is checked here
     ctx = torch_mp.get_context("fork")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_consumer, args=(inbox, outbox))
@@ -162,5 +163,6 @@ def test_shared_blocks_reused_only_after_the_other_process_drops_them() -> None:
         inbox.put("bye")
         proc.join(30)
         memory.use_shared_memory(False)
+        memory.POOL_SHARED = False
         torch_mp.set_sharing_strategy(old)
     assert proc.exitcode == 0

@@ -52,12 +52,19 @@ _shm_refcount_ok: bool | None = None  # layout self-check result (None: not chec
 logger = logging.getLogger(__name__)
 
 
+_INHERITED: list[torch.UntypedStorage] = []  # shared blocks of a parent process: kept alive, never reused
+
+
 def _reset_lock_in_child() -> None:
     # A thread of the parent may have held the lock at fork (e.g. a finalizer returning a block); the child
-    # has no such thread, so it starts with a fresh lock. The blocks stay referenced: dropping inherited
-    # shared storages here would decrement their cross-process counts for the parent.
+    # has no such thread, so it starts with a fresh lock. Shared blocks of the parent's pool are the *same*
+    # memory in the child (a fork keeps shared mappings), so the child must never reuse them — two producers
+    # forked from one trainer would write into each other's batches. They stay referenced (dropping inherited
+    # shared storages here would decrement their cross-process counts for the parent) but leave the pool.
     global _LOCK
     _LOCK = threading.Lock()
+    _INHERITED.extend(_SHM_BLOCKS)
+    _SHM_BLOCKS.clear()
 
 
 os.register_at_fork(after_in_child=_reset_lock_in_child)
@@ -165,8 +172,14 @@ def _trim_shared_locked(keep: int) -> None:
         _STATS["released"] += 1
 
 
+#: Pooling of the producer's shared-memory blocks is switched off: with it, four prefetch round-trip tests
+#: (tests/test_stage_round_trip.py, dense masks / Energon workers) saw batches change under the trainer when
+#: the whole suite ran in one process; the cause is not found yet, so every shared buffer is fresh again.
+POOL_SHARED = False
+
+
 def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    if nbytes < POOL_MIN_BYTES or _limit <= 0 or not _check_refcount_layout():
+    if not POOL_SHARED or nbytes < POOL_MIN_BYTES or _limit <= 0 or not _check_refcount_layout():
         storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     with _LOCK:
