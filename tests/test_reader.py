@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import random
 
 import numpy as np
@@ -149,6 +150,39 @@ def test_resume_and_restore_sample_nw2(tok, data):
         r.close()  # workers exit at once
     with pytest.raises(RuntimeError, match="closed"):
         next(a)
+
+
+def _worker_rngs(obj):
+    """Every ``_worker_rng`` entry in a nested Energon ``FlexState``."""
+    if isinstance(obj, dict):
+        return ([obj["_worker_rng"]] if "_worker_rng" in obj else []) + [
+            g for k, v in obj.items() if k != "_worker_rng" for g in _worker_rngs(v)]
+    if isinstance(obj, (list, tuple)):
+        return [g for v in obj for g in _worker_rngs(v)]
+    return []
+
+
+def test_worker_state_is_compact_and_resumes(tok, data, tmp_path):
+    """Issue 13: with 2 workers the Energon part of the state holds no freshly seeded RNG and no 5 KB generator
+    state; it travels through torch.save + Bridge's restricted unpickler and still resumes bit for bit."""
+    from bridge.models.bagel.data._bridge import import_bridge
+
+    a = make(tok, data["t2i"], num_workers=2, seed=5)
+    take(a, 9)
+    state = a.state_dict()
+    for ws in state["energon"].worker_states:
+        assert ws.state.rng is None  # Energon seeded it at worker start and our cookers never draw from it
+        gens = _worker_rngs(ws.state.dataset_state)
+        assert gens and all(g == {"rng": None} or set(g) == {"rng_zlib"} for g in gens)
+    assert len(pickle.dumps(state["energon"])) < 10_000
+    path = tmp_path / "reader.pt"
+    torch.save(state, path)
+    cont = take(a, 20)
+    b = make(tok, data["t2i"], num_workers=2, seed=5)
+    b.load_state_dict(import_bridge().energon_torch_load(str(path)))
+    assert_same(cont, take(b, 20))
+    for r in (a, b):
+        r.close()
 
 
 def test_restore_sample_replays_without_rng(tok, data):

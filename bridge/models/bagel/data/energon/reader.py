@@ -30,6 +30,7 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from ..state import Savable, StateError
 from ..stats import DataStallError, DropCounter, StallWatch
+from . import compact_state
 from .cook_common import replaying
 from .cookers import BagelTaskEncoder
 from .layout import MANIFEST_NAME, load_manifest
@@ -272,15 +273,17 @@ class BagelGroupReader(Savable):
 
     @property
     def energon(self) -> Any:
-        """The Energon savable loader's rank state (its own state classes, allowed by Bridge's unpickler)."""
-        return self.loader.save_state_rank()
+        """The Energon savable loader's rank state (its own state classes, allowed by Bridge's unpickler),
+        compacted losslessly (``compact_state``: seeded RNGs as ``None``, worker generators compressed)."""
+        return compact_state.compact(self.loader.save_state_rank(),
+                                     compact_state.worker_seeds(self.loader.worker_config))
 
     @energon.setter
     def energon(self, state: Any) -> None:
         if self._it is not None:
             raise StateError(f"reader {self.group_name}: a state can only be restored before iterating "
                              "(build a fresh reader to restore)")
-        self.loader.restore_state_rank(state)
+        self.loader.restore_state_rank(compact_state.expand(state))
 
     def stats(self) -> dict[str, Any]:
         """``{"drops": {reason: count}, "unused": {reason: count}}`` of this reader's samples so far.
