@@ -130,7 +130,6 @@ def test_shared_blocks_reused_only_after_the_other_process_drops_them() -> None:
     old = torch_mp.get_sharing_strategy()
     torch_mp.set_sharing_strategy("file_system")
     memory.use_shared_memory(True)
-    memory.POOL_SHARED = True  # off in production (see packing/memory.py); the mechanism is checked here
     ctx = torch_mp.get_context("fork")
     inbox, outbox = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_consumer, args=(inbox, outbox))
@@ -163,6 +162,67 @@ def test_shared_blocks_reused_only_after_the_other_process_drops_them() -> None:
         inbox.put("bye")
         proc.join(30)
         memory.use_shared_memory(False)
-        memory.POOL_SHARED = False
         torch_mp.set_sharing_strategy(old)
     assert proc.exitcode == 0
+
+
+def _forked_allocator(parent_handle, outbox) -> None:
+    """Child forked from a process whose pool holds a free shared block: allocate the same size and report."""
+    torch.set_num_threads(1)
+    memory.use_shared_memory(True)
+    t = memory.empty((1024, 1024))
+    t.fill_(5.0)
+    outbox.put((t.untyped_storage()._share_filename_cpu_()[1] != parent_handle, memory.pool_stats()["shared_blocks"]))
+
+
+def test_forked_child_never_reuses_the_parents_shared_blocks() -> None:
+    """The cause of prefetched batches changing under the trainer: a producer forked from a process whose pool
+    held shared blocks reused them (a fork adds no cross-process count), while the parent still used them."""
+    import torch.multiprocessing as torch_mp
+
+    old = torch_mp.get_sharing_strategy()
+    torch_mp.set_sharing_strategy("file_system")
+    memory.use_shared_memory(True)
+    try:
+        if not memory._check_refcount_layout():
+            pytest.skip("torch's shared-segment refcount is not readable here: shared buffers are not pooled")
+        t = memory.empty((1024, 1024))
+        handle = t.untyped_storage()._share_filename_cpu_()[1]
+        del t  # the block is free in this process's pool now (a trainer may map it again later)
+        ctx = torch_mp.get_context("fork")
+        outbox = ctx.Queue()
+        proc = ctx.Process(target=_forked_allocator, args=(handle, outbox))
+        proc.start()
+        fresh, child_blocks = outbox.get(timeout=60)
+        proc.join(30)
+        assert fresh and child_blocks == 1, "the child must allocate its own block, not the parent's"
+        assert proc.exitcode == 0
+        hits = memory.pool_stats()["hits"]
+        again = memory.empty((1024, 1024))  # the parent's own pool is untouched by the fork
+        assert again.untyped_storage()._share_filename_cpu_()[1] == handle and memory.pool_stats()["hits"] == hits + 1
+    finally:
+        memory.use_shared_memory(False)
+        torch_mp.set_sharing_strategy(old)
+
+
+@pytest.mark.parametrize("use_flex", [True, False], ids=["flex", "dense"])
+def test_prefetched_batch_kept_across_many_later_batches(demo_setup, use_flex: bool) -> None:
+    """The whole chain with a prefetch producer (shared-memory pool on): a batch the trainer keeps while 10 later
+    ones arrive (and are scribbled over and dropped) is bit-for-bit what it was when handed out."""
+    import copy
+
+    from _external_common import assert_same, demo_loader
+
+    out, tok = demo_setup
+    with demo_loader(out, tok, 0, use_flex, prefetch=2) as loader:
+        kept = next(loader)
+        snap = copy.deepcopy(kept)
+        for _ in range(10):
+            batch = next(loader)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    v.fill_(7.0)
+            for m in batch.get("nested_attention_masks") or []:
+                m.fill_(7.0)
+            del batch
+        assert_same(kept, snap)

@@ -172,10 +172,12 @@ def _trim_shared_locked(keep: int) -> None:
         _STATS["released"] += 1
 
 
-#: Pooling of the producer's shared-memory blocks is switched off: with it, four prefetch round-trip tests
-#: (tests/test_stage_round_trip.py, dense masks / Energon workers) saw batches change under the trainer when
-#: the whole suite ran in one process; the cause is not found yet, so every shared buffer is fresh again.
-POOL_SHARED = False
+#: Pool the producer's shared-memory blocks (False: every shared buffer is fresh). It was off for a while:
+#: run as one pytest process, prefetched dense batches changed under the trainer. Cause (reproduced, then fixed
+#: by ``_reset_lock_in_child``): a process that had pooled shared blocks forked a producer, which inherited the
+#: pool; a fork adds no cross-process count and the trainer's torch ``shared_cache`` maps a handle it already
+#: holds without adding one, so the child saw "free" blocks the trainer still used.
+POOL_SHARED = True
 
 
 def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
