@@ -69,6 +69,31 @@ def test_cache_reload_gives_identical_ids(cache_root, tok):
     assert add_special_tokens(reloaded)[1] == SPECIAL_IDS
 
 
+def test_snapshot_equals_json_load_and_untrusted_one_is_ignored(cache_root, tok):
+    """Issue 13 (time to first batch): the pickled snapshot is what loading tokenizer.json gives."""
+    (target,) = [p for p in cache_root.iterdir() if not p.name.startswith(".")]
+    snap = target / "tokenizer.pkl"
+    snap.unlink(missing_ok=True)
+    tk._MEMO.clear()
+    from_json = build_qwen2_tokenizer(cache_root)         # no snapshot: JSON load, which writes one
+    assert snap.is_file() and (snap.stat().st_mode & 0o777) == 0o644
+    tk._MEMO.clear()
+    from_snapshot = build_qwen2_tokenizer(cache_root)
+    assert type(from_snapshot) is type(from_json) and len(from_snapshot) == QWEN2_LEN
+    assert from_snapshot.special_tokens_map == from_json.special_tokens_map
+    assert {i: str(t) for i, t in from_snapshot.added_tokens_decoder.items()} == \
+        {i: str(t) for i, t in from_json.added_tokens_decoder.items()}
+    for text in [*PROBES, "<|vision_start|><|vision_end|>", "emoji 👩‍👩‍👧 ok"]:
+        assert from_snapshot.encode(text) == from_json.encode(text) == tok.encode(text), text
+    assert add_special_tokens(from_snapshot)[1] == SPECIAL_IDS
+    snap.write_bytes(b"not a pickle")
+    os.chmod(snap, 0o666)                                   # writable by others: never unpickled
+    assert not tk._snapshot_is_trusted(snap)
+    tk._MEMO.clear()
+    assert build_qwen2_tokenizer(cache_root).encode("Hello world") == [9707, 1879]
+    assert (snap.stat().st_mode & 0o777) == 0o644 and snap.read_bytes() != b"not a pickle"  # rewritten
+
+
 def test_memo_per_process(cache_root):
     t0 = time.perf_counter()
     assert build_qwen2_tokenizer(cache_root) is build_qwen2_tokenizer(cache_root)
