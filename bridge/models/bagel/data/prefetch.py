@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import copy
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -113,6 +114,10 @@ def _produce(upstream: Any, restore: dict[str, Any] | None, out: Any, stop: Any,
     lives, so after stopping (or failing) it waits for ``release`` — set once the trainer drained the queue.
     """
     _die_with_parent()
+    # Everything inherited from the trainer stays as it is here: garbage the trainer had not collected yet (a
+    # dropped loader with Energon workers, say) would otherwise be collected in this process and its finalizers
+    # would act on the trainer's children ("can only test a child process"). Also spares copy-on-write pages.
+    gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
     # As in torch DataLoader workers: the parent's OpenMP pool does not survive fork (using it deadlocks).
     torch.set_num_threads(1)
