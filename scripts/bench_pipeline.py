@@ -2,7 +2,9 @@
 """Benchmark the full pipeline (Energon readers → cookers → packer → loader) on the demo data at default budgets.
 
 Prints, in one run:
-(a) batches/s and tokens/s for Energon ``num_workers`` 0 and 2, prefetch off and on;
+(a) batches/s and tokens/s for Energon ``num_workers`` 0 and 2, prefetch off and on (the producer started by
+    ``fork``, torch single-threaded, and by ``forkserver``, torch using this machine's threads), and the time
+    to the first batch of a freshly built loader;
 (b) with a simulated training step of ``--step-ms`` (default 1000 ms, short for BAGEL: a 32K-token step of the
     7B model takes seconds on a GPU) and, as a worst case, a step as short as the synchronous pack time: the
     mean and p95 time the trainer waits in ``next()``, as a fraction of the synchronous pack time;
@@ -37,28 +39,31 @@ from bridge.models.bagel.data.tokenizer import load_tokenizer  # noqa: E402
 from bridge.models.bagel.data.transforms import ImageTransform, configure_pil, pil_img2rgb  # noqa: E402
 
 
-def build(data_dir: Path, workers: int, prefetch: int, tokenizer):
+def build(data_dir: Path, workers: int, prefetch: int, tokenizer, start: str = "fork"):
     cfg = load_config(None, [f"groups={data_dir / 'groups.yaml'}", f"dataset_info={data_dir / 'dataset_info.yaml'}",
                              f"num_workers={workers}", f"prefetch={prefetch}", "packer.use_flex=true",
-                             "packer.max_latent_size=64"])
+                             "packer.max_latent_size=64", f"prefetch_start={start}"])
     return build_bagel_train_loader(cfg, tokenizer, (0, 1), length=1000), cfg
 
 
-def throughput(data_dir: Path, workers: int, prefetch: int, n: int, tokenizer) -> dict:
-    """Steady-state batches/s, tokens/s (first batch, i.e. start-up, excluded)."""
-    loader, _ = build(data_dir, workers, prefetch, tokenizer)
+def throughput(data_dir: Path, workers: int, prefetch: int, n: int, tokenizer, start: str = "fork") -> dict:
+    """Steady-state batches/s, tokens/s (first batch, i.e. start-up, excluded and reported apart)."""
+    t0 = time.perf_counter()
+    loader, _ = build(data_dir, workers, prefetch, tokenizer, start)
     with loader:
         next(loader)
+        first_s = time.perf_counter() - t0
         tokens, t0 = 0, time.perf_counter()
         for _ in range(n):
             tokens += next(loader)["sequence_length"]
         secs = time.perf_counter() - t0
-    return {"batches_per_s": n / secs, "tokens_per_s": tokens / secs, "ms_per_batch": 1000 * secs / n}
+    return {"batches_per_s": n / secs, "tokens_per_s": tokens / secs, "ms_per_batch": 1000 * secs / n,
+            "first_s": first_s}
 
 
-def waits(data_dir: Path, workers: int, prefetch: int, n: int, step_ms: float, tokenizer) -> dict:
+def waits(data_dir: Path, workers: int, prefetch: int, n: int, step_ms: float, tokenizer, start: str = "fork") -> dict:
     """Simulated training: wait in next(), then a fixed-duration step (the trainer does not use the CPU)."""
-    loader, _ = build(data_dir, workers, prefetch, tokenizer)
+    loader, _ = build(data_dir, workers, prefetch, tokenizer, start)
     out, tokens = [], 0
     with loader:
         next(loader)  # start-up (and the producer's first batch) excluded, as in (a)
@@ -109,6 +114,10 @@ def decode_floor_ms_per_sample(data_dir: Path) -> dict[str, float]:
     return out
 
 
+def _name(nw: int, pf: int, start: str) -> str:
+    return f"num_workers={nw} prefetch={pf}" + (f" {start}" if pf else "")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(REPO / "demo_data"), help="demo data dir (generated if missing)")
@@ -116,6 +125,8 @@ def main() -> int:
     ap.add_argument("--prefetch", type=int, default=2, help="prefetch depth for the 'on' runs")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--step-ms", type=float, default=1000.0, help="simulated training step in ms (default 1000)")
+    ap.add_argument("--starts", nargs="+", default=["fork", "forkserver"], choices=["fork", "forkserver"],
+                    help="producer start methods for the prefetch runs")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
@@ -126,25 +137,26 @@ def main() -> int:
 
     print("(a) throughput at default budgets (32768 expected / 36864 max tokens, flex masks)")
     results = {}
-    for nw in args.workers:
-        for pf in (0, args.prefetch):
-            r = throughput(data_dir, nw, pf, args.batches, tokenizer)
-            results[(nw, pf)] = r
-            print(f"  num_workers={nw} prefetch={pf}: {r['batches_per_s']:.2f} batches/s  "
-                  f"{r['tokens_per_s']:.0f} tokens/s  {r['ms_per_batch']:.0f} ms/batch", flush=True)
-    sync_ms = results[(args.workers[0], 0)]["ms_per_batch"]
+    runs = [(nw, 0, "fork") for nw in args.workers] + [(nw, args.prefetch, st) for nw in args.workers
+                                                       for st in args.starts]
+    for nw, pf, st in runs:
+        r = throughput(data_dir, nw, pf, args.batches, tokenizer, st)
+        results[(nw, pf, st)] = r
+        print(f"  {_name(nw, pf, st)}: {r['batches_per_s']:.2f} batches/s  {r['tokens_per_s']:.0f} tokens/s  "
+              f"{r['ms_per_batch']:.0f} ms/batch  (first batch {r['first_s']:.1f} s)", flush=True)
+    sync_ms = results[(args.workers[0], 0, "fork")]["ms_per_batch"]
     best = None
     for step_ms, main in ((sync_ms, False), (args.step_ms, True)):
         print(f"(b) trainer wait in next() with a simulated {step_ms:.0f} ms step{'' if main else ' (worst case)'}, "
               f"as a fraction of the synchronous pack time {sync_ms:.0f} ms")
-        for (nw, pf) in results:
-            w = waits(data_dir, nw, pf, args.batches, step_ms, tokenizer)
+        for (nw, pf, st) in results:
+            w = waits(data_dir, nw, pf, args.batches, step_ms, tokenizer, st)
             frac = w["wait_ms_mean"] / sync_ms
-            print(f"  num_workers={nw} prefetch={pf}: wait mean {w['wait_ms_mean']:.1f} ms  "
+            print(f"  {_name(nw, pf, st)}: wait mean {w['wait_ms_mean']:.1f} ms  "
                   f"p95 {w['wait_ms_p95']:.1f} ms  fraction {frac:.3f}  ({w['tokens_per_s']:.0f} tokens/s)", flush=True)
-            key = (round(frac, 3), -results[(nw, pf)]["tokens_per_s"])
+            key = (round(frac, 3), -results[(nw, pf, st)]["tokens_per_s"])
             if main and (best is None or key < best[0]):
-                best = (key, nw, pf, frac)
+                best = (key, (nw, pf, st), frac)
     floor = decode_floor_ms_per_sample(data_dir)
     loader, _ = build(data_dir, args.workers[0], 0, tokenizer)
     with loader:
@@ -155,11 +167,11 @@ def main() -> int:
     print(f"(c) bare decode+resize of the consumed images: {floor_ms:.0f} ms/batch "
           f"(per sample: {json.dumps({g: round(v, 1) for g, v in floor.items()})}); "
           f"synchronous pipeline {sync_ms:.0f} ms/batch = {sync_ms / floor_ms:.2f}x that floor")
-    _, nw, pf, frac = best
-    best_ms = results[(nw, pf)]["ms_per_batch"]
-    print(f"best: num_workers={nw} prefetch={pf} ({best_ms:.0f} ms/batch = {best_ms / floor_ms:.2f}x the decode floor)")
+    _, key, frac = best
+    best_ms = results[key]["ms_per_batch"]
+    print(f"best: {_name(*key)} ({best_ms:.0f} ms/batch = {best_ms / floor_ms:.2f}x the decode floor)")
     print(f"pipeline: wait_fraction={frac:.3f} overhead_vs_decode={best_ms / floor_ms:.2f} "
-          f"tokens_per_s={results[(nw, pf)]['tokens_per_s']:.0f}")
+          f"tokens_per_s={results[key]['tokens_per_s']:.0f}")
     return 0
 
 

@@ -33,23 +33,24 @@ def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: 
                                fingerprint=fp, prefetch=prefetch)
 
 
-def demo_config(out: Any, num_workers: int, use_flex: bool, *, seed: int = 42, prefetch: int = 0) -> Any:
+def demo_config(out: Any, num_workers: int, use_flex: bool, *, seed: int = 42, prefetch: int = 0,
+                start: str = "fork") -> Any:
     """The data config of the generated demo dataset at small budgets (all three groups, real Energon readers)."""
     from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
 
     return BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
-                           num_workers=num_workers, seed=seed, prefetch=prefetch,
+                           num_workers=num_workers, seed=seed, prefetch=prefetch, prefetch_start=start,
                            packer=PackerConfig(expected_num_tokens=7168, max_num_tokens=DEMO_MAX_TOKENS,
                                                max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
                                                use_flex=use_flex, max_latent_size=64))
 
 
 def demo_loader(out: Any, tok: Any, num_workers: int, use_flex: bool, *, length: int = 100, seed: int = 42,
-                prefetch: int = 0) -> BagelExternalLoader:
+                prefetch: int = 0, start: str = "fork") -> BagelExternalLoader:
     """The full stack on a generated demo dataset at small budgets (all three groups, real Energon readers)."""
     from bridge.models.bagel.data.build import build_bagel_train_loader
 
-    cfg = demo_config(out, num_workers, use_flex, seed=seed, prefetch=prefetch)
+    cfg = demo_config(out, num_workers, use_flex, seed=seed, prefetch=prefetch, start=start)
     return build_bagel_train_loader(cfg, tok, (0, 1), length=length)
 
 

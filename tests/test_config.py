@@ -274,6 +274,9 @@ def test_load_config_errors_name_key_and_file(tmp_path):
         load_config(path, ["packer.prefer_buffer_before=99999"])
     with pytest.raises(ConfigError, match=r"num_workers"):
         load_config(path, ["num_workers=-1"])
+    with pytest.raises(ConfigError, match=r"prefetch_start: must be one of \['fork', 'forkserver'\], got 'spawn'"):
+        load_config(path, ["prefetch_start=spawn"])
+    assert load_config(path, ["prefetch_start=forkserver"]).prefetch_start == "forkserver"
     with pytest.raises(ConfigError, match=r"required key 'dataset_info' is not set"):
         load_config(None, ["groups=g.yaml"])
     with pytest.raises(ConfigError, match=r"expected key=value"):

@@ -15,7 +15,7 @@ from _external_common import FLEX_CASE, assert_same, demo_loader, golden_loader
 from bridge.models.bagel.data.config import PackerConfig
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
-from bridge.models.bagel.data.prefetch import RemoteTraceback, live_producers
+from bridge.models.bagel.data.prefetch import PrefetchError, RemoteTraceback, live_producers
 from packer_golden import load_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
@@ -128,30 +128,44 @@ def test_cooker_exception_reaches_the_trainer(demo_setup) -> None:
 
 
 # Workers 2, dense and saves after 0/1/7 with prefetch run in test_stage_round_trip.py.
+# "forkserver": the producer starts clean and rebuilds the pipeline from the config (torch may use threads).
 DEMO = [
-    pytest.param(0, (3,), id="nw0-save3"),
+    pytest.param(0, (3,), "fork", id="nw0-save3"),
+    pytest.param(0, (3,), "forkserver", id="nw0-save3-forkserver"),
+    pytest.param(2, (1, 3), "forkserver", id="nw2-save1,3-forkserver", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("num_workers, save_points", DEMO)
-def test_demo_resume_with_prefetch_is_exact(demo_setup, num_workers: int, save_points: tuple) -> None:
+@pytest.mark.parametrize("num_workers, save_points, start", DEMO)
+def test_demo_resume_with_prefetch_is_exact(demo_setup, num_workers: int, save_points: tuple, start: str) -> None:
     out, tok = demo_setup
     n_after = 10
     with demo_loader(out, tok, num_workers, True) as sync:
         stream = [next(sync) for _ in range(max(save_points) + n_after)]
     states = {}
-    with demo_loader(out, tok, num_workers, True, prefetch=2) as ahead:
+    with demo_loader(out, tok, num_workers, True, prefetch=2, start=start) as ahead:
         for step in range(1, max(save_points) + 1):
             assert_same(next(ahead), stream[step - 1], f"prefetched[{step - 1}]")
             if step in save_points:
                 states[step] = ahead.save_state()
     for step, state in states.items():
-        with demo_loader(out, tok, num_workers, True, prefetch=2, length=5) as fresh:
+        with demo_loader(out, tok, num_workers, True, prefetch=2, length=5, start=start) as fresh:
             fresh.restore_state(state)
             for i in range(n_after):
                 assert_same(next(fresh), stream[step + i], f"save@{step} resumed[{i}]")
     assert _no_producers_left()
     assert not [p for p in mp.active_children() if p.name.startswith("bagel")]
+
+
+def test_forkserver_needs_a_picklable_recipe(demo_setup) -> None:
+    """A tokenizer that cannot travel to a clean producer is refused at start with a message naming the knob."""
+    out, tok = demo_setup
+    broken = copy.deepcopy(tok)
+    broken.encode = lambda *_a, **_k: []  # a local lambda: not picklable
+    with demo_loader(out, broken, 0, True, prefetch=2, start="forkserver") as loader:
+        with pytest.raises(PrefetchError, match="prefetch_start 'forkserver'.*picklable.*'fork'"):
+            next(loader)
+    assert _no_producers_left()
 
 
 def test_shared_memory_allocation_for_the_producer() -> None:

@@ -14,6 +14,7 @@ DP process group in the build context.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from importlib import metadata
 from collections.abc import Callable
@@ -157,6 +158,33 @@ def _fingerprint(config: BagelDataConfig, groups: list[ResolvedGroup], special: 
     }
 
 
+def _upstream(config: BagelDataConfig, groups: list, tokenizer: Any, special: dict[str, int], dp_rank: int,
+              dp_size: int, seed: int) -> Any:
+    """The chain under the loader (and under a prefetch stage): readers -> packer -> RNG iterator, per order."""
+    if config.order == "official":
+        chains: list[BagelRNGIterator] = []
+        try:
+            for w in range(config.num_workers):
+                chains.append(_official_chain(groups, tokenizer, special, config, dp_rank, dp_size, w))
+        except BaseException:
+            for c in chains:
+                c.close()
+            raise
+        return OfficialWorkers(chains)
+    packer = _packer(groups, special, config, lambda g: _reader(g, tokenizer, config, dp_rank, dp_size))
+    return BagelRNGIterator(packer, seed)
+
+
+def build_upstream(config: BagelDataConfig, tokenizer: Any, dp_rank: int, dp_size: int,
+                   groups: list | None = None) -> Any:
+    """The same upstream chain ``build_bagel_train_loader`` builds, from the same arguments: the recipe a
+    ``forkserver`` prefetch producer calls to rebuild it in its own process (picklable with ``functools.partial``).
+    ``groups``: the already loaded (and budget-checked) groups, so the producer neither re-reads nor re-warns."""
+    groups = config.load_groups() if groups is None else groups
+    tokenizer, special, _ = add_special_tokens(tokenizer)
+    return _upstream(config, groups, tokenizer, special, dp_rank, dp_size, rank_seed(config.seed, dp_rank, dp_size))
+
+
 def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or_dp: Any = (0, 1), *,
                              length: int | None = None) -> BagelExternalLoader:
     """One rank's external loader from ``config`` (groups YAML + registry + packer knobs + seed + workers).
@@ -174,22 +202,11 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
     logger.info("BAGEL loader: order %s, DP rank %d/%d, groups %s, rank seed %d, data seed %d, %d workers, "
                 "prefetch %d", config.order, dp_rank, dp_size, [g.group.name for g in groups], seed,
                 config.effective_data_seed, config.num_workers, config.prefetch)
-    upstream: Any
-    if config.order == "official":
-        chains: list[BagelRNGIterator] = []
-        try:
-            for w in range(config.num_workers):
-                chains.append(_official_chain(groups, tokenizer, special, config, dp_rank, dp_size, w))
-        except BaseException:
-            for c in chains:
-                c.close()
-            raise
-        upstream = OfficialWorkers(chains)
-    else:
-        packer = _packer(groups, special, config, lambda g: _reader(g, tokenizer, config, dp_rank, dp_size))
-        upstream = BagelRNGIterator(packer, seed)
+    upstream = _upstream(config, groups, tokenizer, special, dp_rank, dp_size, seed)
     if config.prefetch:
-        upstream = PrefetchStage(upstream, depth=config.prefetch)
+        rebuild = (functools.partial(build_upstream, config, tokenizer, dp_rank, dp_size, groups)
+                   if config.prefetch_start != "fork" else None)
+        upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild)
     return BagelExternalLoader(upstream, length=length,
                                fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))
 

@@ -30,6 +30,7 @@ __all__ = [
     "GROUP_KEYS",
     "KNOWN_GROUPS",
     "ORDERS",
+    "PREFETCH_STARTS",
     "BagelDataConfig",
     "ConfigError",
     "DatasetInfoEntry",
@@ -44,6 +45,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Values ``BagelDataConfig.prefetch_start`` accepts (``prefetch.START_METHODS``; kept here, prefetch is downstream).
+PREFETCH_STARTS: tuple[str, ...] = ("fork", "forkserver")
 #: Values ``BagelDataConfig.order`` accepts.
 ORDERS: tuple[str, ...] = ("energon", "official")
 #: Registry fields each group's readers need besides ``data_dir``.
@@ -217,6 +220,8 @@ class BagelDataConfig:
     order: str = "energon"              # "energon" (Energon reader order) or "official" (the official loader's stream)
     num_workers: int = 0                # Energon workers ("energon") / emulated DataLoader workers ("official", >= 1)
     prefetch: int = 0                   # packed batches produced ahead in a background process (0 = synchronous)
+    prefetch_start: str = "fork"        # how that process starts: "fork" (fast start, torch single-threaded) or
+                                        # "forkserver" (clean process, rebuilds the pipeline, torch uses threads)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
 
@@ -237,6 +242,8 @@ class BagelDataConfig:
                               "which cannot be reproduced)")
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise ConfigError(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
+        if self.prefetch_start not in PREFETCH_STARTS:
+            raise ConfigError(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
 
     @property
     def effective_data_seed(self) -> int:

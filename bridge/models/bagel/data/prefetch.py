@@ -9,10 +9,15 @@ after a restore, never lost or repeated), and the counters match the batches han
 
 A process (not a thread) because the packer must draw from process-global ``random`` / NumPy RNG like the
 official code: in a thread that would race with the model's RNG use, in a process the globals are private.
-The producer is forked lazily on the first ``next()``, so Energon worker processes (``num_workers > 0``)
-start inside it. Errors in the producer reach the trainer's ``next()`` as the original exception, with the
-producer's traceback attached; ``close()`` stops and reaps the producer (also at interpreter exit, and the
-producer exits by itself when the trainer process dies).
+The producer is started lazily on the first ``next()``, so Energon worker processes (``num_workers > 0``)
+start inside it. Start methods (``start_method``): ``"fork"`` (default) hands the live upstream to a forked
+child, which must run torch single-threaded (the parent's OpenMP pool does not survive a fork: using it
+deadlocks); ``"forkserver"`` starts the producer from a clean server process and rebuilds the upstream there
+from ``rebuild`` (a picklable recipe, e.g. the builder with the config and tokenizer), so its torch may use
+threads (``threads``, default: this process's CPUs over ``LOCAL_WORLD_SIZE``) at the price of a slower start
+(imports, tokenizer, readers: seconds, once per start). Errors in the producer reach the trainer's ``next()``
+as the original exception, with the producer's traceback attached; ``close()`` stops and reaps the producer
+(also at interpreter exit, and the producer exits by itself when the trainer process dies).
 """
 
 from __future__ import annotations
@@ -23,26 +28,33 @@ import ctypes
 import gc
 import logging
 import multiprocessing as mp
+import multiprocessing.reduction
 import os
+import pickle
 import queue
 import signal
 import traceback
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
 
 from . import shm
+from .config import PREFETCH_STARTS
 from .packing.memory import use_shared_memory
 from .state import Savable, StateError, load_tagged, tagged_state
 
-__all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "live_producers"]
+__all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "START_METHODS", "live_producers"]
 
 logger = logging.getLogger(__name__)
 
 PRODUCER_NAME = "bagel-prefetch"
+#: How the producer process starts (``PrefetchStage(start_method=...)``, config ``data.prefetch_start``).
+START_METHODS: tuple[str, ...] = PREFETCH_STARTS
+#: Modules the forkserver imports once, so each producer it starts has them already.
+_FORKSERVER_PRELOAD = ["torch", "numpy", "PIL.Image", "megatron.energon", "bridge.models.bagel.data.build"]
 _POLL_S = 0.5
 _JOIN_S = 10.0
 
@@ -96,6 +108,32 @@ def _from_wire(obj: Any) -> Any:
     return obj
 
 
+class _PassedFd:
+    """A file descriptor handed to the producer: inherited as is by a fork, duplicated into a forkserver child
+    while its arguments are pickled (``multiprocessing.reduction.DupFd``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        if self.fd < 0:
+            return (_PassedFd, (-1,))
+        return (_PassedFd._rebuild, (multiprocessing.reduction.DupFd(self.fd),))
+
+    @staticmethod
+    def _rebuild(dup: Any) -> "_PassedFd":
+        return _PassedFd(dup.detach())
+
+
+def _default_threads() -> int:
+    """This process's CPUs shared among the node's ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
 def _die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (best effort)."""
     try:
@@ -105,38 +143,45 @@ def _die_with_parent() -> None:
         pass
 
 
-def _produce(upstream: Any, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
-             parent_pid: int) -> None:
-    """Producer loop (runs in the forked process): batch, then the upstream's state and stats after it.
+def _produce(source: Any, rebuild: bool, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
+             shm_fd: _PassedFd, shm_path: str, trainer_pid: int, threads: int) -> None:
+    """Producer loop (runs in the child process): batch, then the upstream's state and stats after it.
 
-    ``restore`` (a tagged upstream state) is applied first, here, so the trainer process never opens the
-    datasets. Tensors travel as shared-memory handles that the trainer can only open while this process
-    lives, so after stopping (or failing) it waits for ``release`` — set once the trainer drained the queue.
+    ``source`` is the upstream itself (fork) or, with ``rebuild``, a recipe called here to build it. ``restore``
+    (a tagged upstream state) is applied first, here, so the trainer process never opens the datasets. Tensors
+    travel as shared-memory handles that the trainer can only open while this process lives, so after stopping
+    (or failing) it waits for ``release`` — set once the trainer drained the queue.
     """
     _die_with_parent()
+    parent = mp.parent_process()  # the trainer (also for a forkserver child, whose OS parent is the server)
     # Everything inherited from the trainer stays as it is here: garbage the trainer had not collected yet (a
     # dropped loader with Energon workers, say) would otherwise be collected in this process and its finalizers
     # would act on the trainer's children ("can only test a child process"). Also spares copy-on-write pages.
     gc.freeze()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
-    # As in torch DataLoader workers: the parent's OpenMP pool does not survive fork (using it deadlocks).
-    torch.set_num_threads(1)
+    # As in torch DataLoader workers: the parent's OpenMP pool does not survive fork (using it deadlocks). A
+    # forkserver child starts clean and may use threads.
+    torch.set_num_threads(threads if rebuild else 1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Big batch tensors are born in shared memory, so the hand-over copies nothing. Named shared memory (torch's
     # "file_system" strategy, cleaned up by torch_shm_manager) lets the trainer map a tensor without a round trip
     # to this busy, GIL-holding process's fd-sharing thread: next() drops from ~20 ms to ~3 ms.
     torch_mp.set_sharing_strategy("file_system")
     use_shared_memory(True)
+    if rebuild:
+        shm.adopt(shm_path, shm_fd.fd, trainer_pid)
     shm.register_process()  # segments named torch_<this pid>_* belong to the job
     out.cancel_join_thread()  # never block at exit on data the trainer will not read
+    upstream = None
     try:
+        upstream = source() if rebuild else source
         if restore is not None:
             load_tagged(upstream, restore, "PrefetchStage.upstream")
         while not stop.is_set():
             batch = next(upstream)
             item = ("batch", _to_wire(batch), _to_wire(tagged_state(upstream)), _stats_of(upstream))
             while not stop.is_set():
-                if os.getppid() != parent_pid:
+                if not parent.is_alive():
                     return
                 try:
                     out.put(item, timeout=_POLL_S)
@@ -150,7 +195,7 @@ def _produce(upstream: Any, restore: dict[str, Any] | None, out: Any, stop: Any,
         except Exception:  # the exception itself does not pickle
             out.put(("error", PrefetchError(f"{type(exc).__name__}: {exc}"), tb, None))
     while not release.wait(_POLL_S):
-        if os.getppid() != parent_pid:
+        if not parent.is_alive():
             return
 
 
@@ -194,15 +239,24 @@ class PrefetchStage(Savable):
     _savable_fields = ("upstream",)
     _transparent = True  # does not change the stream: a state saved with prefetch restores without, and back
 
-    def __init__(self, upstream: Iterator[Any], *, depth: int) -> None:
+    def __init__(self, upstream: Iterator[Any], *, depth: int, start_method: str = "fork",
+                 rebuild: Callable[[], Iterator[Any]] | None = None, threads: int | None = None) -> None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"PrefetchStage: depth must be an int >= 1, got {depth!r}")
+        if start_method not in START_METHODS:
+            raise ValueError(f"PrefetchStage: start_method must be one of {list(START_METHODS)}, got {start_method!r}")
+        if start_method == "forkserver" and rebuild is None:
+            raise ValueError("PrefetchStage: start_method 'forkserver' needs rebuild (a picklable callable that "
+                             "builds the upstream in the producer)")
         self.upstream = upstream
         self.depth = depth
+        self.start_method = start_method
+        self.rebuild = rebuild
+        self.threads = _default_threads() if threads is None else max(1, int(threads))
         self._snapshot: dict[str, Any] | None = None  # tagged upstream state for the trainer's next batch
         self._restore: dict[str, Any] | None = None
         self._stats: dict[str, Any] | None = None
-        self._ctx = mp.get_context("fork")
+        self._ctx = torch_mp.get_context(start_method)
         self._proc: Any = None
         self._out: Any = None
         self._stop = self._ctx.Event()
@@ -248,15 +302,33 @@ class PrefetchStage(Savable):
             self._snapshot = tagged_state(self.upstream)
         shm.reclaim_stale()  # segments of killed jobs (owner dead) go before ours are made
         shm_job = shm.register_job()  # locked owner file, inherited by the producer
-        self._out = torch_mp.get_context("fork").Queue(maxsize=self.depth)
+        clean = self.start_method != "fork"
+        if clean:
+            self._ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the server runs
+        self._out = self._ctx.Queue(maxsize=self.depth)
         self._proc = self._ctx.Process(
-            target=_produce, args=(self.upstream, self._restore, self._out, self._stop, self._release, os.getpid()),
+            target=_produce, args=(self.rebuild if clean else self.upstream, clean, self._restore, self._out,
+                                   self._stop, self._release, _PassedFd(shm_job.fd), shm_job.path, os.getpid(),
+                                   self.threads),
             name=PRODUCER_NAME, daemon=False)  # not a daemon: Energon workers are its children
-        self._proc.start()
+        try:
+            self._proc.start()
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            if not clean:
+                raise
+            self._stop.set()
+            shm_job.release()
+            self._proc = None
+            self._failed = PrefetchError(
+                f"data.prefetch_start 'forkserver' rebuilds the pipeline in a clean process, so its recipe (the "
+                f"config and the tokenizer) must be picklable: {type(exc).__name__}: {exc}. Use prefetch_start "
+                "'fork' for this tokenizer.")
+            raise self._failed from exc
         self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out,
                                            shm_job)
         atexit.register(self._finalizer)
-        logger.info("prefetch producer started (pid %d, depth %d)", self._proc.pid, self.depth)
+        logger.info("prefetch producer started (pid %d, depth %d, %s%s)", self._proc.pid, self.depth,
+                    self.start_method, f", {self.threads} torch threads" if clean else "")
 
     def __iter__(self) -> "PrefetchStage":
         return self

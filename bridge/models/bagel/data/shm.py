@@ -36,7 +36,7 @@ import secrets
 import time
 from typing import Any
 
-__all__ = ["JobRecord", "SHM_DIR", "owner_files", "reclaim_stale", "register_job", "register_process",
+__all__ = ["JobRecord", "SHM_DIR", "adopt", "owner_files", "reclaim_stale", "register_job", "register_process",
            "segments_of"]
 
 logger = logging.getLogger(__name__)
@@ -70,10 +70,10 @@ def owner_files(shm_dir: str = SHM_DIR) -> list[str]:
 class JobRecord:
     """One producer's owner file, locked for as long as any process of the job holds the inherited fd."""
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, fd: int, owner_pid: int | None = None) -> None:
         self.path = path
         self.fd = fd
-        self._owner_pid = os.getpid()
+        self._owner_pid = os.getpid() if owner_pid is None else owner_pid
 
     def release(self) -> None:
         """Remove the owner file (normal close / exit of the trainer that created it; idempotent)."""
@@ -112,6 +112,13 @@ def register_job(shm_dir: str = SHM_DIR) -> JobRecord:
     atexit.register(record.release)  # runs after the producer's own atexit shutdown (registered later)
     _current = record
     return record
+
+
+def adopt(path: str, fd: int, trainer_pid: int) -> None:
+    """A producer that did not fork from the trainer (forkserver start): hold the job's owner file through
+    ``fd`` (passed to it, same open file and lock) so that ``register_process`` records it there."""
+    global _current
+    _current = JobRecord(path, fd, owner_pid=trainer_pid) if fd >= 0 else None
 
 
 def register_process() -> None:
