@@ -19,6 +19,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ..budgets import estimate, is_overlength
 from ..config import PackerConfig
 from ..state import Savable, StateError
 from ..stats import DropCounter, StallWatch, merge_counts
@@ -52,8 +53,8 @@ def _dataset_part(sample: Any) -> str:
 
 
 def _estimate(sample: Any) -> int:
-    """Official length estimate: num_tokens + 2 per plan item (bos/eos or soi/eoi)."""
-    return sample_field(sample, "num_tokens") + 2 * len(sample_field(sample, "sequence_plan"))
+    """Official length estimate of a sample (``budgets.estimate``: num_tokens + 2 per plan item)."""
+    return estimate(sample_field(sample, "num_tokens"), len(sample_field(sample, "sequence_plan")))
 
 
 class BagelPacker(Savable):
@@ -237,7 +238,7 @@ class BagelPacker(Savable):
                     while True:
                         sample = self._next_from(group)
                         est = _estimate(sample)
-                        if est < limit:
+                        if not is_overlength(est, limit, mandatory=True):
                             break
                         self._drop_overlength(group, sample, "overlength_mandatory",
                                               f"estimated {est} tokens >= max_num_tokens_per_sample {limit}")
@@ -250,7 +251,7 @@ class BagelPacker(Savable):
                 sample = self._next_from(group)
                 from_buffer = False
             est = _estimate(sample)
-            if est > limit:
+            if is_overlength(est, limit, mandatory=False):
                 self._drop_overlength(group, sample, "overlength",
                                       f"estimated {est} tokens > max_num_tokens_per_sample {limit}")
                 continue
