@@ -226,3 +226,22 @@ def test_prefetched_batch_kept_across_many_later_batches(demo_setup, use_flex: b
                 m.fill_(7.0)
             del batch
         assert_same(kept, snap)
+
+
+def test_producer_pool_leaves_no_segment_behind(demo_setup) -> None:
+    """A producer exits with os._exit; its pooled shared blocks must be dropped first, or each one outlives it
+    (until the trainer exits): a suite of prefetching loaders filled /dev/shm and was OOM-killed."""
+    from _external_common import demo_loader
+    from bridge.models.bagel.data import shm
+    from bridge.models.bagel.data.prefetch import live_producers
+
+    out, tok = demo_setup
+    loader = demo_loader(out, tok, 0, False, prefetch=2)
+    for _ in range(6):
+        next(loader)  # dense: blocks are freed by the trainer and reused by the producer
+    (producer,) = live_producers()
+    kept = next(loader)  # still held by the trainer when the producer stops
+    loader.close()
+    assert not live_producers()
+    del kept
+    assert shm.segments_of(producer.pid) == []

@@ -43,7 +43,7 @@ import torch.multiprocessing as torch_mp
 
 from . import shm
 from .config import PREFETCH_STARTS
-from .packing.memory import use_shared_memory
+from .packing.memory import release_shared, use_shared_memory
 from .state import Savable, StateError, load_tagged, tagged_state
 
 __all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "START_METHODS", "live_producers"]
@@ -143,7 +143,15 @@ def _die_with_parent() -> None:
         pass
 
 
-def _produce(source: Any, rebuild: bool, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
+def _produce(*args: Any) -> None:
+    """Producer process entry: the loop, then its pooled shared memory released (see ``memory.release_shared``)."""
+    try:
+        _produce_loop(*args)
+    finally:
+        release_shared()
+
+
+def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
              shm_fd: _PassedFd, shm_path: str, trainer_pid: int, threads: int) -> None:
     """Producer loop (runs in the child process): batch, then the upstream's state and stats after it.
 

@@ -12,6 +12,9 @@ consumer that keeps a batch therefore keeps its memory: nothing is reused while 
 
 Free blocks kept in the pool are capped at ``pool_limit_bytes`` (default 2 GiB, env
 ``BAGEL_DATA_POOL_BYTES``; 0 disables pooling); beyond it freed blocks are released to the system.
+Free *shared* blocks of a producer have their own, smaller cap (default 512 MiB, env
+``BAGEL_DATA_SHM_POOL_BYTES``; 0 disables): they occupy ``/dev/shm`` (often a small tmpfs in containers)
+once per rank, and with the 2 GiB cap a full test suite's producers held 10 GB of it at once.
 
 **Shared memory (prefetch producers).** A torch multiprocessing queue would copy every tensor into shared
 memory; allocating the large buffers there from the start makes the hand-over a handle exchange. They are
@@ -38,7 +41,7 @@ import numpy as np
 import torch
 import torch.multiprocessing
 
-__all__ = ["POOL_MIN_BYTES", "empty", "pool_stats", "set_pool_limit", "use_shared_memory"]
+__all__ = ["POOL_MIN_BYTES", "empty", "pool_stats", "release_shared", "set_pool_limit", "use_shared_memory"]
 
 POOL_MIN_BYTES = 1 << 20  # smaller buffers come from the ordinary allocator (it keeps them warm itself)
 _SHARED = False
@@ -47,6 +50,7 @@ _FREE: list[tuple[int, int, np.ndarray]] = []  # (capacity bytes, serial, block)
 _STATS = {"hits": 0, "misses": 0, "released": 0}
 _serial = 0
 _limit = int(os.environ.get("BAGEL_DATA_POOL_BYTES", str(2 << 30)))
+_shm_limit = int(os.environ.get("BAGEL_DATA_SHM_POOL_BYTES", str(512 << 20)))
 _SHM_BLOCKS: list[torch.UntypedStorage] = []  # shared-memory blocks owned by this process's pool
 _shm_refcount_ok: bool | None = None  # layout self-check result (None: not checked yet)
 logger = logging.getLogger(__name__)
@@ -76,11 +80,24 @@ def use_shared_memory(enabled: bool) -> None:
     _SHARED = bool(enabled)
 
 
-def set_pool_limit(nbytes: int) -> None:
-    """Cap the bytes of free blocks kept for reuse (0: no pooling; every buffer is newly allocated)."""
-    global _limit
+def release_shared() -> None:
+    """Producer, before it exits: drop the pool's shared blocks. A process ends with ``os._exit`` and never
+    decrements the cross-process counts of what it still holds, so without this every pooled segment outlived
+    the producer until the trainer exited (a test suite of producers filled /dev/shm). A block the trainer still
+    uses is unlinked when the trainer drops it. Blocks inherited from a parent are never dropped (see
+    ``_reset_lock_in_child``)."""
+    with _LOCK:
+        _SHM_BLOCKS.clear()
+
+
+def set_pool_limit(nbytes: int, shared_nbytes: int | None = None) -> None:
+    """Cap the bytes of free blocks kept for reuse (0: no pooling; every buffer is newly allocated); free
+    shared-memory blocks are capped by ``shared_nbytes`` (unchanged when None)."""
+    global _limit, _shm_limit
     with _LOCK:
         _limit = max(0, int(nbytes))
+        if shared_nbytes is not None:
+            _shm_limit = max(0, int(shared_nbytes))
         _trim_locked()
         _trim_shared_locked(0)
 
@@ -162,10 +179,10 @@ def _shared_free(block: torch.UntypedStorage) -> bool:
 
 
 def _trim_shared_locked(keep: int) -> None:
-    """Drop free shared blocks (smallest first) until at most ``_limit - keep`` free bytes remain."""
+    """Drop free shared blocks (smallest first) until at most ``_shm_limit - keep`` free bytes remain."""
     free = sorted((b for b in _SHM_BLOCKS if _shared_free(b)), key=lambda b: b.nbytes())
     total = sum(b.nbytes() for b in free)
-    while free and total > max(0, _limit - keep):
+    while free and total > max(0, _shm_limit - keep):
         block = free.pop(0)
         total -= block.nbytes()
         _SHM_BLOCKS.remove(block)
@@ -181,7 +198,7 @@ POOL_SHARED = True
 
 
 def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    if not POOL_SHARED or nbytes < POOL_MIN_BYTES or _limit <= 0 or not _check_refcount_layout():
+    if not POOL_SHARED or nbytes < POOL_MIN_BYTES or _shm_limit <= 0 or not _check_refcount_layout():
         storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     with _LOCK:
