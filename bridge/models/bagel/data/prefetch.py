@@ -152,7 +152,7 @@ def _produce(*args: Any) -> None:
 
 
 def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
-             shm_fd: _PassedFd, shm_path: str, trainer_pid: int, threads: int) -> None:
+                  shm_fd: _PassedFd, shm_path: str, trainer_pid: int, threads: int) -> None:
     """Producer loop (runs in the child process): batch, then the upstream's state and stats after it.
 
     ``source`` is the upstream itself (fork) or, with ``rebuild``, a recipe called here to build it. ``restore``

@@ -13,8 +13,8 @@ consumer that keeps a batch therefore keeps its memory: nothing is reused while 
 Free blocks kept in the pool are capped at ``pool_limit_bytes`` (default 2 GiB, env
 ``BAGEL_DATA_POOL_BYTES``; 0 disables pooling); beyond it freed blocks are released to the system.
 Free *shared* blocks of a producer have their own, smaller cap (default 512 MiB, env
-``BAGEL_DATA_SHM_POOL_BYTES``; 0 disables): they occupy ``/dev/shm`` (often a small tmpfs in containers)
-once per rank, and with the 2 GiB cap a full test suite's producers held 10 GB of it at once.
+``BAGEL_DATA_SHM_POOL_BYTES``; 0 disables): they occupy ``/dev/shm``, often a small tmpfs in containers, once
+per rank. A producer drops its whole pool before it exits (``release_shared``).
 
 **Shared memory (prefetch producers).** A torch multiprocessing queue would copy every tensor into shared
 memory; allocating the large buffers there from the start makes the hand-over a handle exchange. They are
