@@ -27,10 +27,19 @@ def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: 
     cfg = case["config"]
     sources = [ListGroupSource(case["groups"][g], cycle=True, name=g) for g in cfg["group_names"]]
     packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
-                         PackerConfig.from_mapping(cfg), group_names=cfg["group_names"])
+                         packer_config(cfg), group_names=cfg["group_names"])
     fp = {"case": case_name, "rank_seed": rank_seed} if fingerprint is None else fingerprint
-    return BagelExternalLoader(BagelRNGIterator(packer, rank_seed), length=length, stateful_loaders=sources,
-                               fingerprint=fp, prefetch=prefetch)
+    batches = BagelRNGIterator(packer, rank_seed)
+    if prefetch:
+        from bridge.models.bagel.data.prefetch import PrefetchStage
+
+        batches = PrefetchStage(batches, depth=prefetch)
+    return BagelExternalLoader(batches, length=length, stateful_loaders=sources, fingerprint=fp)
+
+
+def packer_config(case_config: dict) -> PackerConfig:
+    """The packer knobs of a golden case's config (its other keys describe the case, not the packer)."""
+    return PackerConfig.from_mapping({k: v for k, v in case_config.items() if k in PackerConfig.keys()})
 
 
 def demo_config(out: Any, num_workers: int, use_flex: bool, *, seed: int = 42, prefetch: int = 0,

@@ -35,7 +35,7 @@ def build_packer(case: dict) -> tuple[BagelPacker, list[ListGroupSource]]:
     cfg = case["config"]
     sources = [ListGroupSource(case["groups"][g], name=g) for g in cfg["group_names"]]
     packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
-                         PackerConfig.from_mapping(cfg), group_names=cfg["group_names"])
+                         PackerConfig.from_mapping({k: v for k, v in cfg.items() if k in PackerConfig.keys()}), group_names=cfg["group_names"])
     return packer, sources
 
 

@@ -83,7 +83,7 @@ def test_dataset_provider_for_pretrain_builds_the_rank_loader(bridge, tmp_path):
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from _external_common import single_process_pg_collection
-    from bridge.models.bagel.data import build
+    from bridge.models.bagel.data import build, providers
     from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
     from bridge.models.bagel.data.converter.demo import make_demo_data
     from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
@@ -95,7 +95,7 @@ def test_dataset_provider_for_pretrain_builds_the_rank_loader(bridge, tmp_path):
                           packer=PackerConfig(expected_num_tokens=4096, max_num_tokens=8192,
                                               max_num_tokens_per_sample=4096, prefer_buffer_before=2048,
                                               max_latent_size=64))
-    cls = build.BagelDatasetProvider
+    cls = providers.BagelDatasetProvider
     assert issubclass(cls, bridge.DatasetProvider) and not issubclass(cls, bridge.MegatronMIMODatasetProvider)
     provider = cls(data=cfg, tokenizer=tok, seq_length=8192)
     assert provider.dataloader_type == "external" and provider.num_workers == 0

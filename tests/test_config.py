@@ -21,6 +21,7 @@ from bridge.models.bagel.data.config import (
     load_grouped_yaml,
     resolve_groups,
 )
+from bridge.models.bagel.data.validate import validate_data
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "example.yaml"
 
@@ -219,7 +220,10 @@ def test_packer_defaults_and_from_mapping():
         "vae_image_downsample": 16, "max_latent_size": 32, "vit_patch_size": 14, "max_num_patch_per_side": 70,
         "max_consecutive_drops": 100,
     }
-    assert PackerConfig.from_mapping({"use_flex": True, "seed": 3}) == PackerConfig(use_flex=True)
+    assert PackerConfig.from_mapping({"use_flex": True}) == PackerConfig(use_flex=True)
+    with pytest.raises(ConfigError, match=r"unknown packer key\(s\) \['seed'\]"):
+        PackerConfig.from_mapping({"use_flex": True, "seed": 3})  # a misspelt or foreign key is never dropped
+    assert PackerConfig.from_mapping({"use_flex": True, "seed": 3}, ignore=("seed",)) == PackerConfig(use_flex=True)
     PackerConfig(expected_num_tokens=10240, max_num_tokens=11520, max_num_tokens_per_sample=10240,
                  prefer_buffer_before=10240).validate()            # TRAIN.md fine-tuning recipe
 
@@ -256,7 +260,7 @@ def test_load_config_yaml_and_overrides(tmp_path):
     assert cfg.packer.max_num_tokens == 36864
     info = _write(tmp_path, INFO, "info.yaml")
     cfg = load_config(path, [f"dataset_info={info}"])
-    assert [r.group.name for r in cfg.load_groups()] == list(KNOWN_GROUPS)
+    assert [r.group.name for r in validate_data(cfg, readers=False).groups] == list(KNOWN_GROUPS)
     assert BagelDataConfig.from_omegaconf({"groups": "g", "dataset_info": "i"}).seed == 42
 
 

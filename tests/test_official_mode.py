@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from bridge.models.bagel.data.build import build_bagel_train_loader
-from bridge.models.bagel.data.config import BagelDataConfig, ConfigError, PackerConfig
+from bridge.models.bagel.data.config import OFFICIAL_NON_PACKER_KEYS, BagelDataConfig, ConfigError, PackerConfig
 from bridge.models.bagel.data.energon.cookers import make_cook_context
 from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
 from bridge.models.bagel.data.external import ResumeMismatchError
@@ -47,7 +47,7 @@ def _config(case: dict, converted: Path, tmp_path: Path, **overrides) -> BagelDa
             for group, names in cfg["dataset_info"].items()}
     (tmp_path / "groups.yaml").write_text(yaml.safe_dump(cfg["grouped_datasets"], sort_keys=False))
     (tmp_path / "info.yaml").write_text(yaml.safe_dump(info, sort_keys=False))
-    packer = PackerConfig.from_mapping({**cfg["packed_dataset_args"], **cfg["data_config"]})
+    packer = PackerConfig.from_mapping({**cfg["packed_dataset_args"], **cfg["data_config"]}, ignore=OFFICIAL_NON_PACKER_KEYS)
     kw = dict(groups=str(tmp_path / "groups.yaml"), dataset_info=str(tmp_path / "info.yaml"), packer=packer,
               seed=cfg["seed"], data_seed=cfg["data_seed"], order="official", num_workers=1)
     kw.update(overrides)
@@ -117,7 +117,7 @@ def _official_worker_stream(case, converted, tokenizer, *, rank, world, workers,
                                            shuffle_seed=g.get("shuffle_seed", 0), repeat=True))
     special = cfg["special_tokens"]
     packer = BagelPacker(readers, cfg["group_weights"], cfg["is_mandatory"], special,
-                         PackerConfig.from_mapping({**cfg["packed_dataset_args"], **cfg["data_config"]}),
+                         PackerConfig.from_mapping({**cfg["packed_dataset_args"], **cfg["data_config"]}, ignore=OFFICIAL_NON_PACKER_KEYS),
                          group_names=cfg["group_names"])
     it = BagelRNGIterator(packer, cfg["seed"] * world + rank, worker_id=worker)
     try:

@@ -96,7 +96,7 @@ def _poisoned_loader(after: int) -> BagelExternalLoader:
     groups[t2i][after] = bad
     sources = [ListGroupSource(groups[g], name=g) for g in cfg["group_names"]]
     packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
-                         PackerConfig.from_mapping(cfg), group_names=cfg["group_names"])
+                         PackerConfig.from_mapping({k: v for k, v in cfg.items() if k in PackerConfig.keys()}), group_names=cfg["group_names"])
     return BagelExternalLoader(BagelRNGIterator(packer, 1), length=10, stateful_loaders=sources, prefetch=2)
 
 

@@ -40,7 +40,7 @@ from .transforms import ImageTransform
 
 __all__ = [
     "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "ImageGrid", "TransformExtremes", "VAE_GROUPS",
-    "budget_issues", "check_budgets", "edit_outcomes", "estimate", "group_bounds", "image_grids",
+    "budget_issues", "check_budgets", "log_warnings", "edit_outcomes", "estimate", "group_bounds", "image_grids",
     "image_tokens", "is_overlength", "mandatory_tokens", "t2i_estimate", "table_side", "transform_extremes",
     "vlm_estimate",
 ]
@@ -406,13 +406,18 @@ def check_budgets(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
                   source: str = "groups", packer_where: str = "packer", official: bool = False) -> list[BudgetIssue]:
     """Raise ConfigError listing every budget that cannot work; log each warning once per process.
 
-    Called by ``BagelDataConfig.load_groups`` (the builder's validation path). Returns the warnings.
+    (``validate.validate_data`` collects these with the other config problems instead.) Returns the warnings.
     """
     issues = budget_issues(packer, groups, source=source, packer_where=packer_where, official=official)
     errors = [i for i in issues if i.level == "error"]
     if errors:
         raise ConfigError("packer budgets cannot work with these groups:\n  - "
                           + "\n  - ".join(i.message for i in errors))
+    return log_warnings(issues)
+
+
+def log_warnings(issues: Sequence[BudgetIssue]) -> list[BudgetIssue]:
+    """Log each warning of ``issues`` once per process (validating the same config twice warns once); return them."""
     warnings = [i for i in issues if i.level == "warning"]
     for w in warnings:
         if w.message not in _warned:

@@ -5,10 +5,9 @@ BagelExternalLoader, each stage owning the one before it.
 emulated official DataLoader workers, each a ``BagelRNGIterator(BagelPacker([OfficialOrderReader per group]))``
 chain (see ``official_mode``).
 
-``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML.
-``BagelDatasetProvider`` (created lazily through ``_bridge``, so importing this module needs no
-Megatron-Bridge) is a plain ``DatasetProvider`` for Bridge's standard ``pretrain()`` path, which passes the
-DP process group in the build context.
+``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML, after
+the one validation pass (``validate.validate_data``; pass its ``ValidatedData`` to skip a second pass).
+``providers.BagelDatasetProvider`` wraps it for Bridge's standard ``pretrain()`` path.
 """
 
 from __future__ import annotations
@@ -22,13 +21,15 @@ from typing import Any
 
 from .config import BagelDataConfig, ConfigError, ResolvedGroup
 from .energon.reader import BagelGroupReader
-from .external import BagelExternalLoader, BagelRNGIterator
+from .loader import BagelExternalLoader
 from .official_mode import OfficialWorkers
 from .packing import BagelPacker
 from .prefetch import PrefetchStage
+from .rng import BagelRNGIterator
 from .tokenizer import add_special_tokens
+from .validate import ValidatedData, validate_data
 
-__all__ = ["BagelDatasetProvider", "build_bagel_train_loader", "dp_rank_size", "package_version", "rank_seed"]
+__all__ = ["build_bagel_train_loader", "build_upstream", "dp_rank_size", "package_version", "rank_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,23 +69,15 @@ def rank_seed(seed: int, dp_rank: int, dp_size: int) -> int:
     return int(seed) * int(dp_size) + int(dp_rank)
 
 
-def _paths(group: ResolvedGroup, config: BagelDataConfig) -> list[str]:
-    g = group.group
-    paths = []
-    for name, entry in zip(g.dataset_names, group.datasets):
-        if not entry.energon_path:
-            raise ConfigError(f"{config.dataset_info}: {g.name}.{name} has no 'energon_path'; convert it first "
-                              "(bagel-data convert) and register the converted directory")
-        paths.append(entry.energon_path)
-    if not g.image_transform_args:
-        raise ConfigError(f"{config.groups}: group {g.name!r} needs 'image_transform_args'")
-    return paths
+def _paths(group: ResolvedGroup) -> list[str]:
+    """The converted Energon directories of one group (present: ``validate_data`` checked them)."""
+    return [str(entry.energon_path) for entry in group.datasets]
 
 
 def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_rank: int, dp_size: int
             ) -> BagelGroupReader:
     g = group.group
-    paths = _paths(group, config)
+    paths = _paths(group)
     try:
         return BagelGroupReader(paths, tokenizer=tokenizer, image_transform_args=g.image_transform_args,
                                 vit_image_transform_args=g.vit_image_transform_args, dp_rank=dp_rank,
@@ -119,10 +112,7 @@ def _official_chain(groups: list[ResolvedGroup], tokenizer: Any, special: dict[s
 
     def official_reader(r: ResolvedGroup) -> OfficialOrderReader:
         g = r.group
-        if g.num_used_data is None:
-            raise ConfigError(f"{config.groups}: group {g.name!r}: order 'official' needs 'num_used_data' "
-                              "(the official loader requires it)")
-        paths = _paths(r, config)
+        paths = _paths(r)
         try:
             ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args)
             return OfficialOrderReader(
@@ -175,28 +165,30 @@ def _upstream(config: BagelDataConfig, groups: list, tokenizer: Any, special: di
     return BagelRNGIterator(packer, seed)
 
 
-def build_upstream(config: BagelDataConfig, tokenizer: Any, dp_rank: int, dp_size: int,
-                   groups: list | None = None) -> Any:
-    """The same upstream chain ``build_bagel_train_loader`` builds, from the same arguments: the recipe a
-    ``forkserver`` prefetch producer calls to rebuild it in its own process (picklable with ``functools.partial``).
-    ``groups``: the already loaded (and budget-checked) groups, so the producer neither re-reads nor re-warns."""
-    groups = config.load_groups() if groups is None else groups
+def build_upstream(data: ValidatedData, tokenizer: Any, dp_rank: int, dp_size: int) -> Any:
+    """The same upstream chain ``build_bagel_train_loader`` builds, from the same validated config: the recipe
+    a ``forkserver`` prefetch producer calls to rebuild it in its own process (picklable with
+    ``functools.partial``; the producer neither re-reads the files nor re-warns)."""
+    config = data.config
     tokenizer, special, _ = add_special_tokens(tokenizer)
-    return _upstream(config, groups, tokenizer, special, dp_rank, dp_size, rank_seed(config.seed, dp_rank, dp_size))
+    return _upstream(config, data.groups, tokenizer, special, dp_rank, dp_size,
+                     rank_seed(config.seed, dp_rank, dp_size))
 
 
-def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or_dp: Any = (0, 1), *,
-                             length: int | None = None) -> BagelExternalLoader:
+def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer: Any, context_or_dp: Any = (0, 1),
+                             *, length: int | None = None) -> BagelExternalLoader:
     """One rank's external loader from ``config`` (groups YAML + registry + packer knobs + seed + workers).
 
-    ``context_or_dp`` is ``(dp_rank, dp_size)`` or a Bridge ``DatasetBuildContext``; ``length`` (a hint for
-    Megatron) defaults to the context's ``train_samples``, or 1.
+    ``config``: a ``BagelDataConfig`` (validated here, once: ``validate.validate_data``) or the
+    ``ValidatedData`` an entry point already holds. ``context_or_dp`` is ``(dp_rank, dp_size)`` or a Bridge
+    ``DatasetBuildContext``; ``length`` (a hint for Megatron) defaults to the context's ``train_samples``, or 1.
+    Raises ``ConfigError`` listing every configuration problem.
     """
-    config.validate()
+    data = config if isinstance(config, ValidatedData) else validate_data(config)
+    config, groups = data.config, data.groups
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
-    groups = config.load_groups()
     tokenizer, special, _ = add_special_tokens(tokenizer)
     seed = rank_seed(config.seed, dp_rank, dp_size)
     logger.info("BAGEL loader: order %s, DP rank %d/%d, groups %s, rank seed %d, data seed %d, %d workers, "
@@ -204,17 +196,8 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
                 config.effective_data_seed, config.num_workers, config.prefetch)
     upstream = _upstream(config, groups, tokenizer, special, dp_rank, dp_size, seed)
     if config.prefetch:
-        rebuild = (functools.partial(build_upstream, config, tokenizer, dp_rank, dp_size, groups)
+        rebuild = (functools.partial(build_upstream, data, tokenizer, dp_rank, dp_size)
                    if config.prefetch_start != "fork" else None)
         upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild)
     return BagelExternalLoader(upstream, length=length,
                                fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))
-
-
-def __getattr__(name: str) -> Any:
-    """Create the Bridge-dependent ``BagelDatasetProvider`` on first use."""
-    if name == "BagelDatasetProvider":
-        from .providers import dataset_provider_class
-
-        return dataset_provider_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

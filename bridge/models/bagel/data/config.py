@@ -20,15 +20,16 @@ from .grouped_yaml import (
     KNOWN_GROUPS,
     ConfigError,
     GroupConfig,
-    _is_int,
-    _is_number,
-    _read_mapping,
+    is_int,
+    is_number,
+    read_mapping,
     load_grouped_yaml,
 )
 
 __all__ = [
     "GROUP_KEYS",
     "KNOWN_GROUPS",
+    "OFFICIAL_NON_PACKER_KEYS",
     "ORDERS",
     "PREFETCH_STARTS",
     "BagelDataConfig",
@@ -49,6 +50,11 @@ logger = logging.getLogger(__name__)
 PREFETCH_STARTS: tuple[str, ...] = ("fork", "forkserver")
 #: Values ``BagelDataConfig.order`` accepts.
 ORDERS: tuple[str, ...] = ("energon", "official")
+#: Keys of the official ``PackedDataset(data_config, **packed_dataset_args)`` call that are not packer knobs
+#: (the dataset's place in the world and its resume status): pass as ``PackerConfig.from_mapping(ignore=...)``
+#: when reading an official config.
+OFFICIAL_NON_PACKER_KEYS: tuple[str, ...] = ("grouped_datasets", "data_status", "local_rank", "num_workers",
+                                             "world_size")
 #: Registry fields each group's readers need besides ``data_dir``.
 _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_path",)}
 
@@ -82,42 +88,66 @@ class PackerConfig:
     #: none packed, raises ``DataStallError`` (the official loop would spin forever).
     max_consecutive_drops: int = 100
 
-    def validate(self, where: str = "packer") -> None:
-        """Raise ConfigError for values the packer cannot work with (names the key)."""
+    def problems(self, where: str = "packer") -> list[str]:
+        """Every value the packer cannot work with, one message per key (empty when valid)."""
+        out: list[str] = []
         for name in ("expected_num_tokens", "max_num_tokens_per_sample", "max_num_tokens", "prefer_buffer_before",
                      "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side",
                      "max_consecutive_drops"):
             v = getattr(self, name)
-            if not _is_int(v) or v <= 0:
-                raise ConfigError(f"{where}.{name}: must be a positive integer, got {v!r}")
-        if not _is_int(self.max_buffer_size) or self.max_buffer_size < 0:
-            raise ConfigError(f"{where}.max_buffer_size: must be a non-negative integer, got {self.max_buffer_size!r}")
+            if not is_int(v) or v <= 0:
+                out.append(f"{where}.{name}: must be a positive integer, got {v!r}")
+        if not is_int(self.max_buffer_size) or self.max_buffer_size < 0:
+            out.append(f"{where}.max_buffer_size: must be a non-negative integer, got {self.max_buffer_size!r}")
         for name in ("interpolate_pos", "use_flex"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{where}.{name}: must be a bool, got {getattr(self, name)!r}")
+                out.append(f"{where}.{name}: must be a bool, got {getattr(self, name)!r}")
         for name in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):
             v = getattr(self, name)
-            if not _is_number(v) or not 0.0 <= v <= 1.0:
-                raise ConfigError(f"{where}.{name}: must be a probability in [0, 1], got {v!r}")
+            if not is_number(v) or not 0.0 <= v <= 1.0:
+                out.append(f"{where}.{name}: must be a probability in [0, 1], got {v!r}")
+        if out:  # the cross-checks below need valid numbers
+            return out
         if self.prefer_buffer_before >= self.max_num_tokens:
-            raise ConfigError(f"{where}.prefer_buffer_before ({self.prefer_buffer_before}) must be smaller than "
-                              f"max_num_tokens ({self.max_num_tokens})")
+            out.append(f"{where}.prefer_buffer_before ({self.prefer_buffer_before}) must be smaller than "
+                       f"max_num_tokens ({self.max_num_tokens})")
         if self.expected_num_tokens > self.max_num_tokens:
-            raise ConfigError(f"{where}.expected_num_tokens ({self.expected_num_tokens}) exceeds max_num_tokens "
-                              f"({self.max_num_tokens}): packs could never reach the target")
+            out.append(f"{where}.expected_num_tokens ({self.expected_num_tokens}) exceeds max_num_tokens "
+                       f"({self.max_num_tokens}): packs could never reach the target")
         if self.max_num_tokens_per_sample > self.max_num_tokens:
-            raise ConfigError(f"{where}.max_num_tokens_per_sample ({self.max_num_tokens_per_sample}) exceeds "
-                              f"max_num_tokens ({self.max_num_tokens}): such samples could never be packed")
+            out.append(f"{where}.max_num_tokens_per_sample ({self.max_num_tokens_per_sample}) exceeds "
+                       f"max_num_tokens ({self.max_num_tokens}): such samples could never be packed")
+        return out
+
+    def validate(self, where: str = "packer") -> None:
+        """Raise one ConfigError naming every invalid key (``problems``); warn about a risky combination."""
+        problems = self.problems(where)
+        if problems:
+            raise ConfigError.of(problems, header=f"{where}: {len(problems)} invalid packer knobs")
         if self.prefer_buffer_before + self.max_num_tokens_per_sample > self.max_num_tokens:
             logger.warning("%s: prefer_buffer_before + max_num_tokens_per_sample > max_num_tokens: a buffered "
                            "sample can overflow a pack and is then discarded by the official flush", where)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> "PackerConfig":
-        """The knobs present in ``values`` (other keys ignored), defaults for the rest; validated."""
-        names = {f.name for f in dataclasses.fields(cls)}
+    def keys(cls) -> tuple[str, ...]:
+        """Every packer knob name (the keys ``from_mapping`` accepts)."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, ignore: Sequence[str] = (),
+                     where: str = "packer") -> "PackerConfig":
+        """The knobs in ``values``, defaults for the rest; validated.
+
+        A key that is neither a knob (``keys()``) nor named in ``ignore`` is a ``ConfigError`` (a misspelt
+        knob would otherwise silently keep its default). Pass the official ``DataConfig`` /
+        ``PackedDataset`` keys that are not packer knobs in ``ignore`` when reading an official config.
+        """
+        names = set(cls.keys())
+        unknown = sorted(str(k) for k in values if k not in names and k not in ignore)
+        if unknown:
+            raise ConfigError(f"{where}: unknown packer key(s) {unknown} (known: {sorted(names)})")
         cfg = cls(**{k: v for k, v in values.items() if k in names})
-        cfg.validate()
+        cfg.validate(where)
         return cfg
 
 
@@ -155,7 +185,7 @@ def _parse_info_entry(group: str, name: str, raw: Any, src: str) -> DatasetInfoE
         if value is None:
             continue
         if key in ("num_files", "num_total_samples"):
-            if not _is_int(value) or value < 0:
+            if not is_int(value) or value < 0:
                 raise ConfigError(f"{where}: key {key!r} must be a non-negative integer, got {value!r}")
         elif not isinstance(value, str):
             raise ConfigError(f"{where}: key {key!r} must be a path string, got {value!r}")
@@ -168,14 +198,24 @@ def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str 
 
     Paths are kept as written (the official code resolves them against the working directory).
     """
-    data, src = _read_mapping(path_or_dict, source)
+    data, src = read_mapping(path_or_dict, source)
     out: dict[str, dict[str, DatasetInfoEntry]] = {}
+    problems: list[str] = []
     for group, entries in data.items():
         if group not in KNOWN_GROUPS:
-            raise ConfigError(f"{src}: unknown group {group!r} (known groups: {', '.join(KNOWN_GROUPS)})")
+            problems.append(f"{src}: unknown group {group!r} (known groups: {', '.join(KNOWN_GROUPS)})")
+            continue
         if not isinstance(entries, dict):
-            raise ConfigError(f"{src}: group {group!r} must map dataset names to entries")
-        out[group] = {str(name): _parse_info_entry(group, str(name), raw, src) for name, raw in entries.items()}
+            problems.append(f"{src}: group {group!r} must map dataset names to entries")
+            continue
+        out[group] = {}
+        for name, raw in entries.items():
+            try:
+                out[group][str(name)] = _parse_info_entry(group, str(name), raw, src)
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+    if problems:
+        raise ConfigError.of(problems, header=f"{src}: {len(problems)} registry entries are invalid")
     return out
 
 
@@ -190,16 +230,20 @@ class ResolvedGroup:
 def resolve_groups(groups: Sequence[GroupConfig], dataset_info: Mapping[str, Mapping[str, DatasetInfoEntry]],
                    *, source: str = "dataset_info") -> list[ResolvedGroup]:
     """Look up every ``dataset_names`` entry in the registry; a missing group or name is a clear error."""
-    out = []
+    out, problems = [], []
     for g in groups:
         if g.name not in dataset_info:
-            raise ConfigError(f"{source}: no entries for group {g.name!r} (groups present: {sorted(dataset_info)})")
+            problems.append(f"{source}: no entries for group {g.name!r} (groups present: {sorted(dataset_info)})")
+            continue
         known = dataset_info[g.name]
         missing = [n for n in g.dataset_names if n not in known]
         if missing:
-            raise ConfigError(f"{source}: group {g.name!r}: dataset name(s) {missing} not registered "
-                              f"(registered: {sorted(known)})")
+            problems.append(f"{source}: group {g.name!r}: dataset name(s) {missing} not registered "
+                            f"(registered: {sorted(known)})")
+            continue
         out.append(ResolvedGroup(group=g, datasets=[known[n] for n in g.dataset_names]))
+    if problems:
+        raise ConfigError.of(problems, header=f"{source}: {len(problems)} groups are not registered")
     return out
 
 
@@ -225,43 +269,38 @@ class BagelDataConfig:
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
 
-    def validate(self) -> None:
-        """Raise ConfigError for invalid values (names the key)."""
-        self.packer.validate("packer")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ConfigError(f"seed: must be a non-negative integer, got {self.seed!r}")
-        if not _is_int(self.num_workers) or self.num_workers < 0:
-            raise ConfigError(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
-        if self.data_seed is not None and (not _is_int(self.data_seed) or self.data_seed < 0):
-            raise ConfigError(f"data_seed: must be a non-negative integer or null, got {self.data_seed!r}")
+    def problems(self) -> list[str]:
+        """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""
+        out = self.packer.problems("packer")
+        if not is_int(self.seed) or self.seed < 0:
+            out.append(f"seed: must be a non-negative integer, got {self.seed!r}")
+        if not is_int(self.num_workers) or self.num_workers < 0:
+            out.append(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+        if self.data_seed is not None and (not is_int(self.data_seed) or self.data_seed < 0):
+            out.append(f"data_seed: must be a non-negative integer or null, got {self.data_seed!r}")
         if self.order not in ORDERS:
-            raise ConfigError(f"order: must be one of {list(ORDERS)}, got {self.order!r}")
-        if self.order == "official" and self.num_workers < 1:
-            raise ConfigError("num_workers: order 'official' needs num_workers >= 1 (the official DataLoader workers "
-                              "it emulates; with 0 the official loader draws from the training process's own RNG, "
-                              "which cannot be reproduced)")
-        if not _is_int(self.prefetch) or self.prefetch < 0:
-            raise ConfigError(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
+            out.append(f"order: must be one of {list(ORDERS)}, got {self.order!r}")
+        elif self.order == "official" and is_int(self.num_workers) and self.num_workers < 1:
+            out.append("num_workers: order 'official' needs num_workers >= 1 (the official DataLoader workers "
+                       "it emulates; with 0 the official loader draws from the training process's own RNG, "
+                       "which cannot be reproduced)")
+        if not is_int(self.prefetch) or self.prefetch < 0:
+            out.append(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
         if self.prefetch_start not in PREFETCH_STARTS:
-            raise ConfigError(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
+            out.append(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
+        return out
+
+    def validate(self) -> None:
+        """Raise one ConfigError naming every invalid key of this config (its files: ``validate.validate_data``)."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError.of(problems, header=f"{len(problems)} invalid data config keys")
+        self.packer.validate("packer")  # the warning for a risky combination
 
     @property
     def effective_data_seed(self) -> int:
         """``data_seed``, or ``seed`` when it is not set."""
         return self.seed if self.data_seed is None else self.data_seed
-
-    def load_groups(self) -> list[ResolvedGroup]:
-        """Load and cross-check the grouped YAML and the registry named by this config.
-
-        Also checks the packer budgets against the groups' transforms (``budgets.check_budgets``): raises
-        ConfigError where they cannot work, logs a warning where they may drop much.
-        """
-        from .budgets import check_budgets
-
-        groups = load_grouped_yaml(self.groups)
-        resolved = resolve_groups(groups, load_dataset_info(self.dataset_info), source=str(self.dataset_info))
-        check_budgets(self.packer, groups, source=str(self.groups), official=self.order == "official")
-        return resolved
 
     @classmethod
     def from_omegaconf(cls, cfg: Any, *, source: str = "<config>") -> "BagelDataConfig":
@@ -288,10 +327,9 @@ def structured_merge(schema: type, parts: Sequence[Any], source: str) -> Any:
 def _to_config(parts: list[Any], source: str) -> BagelDataConfig:
     obj = structured_merge(BagelDataConfig, parts, source)
     assert isinstance(obj, BagelDataConfig)
-    try:
-        obj.validate()
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
+    problems = obj.problems()
+    if problems:
+        raise ConfigError.of([f"{source}: {p}" for p in problems], header=f"{source}: {len(problems)} invalid keys")
     return obj
 
 
@@ -302,7 +340,7 @@ def load_config(yaml_path: str | os.PathLike | None = None, overrides: Sequence[
     parts: list[Any] = []
     sources = []
     if yaml_path is not None:
-        data, src = _read_mapping(yaml_path, str(yaml_path))
+        data, src = read_mapping(yaml_path, str(yaml_path))
         parts.append(OmegaConf.create(data))
         sources.append(src)
     if overrides:

@@ -1,28 +1,25 @@
-"""Megatron-facing stage: RNG-isolated packer iterator and the exact-resume external loader.
+"""The seed contract: the names a Megatron user imports, wired by hand or through the builder.
 
-Megatron's ``dataloader_type="external"`` hands the object returned by ``build_datasets`` straight to
-``RerunDataIterator``: no sampler, no collation, no workers, no fast-forward. Everything that makes a
-resumed run continue bit-identically is therefore done here:
+* ``BagelRNGIterator(iterator, rank_seed)`` (module ``rng``) gives the packer private Python/NumPy/torch-CPU
+  RNG streams, initialised exactly as the official one-worker torch DataLoader would, swapped in around every
+  ``next()`` and saved.
+* ``BagelExternalLoader(batches, *, length, stateful_loaders=())`` (module ``loader``) is the iterator Megatron
+  receives (``dataloader_type="external"``), with ``save_state()`` / ``restore_state()`` for Bridge's
+  checkpointing; ``stateful_loaders`` may be Energon's own ``get_savable_loader(...)`` loaders.
+* ``BagelMegatronMIMODatasetProvider(train_loader=...)`` (module ``providers``) hands that loader to Bridge's
+  MIMO path; its ``get_collate_fn()`` is ``_reject_collate``. It needs Megatron-Bridge, so it is created on
+  first access (module ``__getattr__``) and this module imports without Bridge or Transformer Engine.
 
-* ``BagelRNGIterator`` (module ``rng``, re-exported here) gives the packer private Python/NumPy/torch-CPU RNG streams, initialised exactly
-  as the official one-worker torch DataLoader would, swapped in around every ``next()`` and saved.
-* ``BagelExternalLoader`` is the iterator Megatron receives; its ``save_state()``/``restore_state()``
-  (the names Bridge's ``maybe_save/load_dataloader_state`` call) save the whole chain it owns — prefetch
-  stage, RNG streams, packer, per-group readers, each through its own declared state — plus a fingerprint
-  that refuses a resume under a changed configuration.
-
-``BagelMegatronMIMODatasetProvider`` needs Megatron-Bridge; it is created on first access (module
-``__getattr__``) by ``_bridge``, so this module imports without Bridge or Transformer Engine.
+Nothing is defined here: the stages live in their own modules and this module only re-exports them.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from .loader import STATE_VERSION, BagelExternalLoader, ResumeMismatchError, energon_state_classes, fingerprint_diff
+from .providers import reject_collate as _reject_collate
 from .rng import BagelRNGIterator, initial_worker_rng_states
-from .state import Savable, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
 
 __all__ = [
     "BagelExternalLoader",
@@ -31,216 +28,9 @@ __all__ = [
     "ResumeMismatchError",
     "STATE_VERSION",
     "energon_state_classes",
+    "fingerprint_diff",
     "initial_worker_rng_states",
 ]
-
-logger = logging.getLogger(__name__)
-
-STATE_VERSION = 2
-
-
-class ResumeMismatchError(StateError):
-    """A saved loader state was produced under a different configuration (fingerprint differs)."""
-
-
-# -- the loader Megatron receives -----------------------------------------------------------------------
-
-
-def energon_state_classes() -> tuple[type, ...]:
-    """The Energon state classes Bridge's restricted unpickler accepts (Energon readers put them in state)."""
-    from megatron.energon.flavors.webdataset.sample_loader import SliceState
-    from megatron.energon.rng import SystemRngState
-    from megatron.energon.savable_loader import (
-        SavableCheckpoint,
-        SavableDataLoaderState,
-        SavableDatasetCheckpoint,
-        SavableDatasetState,
-    )
-    from megatron.energon.state import FlexState
-
-    return (FlexState, SystemRngState, SavableCheckpoint, SavableDataLoaderState, SavableDatasetCheckpoint,
-            SavableDatasetState, SliceState)
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        for k in value:
-            _flatten(value[k], f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _flatten(v, f"{prefix}[{i}]", out)
-        if not value:
-            out[prefix] = []
-    else:
-        out[prefix] = value
-    return out
-
-
-def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Every key (dotted path) whose value differs between two fingerprints, as ``key: saved=… current=…``."""
-    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
-    absent = "<absent>"
-    return [f"{k}: saved={a.get(k, absent)!r} current={b.get(k, absent)!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
-
-
-class BagelExternalLoader(Savable):
-    """The train "dataset" for ``dataloader_type="external"``: an iterator of ready packed batches.
-
-    ``batches`` is the upstream stage (normally ``BagelRNGIterator`` over ``BagelPacker``, or a
-    ``PrefetchStage`` around it); the loader owns it. ``prefetch=K`` (K > 0) wraps it in a
-    ``PrefetchStage(depth=K)``. ``stateful_loaders`` (kept for callers that wire sources in by hand) are
-    saved with the loader only when the upstream chain does not already own them.
-
-    State (``save_state()`` == ``state_dict()``; ``restore_state()`` == ``load_state_dict()``): ``version``,
-    ``fingerprint`` (checked on restore: a different configuration is refused naming every differing key),
-    ``position`` (batches handed out), ``upstream`` (the chain's nested states) and ``stateful_loaders``.
-
-    ``__len__`` is only a positive hint (Megatron's MIMO setup calls ``len``); iteration is not bounded by it
-    and it is not part of the state, so a run may resume with a different ``train_iters``.
-    """
-
-    _savable_fields = ("version", "fingerprint", "position", "upstream", "stateful_loaders")
-
-    def __init__(self, batches: Iterator[dict[str, Any]], *, length: int, stateful_loaders: Iterable[Any] = (),
-                 fingerprint: Mapping[str, Any] | None = None, prefetch: int = 0) -> None:
-        if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
-            raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"BagelExternalLoader: prefetch must be an int >= 0, got {prefetch!r}")
-        if prefetch:
-            from .prefetch import PrefetchStage
-
-            batches = PrefetchStage(batches, depth=prefetch)
-        self.upstream = batches
-        self.length = length
-        owned = {id(stage) for stage in walk_stages(self.upstream)}
-        self.stateful_loaders = []
-        for i, source in enumerate(stateful_loaders):
-            if id(source) in owned:
-                continue  # saved through the upstream stage that owns it
-            if not is_stateful(source):
-                raise TypeError(f"BagelExternalLoader: stateful_loaders[{i}] ({type(source).__name__}) has no "
-                                "state_dict() / load_state_dict()")
-            self.stateful_loaders.append(source)
-        self._config_fingerprint = dict(fingerprint or {})
-        check_restricted(self._config_fingerprint, "fingerprint")
-        self._closed = False
-        self.reset_state()
-
-    def reset_state(self) -> None:
-        self.position = 0
-
-    # -- declared fields that are checked, not restored ---------------------------------------------
-    @property
-    def version(self) -> int:
-        return STATE_VERSION
-
-    @version.setter
-    def version(self, value: Any) -> None:
-        if value != STATE_VERSION:
-            raise StateError(f"BagelExternalLoader.restore_state: loader state version {value!r} is not supported "
-                             f"(this package reads and writes version {STATE_VERSION}); it was written by another "
-                             "version of bagel-megatron-data: resume with that version, or start the data stream fresh")
-
-    @property
-    def fingerprint(self) -> dict[str, Any]:
-        """Everything that changes the stream: the builder's fingerprint plus every stage's ``identity()``."""
-        return {"loader": dict(self._config_fingerprint), "upstream": chain_fingerprint(self.upstream),
-                "stateful_loaders": [chain_fingerprint(s) for s in self.stateful_loaders]}
-
-    @fingerprint.setter
-    def fingerprint(self, saved: Any) -> None:
-        if not isinstance(saved, dict):
-            raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
-        diff = fingerprint_diff(saved, self.fingerprint)
-        if diff:
-            raise ResumeMismatchError("BagelExternalLoader.restore_state: the saved loader state belongs to a "
-                                      "different data configuration; differing keys:\n  " + "\n  ".join(diff))
-
-    # -- iteration ----------------------------------------------------------------------------------
-    def __iter__(self) -> "BagelExternalLoader":
-        return self
-
-    def __next__(self) -> dict[str, Any]:
-        if self._closed:
-            raise RuntimeError("BagelExternalLoader: next() after close()")
-        try:
-            batch = next(self.upstream)
-        except StopIteration:
-            logger.error("BagelExternalLoader: the batch stream ended after %d batches (Megatron expects an "
-                         "endless stream; check the readers' cycling)", self.position)
-            raise
-        self.position += 1
-        return batch
-
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def seq_length(self) -> int | None:
-        """Packed sequence length of every batch (the packer's ``max_num_tokens``), or None if unknown."""
-        return getattr(self.upstream, "seq_length", None)
-
-    def stats(self) -> dict[str, Any]:
-        """Pipeline counters from the trainer's side (identical with and without prefetch for the same batches).
-
-        ``num_batches`` (handed to the trainer), ``consumed`` (samples read per group), ``buffer_len`` (packer
-        overflow buffer), ``drops`` (reason → count, packer and readers together), ``packer_drops`` and
-        ``source_drops`` (per group) — whatever the upstream reports, plus ``position``.
-        """
-        stats = getattr(self.upstream, "stats", None)
-        out = dict(stats()) if callable(stats) else {}
-        out["position"] = self.position
-        return out
-
-    # -- state --------------------------------------------------------------------------------------
-    def save_state(self) -> dict[str, Any]:
-        """State describing the next batch this loader will yield (Bridge calls this at every checkpoint).
-
-        Checked against Megatron's restricted unpickler types here, so a bad state fails at save, not at resume.
-        """
-        state = self.state_dict()
-        check_restricted(state, "BagelExternalLoader.save_state()", allow=energon_state_classes())
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Same as ``restore_state``."""
-        if not isinstance(state, dict):
-            raise StateError(f"BagelExternalLoader.restore_state: state must be a dict, got {type(state).__name__}")
-        if "version" in state:
-            self.version = state["version"]  # an old state gets the version message, not a field list
-        position = state.get("position")
-        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
-            raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {position!r}")
-        if self.position:
-            logger.warning("BagelExternalLoader.restore_state after %d batches were already taken", self.position)
-        super().load_state_dict(state)
-        logger.info("BagelExternalLoader: restored at batch %d", self.position)
-
-    def restore_state(self, state: Any) -> None:
-        """Continue exactly where ``save_state()`` was taken; call before the first ``next()``.
-
-        Raises ``StateError`` for a malformed or old-version state and ``ResumeMismatchError`` (naming every
-        differing key) when the configuration changed since the save.
-        """
-        self.load_state_dict(state)
-
-    def close(self) -> None:
-        """Close the upstream chain (stopping a prefetch producer, closing readers) and extra loaders; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for obj in [self.upstream, *self.stateful_loaders]:
-            close = getattr(obj, "close", None)
-            if callable(close):
-                close()
-
-    def __enter__(self) -> "BagelExternalLoader":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
 
 def __getattr__(name: str) -> Any:

@@ -18,7 +18,8 @@ import yaml
 
 from .transforms import ImageTransform
 
-__all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "load_grouped_yaml"]
+__all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "is_int", "is_number", "load_grouped_yaml",
+           "read_mapping"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,22 @@ _FRAME_SAMPLER_KEYS = frozenset(("max_num_frames", "min_num_frames"))
 
 
 class ConfigError(ValueError):
-    """A configuration file or value is invalid; the message names the file and key."""
+    """A configuration file or value is invalid; the message names the file and key.
+
+    ``problems`` lists every problem found by one validation pass (one entry, the message, when raised
+    for a single problem); ``ConfigError.of`` builds one error from several.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems: list[str] = list(problems) if problems else [message]
+
+    @classmethod
+    def of(cls, problems: list[str], *, header: str) -> "ConfigError":
+        """One error holding every problem (a single one is raised as it is, without the header)."""
+        if len(problems) == 1:
+            return cls(problems[0])
+        return cls(header + ":\n  - " + "\n  - ".join(problems), problems)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -76,11 +92,11 @@ class GroupConfig:
         return ImageTransform(**self.vit_image_transform_args) if self.vit_image_transform_args else None
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -101,7 +117,7 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:
+def read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:
     """Deep copy of a mapping, or the parsed YAML/JSON file; returns (data, source name)."""
     if isinstance(path_or_dict, Mapping):
         return copy.deepcopy(dict(path_or_dict)), source
@@ -150,7 +166,7 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
     if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"{where}: key 'dataset_names' must be a non-empty list of names, got {names!r}")
     weight = raw.pop("weight", 0.0)
-    if not _is_number(weight) or weight < 0:
+    if not is_number(weight) or weight < 0:
         raise ConfigError(f"{where}: key 'weight' must be a non-negative number, got {weight!r}")
     unknown = [k for k in raw if k not in GROUP_KEYS]
     if unknown:
@@ -170,7 +186,7 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
         raise ConfigError(f"{where}: key 'resume_data_status': false is not supported (official: the group restarts "
                           "from its first unit after a resume); this loader always resumes every group exactly")
     shuffle_seed = raw.pop("shuffle_seed", 0)
-    if not _is_int(shuffle_seed):
+    if not is_int(shuffle_seed):
         raise ConfigError(f"{where}: key 'shuffle_seed' must be of type int, got {shuffle_seed!r}")
     image_args = _check_transform_args(raw.pop("image_transform_args", None), f"{where}: key 'image_transform_args'")
     vit_args = _check_transform_args(raw.pop("vit_image_transform_args", None),
@@ -180,12 +196,12 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
         if not isinstance(frame_args, dict):
             raise ConfigError(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
         bad = sorted(set(frame_args) - _FRAME_SAMPLER_KEYS)
-        if bad or not all(_is_int(v) and v > 0 for v in frame_args.values()):
+        if bad or not all(is_int(v) and v > 0 for v in frame_args.values()):
             raise ConfigError(f"{where}: key 'frame_sampler_args' takes positive integers "
                               f"{sorted(_FRAME_SAMPLER_KEYS)}, got {frame_args!r}")
     num_used = raw.pop("num_used_data", None)
     if num_used is not None:
-        if not isinstance(num_used, list) or not all(_is_int(n) and n >= 0 for n in num_used):
+        if not isinstance(num_used, list) or not all(is_int(n) and n >= 0 for n in num_used):
             raise ConfigError(f"{where}: key 'num_used_data' must be a list of non-negative integers, got {num_used!r}")
         if len(num_used) != len(names):
             raise ConfigError(f"{where}: key 'num_used_data' has {len(num_used)} entries but 'dataset_names' has "
@@ -200,10 +216,17 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
 
 def load_grouped_yaml(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>") -> list[GroupConfig]:
     """Parse the official grouped-datasets YAML (top-level keys = groups, in order); input is not mutated."""
-    data, src = _read_mapping(path_or_dict, source)
+    data, src = read_mapping(path_or_dict, source)
     if not data:
         raise ConfigError(f"{src}: no groups defined")
-    groups = [_parse_group(name, raw, src) for name, raw in data.items()]
+    groups, problems = [], []
+    for name, raw in data.items():
+        try:
+            groups.append(_parse_group(name, raw, src))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError.of(problems, header=f"{src}: {len(problems)} groups are invalid")
     total = sum(g.weight for g in groups)
     if total <= 0:
         raise ConfigError(f"{src}: the group weights sum to {total}; at least one 'weight' must be positive")

@@ -1,24 +1,30 @@
 """The Megatron-Bridge dataset providers for BAGEL (created lazily: importing them needs Megatron-Bridge).
 
-* ``BagelMegatronMIMODatasetProvider`` (exported by ``external``): a ``MegatronMIMODatasetProvider`` that hands
-  an already built ``BagelExternalLoader`` to Bridge's external-loader path.
-* ``BagelDatasetProvider`` (exported by ``build``): a plain ``DatasetProvider`` that builds this rank's loader
-  from a ``BagelDataConfig`` and the build context's DP group, for Bridge's standard ``pretrain()`` path.
+* ``BagelMegatronMIMODatasetProvider`` (the seed name, exported by ``external``): a
+  ``MegatronMIMODatasetProvider`` that hands an already built ``BagelExternalLoader`` (or any loader of
+  ready batches) to Bridge's external-loader path.
+* ``BagelDatasetProvider``: a plain ``DatasetProvider`` that builds this rank's loader from a
+  ``BagelDataConfig`` and the build context's DP group, for Bridge's standard ``pretrain()`` path.
 
 Both are ``dataloader_type="external"`` (Bridge passes the loader through ``RerunDataIterator`` unchanged)
 and their ``get_collate_fn()`` is a guard that raises. ``seq_length`` (read by Bridge's training loop and
-throughput logging) comes from the packer's ``max_num_tokens``; a different explicit value is refused.
+throughput logging) comes from the packer's ``max_num_tokens``; a different explicit value is refused. Both
+classes are created on first access (module ``__getattr__``), so this module imports without Bridge.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 from ._bridge import import_bridge
 
-__all__ = ["check_seq_length", "dataset_provider_class", "megatron_mimo_provider_class", "reject_collate"]
+__all__ = ["BagelDatasetProvider", "BagelMegatronMIMODatasetProvider", "check_seq_length", "dataset_provider_class",
+           "megatron_mimo_provider_class", "reject_collate"]
+
+logger = logging.getLogger(__name__)
 
 
 def reject_collate(_: Any) -> Any:
@@ -41,6 +47,13 @@ def check_seq_length(explicit: int | None, packed: int, where: str) -> int:
     return int(packed)
 
 
+@functools.cache
+def _log_unknown_seq_length(loader: str) -> None:
+    logger.warning("BagelMegatronMIMODatasetProvider: the train loader (%s) does not know its packed sequence "
+                   "length, so seq_length stays unset; MIMO training reads cfg.dataset.seq_length: set it there "
+                   "(or pass seq_length=)", loader)
+
+
 @dataclasses.dataclass(kw_only=True)
 class _ExternalLoaderFields:
     """The Bridge data-loader fields both providers fix: the loader object itself, never collated or re-worked."""
@@ -59,28 +72,26 @@ class _ExternalLoaderFields:
 @functools.cache
 def megatron_mimo_provider_class() -> type:
     """``BagelMegatronMIMODatasetProvider``: a MegatronMIMO dataset provider handing out a live loader."""
-    from .external import BagelExternalLoader
-
     base = import_bridge().MegatronMIMODatasetProvider
 
     @dataclasses.dataclass(kw_only=True)
     class BagelMegatronMIMODatasetProvider(_ExternalLoaderFields, base):
-        """MIMO dataset provider for an already built ``BagelExternalLoader`` (``dataloader_type="external"``).
+        """MIMO dataset provider for an already built loader (``dataloader_type="external"``).
 
-        ``seq_length`` defaults to the loader's packed sequence length (the packer's ``max_num_tokens``);
-        an explicit value that differs raises ``ValueError``.
+        ``train_loader``: a ``BagelExternalLoader`` or any iterator of ready batches. ``seq_length`` defaults
+        to the loader's packed sequence length (the packer's ``max_num_tokens``); an explicit value that
+        differs raises ``ValueError``. A loader that does not know its length leaves ``seq_length`` as given
+        (possibly None; logged once): MIMO training reads ``cfg.dataset.seq_length``, so set it there.
         """
 
-        train_loader: BagelExternalLoader
+        train_loader: Any
 
         def __post_init__(self) -> None:
-            packed = self.train_loader.seq_length
-            if packed is None:
-                if self.seq_length is None:
-                    raise ValueError("BagelMegatronMIMODatasetProvider: the loader does not know its packed sequence "
-                                     "length; pass seq_length= explicitly")
-            else:
+            packed = getattr(self.train_loader, "seq_length", None)
+            if packed is not None:
                 self.seq_length = check_seq_length(self.seq_length, packed, "BagelMegatronMIMODatasetProvider")
+            elif self.seq_length is None:
+                _log_unknown_seq_length(type(self.train_loader).__name__)
 
         def build_datasets(self, context: Any) -> tuple[Any, None, None]:
             """(the train loader, or None when no training samples are requested; no valid; no test)."""
@@ -96,7 +107,7 @@ def dataset_provider_class() -> type:
     """``BagelDatasetProvider``: a plain Bridge ``DatasetProvider`` building the loader for ``pretrain()``."""
     from .build import build_bagel_train_loader
     from .config import BagelDataConfig
-    from .external import BagelExternalLoader
+    from .loader import BagelExternalLoader
 
     base = import_bridge().DatasetProvider
 
@@ -127,6 +138,15 @@ def dataset_provider_class() -> type:
                 tokenizer = load_tokenizer(self.data.tokenizer)
             return build_bagel_train_loader(self.data, tokenizer, context), None, None
 
-    BagelDatasetProvider.__module__ = "bridge.models.bagel.data.build"
+    BagelDatasetProvider.__module__ = "bridge.models.bagel.data.providers"
     BagelDatasetProvider.__qualname__ = "BagelDatasetProvider"
     return BagelDatasetProvider
+
+
+def __getattr__(name: str) -> Any:
+    """Create the Bridge-dependent provider classes on first use (importing Megatron-Bridge only then)."""
+    if name == "BagelMegatronMIMODatasetProvider":
+        return megatron_mimo_provider_class()
+    if name == "BagelDatasetProvider":
+        return dataset_provider_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

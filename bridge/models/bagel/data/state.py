@@ -4,8 +4,9 @@ Every stateful stage lists the attributes that make up its *whole* state once, i
 restore order. ``state_dict()`` / ``load_state_dict()`` follow from that declaration, so save and restore
 cannot drift apart:
 
-* a field whose value is itself stateful (a ``Savable``, or any object with ``state_dict`` /
-  ``load_state_dict``) — or a list of such objects — is saved through its own state, as
+* a field whose value is itself stateful (a ``Savable``, any object with ``state_dict`` /
+  ``load_state_dict``, or an Energon ``SavableDataLoader`` with ``save_state_rank`` / ``restore_state_rank``)
+  — or a list of such objects — is saved through its own state, as
   ``{"stage": <class name>, "state": {...}}``; the class tag is checked on load, and the live object is
   restored in place (a stage owns its upstream and restores it; nothing else reaches into it);
 * any other field is deep-copied out and back in. A field whose live form is not storable (a buffer of
@@ -27,8 +28,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-__all__ = ["Savable", "StateError", "chain_fingerprint", "check_restricted", "is_stateful", "load_tagged",
-           "tagged_state", "walk_stages"]
+__all__ = ["STATE_PROTOCOLS", "Savable", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
+           "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "walk_stages"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, range)
 
@@ -63,9 +64,41 @@ def check_restricted(obj: Any, path: str = "state", *, allow: tuple[type, ...] =
     )
 
 
+#: The two save/restore protocols a stage may speak: ours and torch's (``state_dict`` / ``load_state_dict``),
+#: and Energon's per-rank one (``SavableDataLoader.save_state_rank`` / ``restore_state_rank``).
+STATE_PROTOCOLS: tuple[tuple[str, str], ...] = (("state_dict", "load_state_dict"),
+                                                ("save_state_rank", "restore_state_rank"))
+
+
+def state_protocol(obj: Any) -> tuple[str, str] | None:
+    """The ``(save, restore)`` method names ``obj`` speaks (first of ``STATE_PROTOCOLS``), or None."""
+    for save, restore in STATE_PROTOCOLS:
+        if callable(getattr(obj, save, None)) and callable(getattr(obj, restore, None)):
+            return save, restore
+    return None
+
+
 def is_stateful(obj: Any) -> bool:
-    """True for objects that save and restore themselves (``state_dict`` + ``load_state_dict``)."""
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    """True for objects that save and restore themselves (either protocol of ``STATE_PROTOCOLS``)."""
+    return state_protocol(obj) is not None
+
+
+def _protocol(obj: Any) -> tuple[str, str]:
+    protocol = state_protocol(obj)
+    if protocol is None:
+        raise StateError(f"{type(obj).__name__} has neither state_dict()/load_state_dict() nor "
+                         "save_state_rank()/restore_state_rank()")
+    return protocol
+
+
+def save_of(obj: Any) -> Any:
+    """``obj``'s own state through the protocol it speaks (``state_dict()`` or Energon's ``save_state_rank()``)."""
+    return getattr(obj, _protocol(obj)[0])()
+
+
+def restore_of(obj: Any, state: Any) -> None:
+    """Restore ``obj`` in place from ``save_of(obj)`` output, through the same protocol."""
+    getattr(obj, _protocol(obj)[1])(state)
 
 
 def _nested(obj: Any, name: str) -> Any:
@@ -84,14 +117,14 @@ def _transparent(stage: Any) -> bool:
 
 
 def tagged_state(stage: Any) -> dict[str, Any]:
-    """``{"stage": class name, "state": stage.state_dict()}``: a nested stage's saved form.
+    """``{"stage": class name, "state": save_of(stage)}``: a nested stage's saved form.
 
     A transparent stage (one that does not change the stream, like prefetch) saves as its upstream does, so
     it may be added or removed between a save and a restore.
     """
     if _transparent(stage):
         return stage.state_dict()["upstream"]
-    return {"stage": type(stage).__name__, "state": stage.state_dict()}
+    return {"stage": type(stage).__name__, "state": save_of(stage)}
 
 
 def load_tagged(stage: Any, saved: Any, where: str) -> None:
@@ -105,7 +138,7 @@ def load_tagged(stage: Any, saved: Any, where: str) -> None:
     if saved["stage"] != type(stage).__name__:
         raise StateError(f"{where}: the saved state belongs to a {saved['stage']}, but this pipeline has a "
                          f"{type(stage).__name__} here (the pipeline was built differently)")
-    stage.load_state_dict(saved["state"])
+    restore_of(stage, saved["state"])
 
 
 def walk_stages(stage: Any) -> Iterator[Any]:

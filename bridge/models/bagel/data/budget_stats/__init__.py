@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..budgets import budget_issues
-from ..config import ConfigError, PackerConfig, ResolvedGroup, load_dataset_info, load_grouped_yaml, resolve_groups
+from ..config import ConfigError, PackerConfig, ResolvedGroup
 from .estimate import DatasetStats, GroupStats, SampleEstimate, dataset_stats
 from .report import StatsReport, data_findings, draw_histogram
 from .simulate import Candidate, SimResult, candidate_budgets, simulate_packing
@@ -91,6 +91,7 @@ def job_stats(config: str, overrides: Sequence[str] = (), *, tokenizer: Any = No
     Raises ConfigError for an invalid config or an unconverted dataset.
     """
     from ..job.config import load_job_config
+    from ..validate import validate_data
 
     cfg = load_job_config(config, list(overrides))
     if cfg.demo_data:
@@ -98,8 +99,7 @@ def job_stats(config: str, overrides: Sequence[str] = (), *, tokenizer: Any = No
 
         make_demo_data(cfg.demo_data, seed=cfg.demo_seed)
     data = cfg.data
-    groups = resolve_groups(load_grouped_yaml(data.groups), load_dataset_info(data.dataset_info),
-                            source=str(data.dataset_info))
+    groups = validate_data(data, budgets="report").groups  # bad budgets are what this report is for
     if tokenizer is None:
         from ..tokenizer import load_tokenizer
 

@@ -46,13 +46,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def _norms(cfg_data: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+def _norms(groups: Sequence[Any]) -> tuple[tuple[float, float], tuple[float, float]]:
     """(mean, std) for VAE and ViT images from the groups' transform args (0.5/0.5 when unset or mixed)."""
     from ..transforms import ImageTransform
 
     vae, vit = set(), set()
-    for g in cfg_data.load_groups():
-        grp = g.group
+    for grp in groups:
         if grp.image_transform_args:
             t = ImageTransform(**grp.image_transform_args)
             (vit if grp.name == "vlm_sft" else vae).add((t.image_mean, t.image_std))
@@ -86,6 +85,7 @@ def run_inspect(config: str | os.PathLike | None, *, overrides: Sequence[str] = 
     from ..build import build_bagel_train_loader
     from ..job.config import load_job_config
     from ..tokenizer import load_tokenizer
+    from ..validate import validate_data
 
     if batches < 1:
         raise ValueError(f"inspect: --batches must be >= 1, got {batches}")
@@ -96,12 +96,13 @@ def run_inspect(config: str | os.PathLike | None, *, overrides: Sequence[str] = 
 
         make_demo_data(cfg.demo_data, seed=cfg.demo_seed)
     packer_cfg = cfg.data.packer
-    vae_norm, vit_norm = _norms(cfg.data)
+    data = validate_data(cfg.data)
+    vae_norm, vit_norm = _norms(data.group_configs)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if out is not None:
         os.makedirs(out, exist_ok=True)
     summaries: list[BatchSummary] = []
-    loader = build_bagel_train_loader(cfg.data, tokenizer, (dp_rank, dp_size), length=batches)
+    loader = build_bagel_train_loader(data, tokenizer, (dp_rank, dp_size), length=batches)
     try:
         from tqdm import tqdm
 

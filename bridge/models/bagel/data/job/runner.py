@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 from ..packing import batch_digest
+from ..validate import ValidatedData, validate_data
 from .batch_check import account_batch, check_batch
 from .checkpoint import check_resume_dp, read_step, restore_loader, save_checkpoint
 from .config import JobConfig
@@ -41,8 +42,11 @@ class DataContractError(RuntimeError):
     """A batch violated the packed-batch contract."""
 
 
-def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> tuple[Any, Any]:
-    """Provider → Bridge ``build_pretraining_data_loader(..., "external")`` → ``RerunDataIterator``."""
+def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None
+                   ) -> tuple[Any, Any]:
+    """Provider → Bridge ``build_pretraining_data_loader(..., "external")`` → ``RerunDataIterator``.
+
+    ``data``: ``cfg.data`` already through ``validate_data`` (validated here when None)."""
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from ..build import build_bagel_train_loader
@@ -52,7 +56,7 @@ def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> tuple[
     train = cfg.train
     context = api.DatasetBuildContext(train_samples=train.train_iters * train.global_batch_size, valid_samples=0,
                                       test_samples=0, tokenizer=None, pg_collection=pg_collection)
-    loader = build_bagel_train_loader(cfg.data, tokenizer, context)
+    loader = build_bagel_train_loader(cfg.data if data is None else data, tokenizer, context)
     provider = BagelMegatronMIMODatasetProvider(train_loader=loader)
     train_ds, valid_ds, test_ds = provider.build_datasets(context)
     assert valid_ds is None and test_ds is None
@@ -97,13 +101,14 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
     vpp = train.virtual_pipeline_model_parallel_size
 
     error: BaseException | None = None
-    iterator = loader = None
+    iterator = loader = data = None
     start_step = 0
     try:
+        data = validate_data(cfg.data)  # the one validation pass of this job
         if train.load:
             start_step = read_step(train.load)
             check_resume_dp(train.load, start_step, dp_size)
-        iterator, loader = build_iterator(cfg, pg_collection, tokenizer)
+        iterator, loader = build_iterator(cfg, pg_collection, tokenizer, data)
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
             logger.info("resumed from %s at step %d", train.load, start_step)
@@ -116,7 +121,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
             loader.close()
         raise
 
-    weights = {g.group.name: g.group.weight for g in cfg.data.load_groups()}
+    weights = {g.name: g.weight for g in data.group_configs}
     tele = Telemetry(max_num_tokens=packer_cfg.max_num_tokens, group_weights=weights,
                      tensorboard_dir=train.tensorboard_dir if rank == 0 else None, enabled=rank == 0)
     digest_fh = open(train.digest_log, "a", encoding="utf-8") if train.digest_log else None

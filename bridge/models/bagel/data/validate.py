@@ -1,0 +1,120 @@
+"""The one validation pass every entry point goes through: the data config, its files, their cross-checks.
+
+``validate_data(config)`` checks, in one pass and collecting every problem instead of stopping at the first:
+
+1. the data config's own keys (``BagelDataConfig`` and its ``packer`` knobs; ``PackerConfig.problems``);
+2. the grouped-datasets YAML (``config.groups``: every group, every key; ``grouped_yaml``);
+3. the dataset registry (``config.dataset_info``: every entry) and that it registers every group's names;
+4. what the readers need from each group: a converted ``energon_path`` per dataset, ``image_transform_args``,
+   ``num_used_data`` under ``order: official``;
+5. the packer budgets against the groups' transforms (``budgets.budget_issues``, cases B3/B4/B6 of
+   ``shared/cases``), errors with ``budgets="error"`` (the builder, the job, ``inspect``), reported only with
+   ``budgets="report"`` (``bagel-data stats``, which exists to show them).
+
+Each problem names its file and key; all of them are raised together as one ``ConfigError`` (``.problems``
+holds the list). The job, ``bagel-data inspect`` / ``stats``, the providers and ``build_bagel_train_loader``
+call this once and pass the resulting ``ValidatedData`` on, so the YAML is read and the budgets are checked
+exactly once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from .budgets import BudgetIssue, budget_issues, log_warnings
+from .config import (BagelDataConfig, ConfigError, DatasetInfoEntry, ResolvedGroup, load_dataset_info,
+                     load_grouped_yaml, resolve_groups)
+from .grouped_yaml import GroupConfig
+
+__all__ = ["ValidatedData", "validate_data"]
+
+logger = logging.getLogger(__name__)
+
+class _Problems:
+    """Collects the messages of ``ConfigError``s raised inside ``check()`` blocks, to raise them together."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    @contextlib.contextmanager
+    def check(self) -> Iterator[None]:
+        try:
+            yield
+        except ConfigError as exc:
+            self.messages.extend(getattr(exc, "problems", None) or [str(exc)])
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    def raise_if_any(self, source: str) -> None:
+        if self.messages:
+            raise ConfigError.of(self.messages, header=f"{source}: the data configuration has "
+                                 f"{len(self.messages)} problem(s)")
+
+
+@dataclass
+class ValidatedData:
+    """A data config that passed ``validate_data``: the config, its resolved groups and the budget warnings."""
+
+    config: BagelDataConfig
+    groups: list[ResolvedGroup]
+    warnings: list[BudgetIssue] = field(default_factory=list)
+
+    @property
+    def group_configs(self) -> list[GroupConfig]:
+        return [g.group for g in self.groups]
+
+
+def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems: _Problems) -> None:
+    """What the readers of one group need besides parsed keys (step 4 of the module docstring)."""
+    g = resolved.group
+    for name, entry in zip(g.dataset_names, resolved.datasets):
+        if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
+            problems.add(f"{config.dataset_info}: {g.name}.{name}: no 'energon_path'; convert it first "
+                         "(bagel-data convert) and register the converted directory")
+    if not g.image_transform_args:
+        problems.add(f"{config.groups}: group {g.name!r}: key 'image_transform_args' is required")
+    if config.order == "official" and g.num_used_data is None:
+        problems.add(f"{config.groups}: group {g.name!r}: key 'num_used_data' is required by order 'official' "
+                     "(the official loader requires it)")
+
+
+def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True) -> ValidatedData:
+    """Validate ``config`` and every file it names once; raise one ``ConfigError`` listing every problem.
+
+    ``budgets``: ``"error"`` (budget errors are problems; warnings are logged once per process) or
+    ``"report"`` (budget issues are returned in ``warnings`` only, none raised or logged). ``readers=False``
+    skips step 4 (for tools that read metadata only). Returns ``ValidatedData``.
+    """
+    if budgets not in ("error", "report"):
+        raise ValueError(f"validate_data: budgets must be 'error' or 'report', got {budgets!r}")
+    problems = _Problems()
+    with problems.check():
+        config.validate()
+    groups: list[GroupConfig] | None = None
+    info = None
+    with problems.check():
+        groups = load_grouped_yaml(config.groups)
+    with problems.check():
+        info = load_dataset_info(config.dataset_info)
+    resolved: list[ResolvedGroup] = []
+    if groups is not None and info is not None:
+        with problems.check():
+            resolved = resolve_groups(groups, info, source=str(config.dataset_info))
+        if readers:
+            for r in resolved:
+                _reader_problems(config, r, problems)
+    issues: list[BudgetIssue] = []
+    if groups is not None and not config.packer.problems():
+        issues = budget_issues(config.packer, groups, source=str(config.groups), official=config.order == "official")
+        if budgets == "error":
+            for issue in issues:
+                if issue.level == "error":
+                    problems.add(f"packer budgets cannot work with these groups: {issue.message}")
+    problems.raise_if_any(str(config.groups))
+    if budgets == "report":
+        return ValidatedData(config, resolved, issues)
+    return ValidatedData(config, resolved, log_warnings(issues))
