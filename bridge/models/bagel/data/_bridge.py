@@ -62,6 +62,7 @@ class BridgeAPI:
     maybe_load_dataloader_state: Any
     checkpointing_error: str | None
     get_checkpoint_name: Any = None   # Bridge's iter_NNNNNNN directory naming (None where unimportable)
+    make_data_iterator_list: Any = None  # per-model-chunk iterators of an interleaved (virtual) pipeline
 
 
 def _below_warning(record: logging.LogRecord) -> bool:
@@ -84,6 +85,7 @@ def import_bridge() -> BridgeAPI:
     data_base = importlib.import_module("megatron.bridge.data.base")
     samplers = importlib.import_module("megatron.bridge.data.samplers")
     safe_pickle = importlib.import_module("megatron.bridge.utils.safe_pickle")
+    iterator_utils = importlib.import_module("megatron.bridge.data.iterator_utils")
     save = load = checkpoint_name = None
     error = None
     try:
@@ -103,4 +105,5 @@ def import_bridge() -> BridgeAPI:
         maybe_load_dataloader_state=load,
         checkpointing_error=error,
         get_checkpoint_name=checkpoint_name,
+        make_data_iterator_list=iterator_utils.make_data_iterator_list,
     )

@@ -74,10 +74,7 @@ def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
     ``[iterator]`` without a virtual pipeline (the source advances once per micro-batch either way)."""
     if not vpp:
         return [iterator]
-    import_bridge()  # registers the CPU stand-in that any megatron.bridge import needs without TE
-    from megatron.bridge.data.iterator_utils import make_data_iterator_list
-
-    return make_data_iterator_list([None] * vpp, iterator)
+    return import_bridge().make_data_iterator_list([None] * vpp, iterator)
 
 
 def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any]:

@@ -1,0 +1,215 @@
+"""The seed API as a caller who wires the chain by hand uses it (issue 18): Energon's own savable loaders in
+``stateful_loaders``, the MIMO provider built from ``train_loader`` alone over plain batches, collation refused.
+
+Real parts only: a converted Energon dataset in a temp dir (the golden raw data), Energon's
+``get_train_dataset`` / ``get_savable_loader`` with 0 and 2 workers, Bridge's ``maybe_save/load_dataloader_state``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from _external_common import single_process_pg_collection
+from bridge.models.bagel.data import external
+from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
+from bridge.models.bagel.data.state import check_restricted
+
+
+class _KeyBatches:
+    """A hand-written stage over an Energon savable loader: one batch per sample (its key and a random draw).
+
+    Saves only its own position; the Energon loader it reads is handed to ``BagelExternalLoader`` in
+    ``stateful_loaders`` (what a caller wiring Energon's readers in by hand does). The iterator over the
+    Energon loader is opened lazily, so a restore of that loader happens before its workers start.
+    """
+
+    def __init__(self, energon_loader: Any) -> None:
+        self.energon_loader = energon_loader
+        self.position = 0
+        self._it = None
+
+    def __iter__(self) -> "_KeyBatches":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._it is None:
+            self._it = iter(self.energon_loader)
+        sample = next(self._it)
+        self.position += 1
+        key = sample["__key__"] if isinstance(sample, dict) else sample.__key__
+        # a draw from the Python RNG that BagelRNGIterator isolates (not torch's: starting a torch DataLoader
+        # iterator draws its base seed from torch's global RNG, which a restored chain does at another step)
+        return {"key": key, "step": torch.tensor([self.position]),
+                "noise": torch.tensor([random.random(), random.random()], dtype=torch.float64)}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def _cook_text(raw: dict) -> Any:
+    """Energon's own TextSample of a crude sample: its keys and its (decoded) meta.json as text."""
+    from megatron.energon import TextSample, basic_sample_keys
+
+    return TextSample(**basic_sample_keys(raw), text=json.dumps(raw["meta.json"], sort_keys=True))
+
+
+_cook_text.__stateless__ = True  # what Energon's ``@stateless`` marks (the cooker draws no randomness)
+
+
+def _energon_loader(path: str, num_workers: int) -> Any:
+    from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset
+
+    class TextEncoder(DefaultTaskEncoder):
+        cookers = [Cooker(_cook_text)]
+
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed_offset=3)
+    ds = get_train_dataset(path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, repeat=True, task_encoder=TextEncoder())
+    return get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)
+
+
+def _hand_wired(path: str, num_workers: int) -> BagelExternalLoader:
+    energon_loader = _energon_loader(path, num_workers)
+    return BagelExternalLoader(BagelRNGIterator(_KeyBatches(energon_loader), 7), length=4,
+                               stateful_loaders=[energon_loader])
+
+
+def _same(a: dict, b: dict, where: str) -> None:
+    assert a.keys() == b.keys(), where
+    assert a["key"] == b["key"], f"{where}: key {a['key']} != {b['key']}"
+    for k in ("step", "noise"):
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), f"{where}.{k}"
+
+
+@pytest.fixture(scope="module")
+def t2i_path(converted) -> str:
+    return str(converted / "t2i_pretrain" / "t2i")
+
+
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("k", [1, 5])
+def test_energon_savable_loader_in_stateful_loaders_resumes_exactly(t2i_path, num_workers, k):
+    from bridge.models.bagel.data.external import energon_state_classes
+
+    ref = _hand_wired(t2i_path, num_workers)
+    try:
+        for _ in range(k):
+            next(ref)
+        state = ref.save_state()
+        check_restricted(state, allow=energon_state_classes())
+        assert state["stateful_loaders"][0]["stage"] == "SavableDataLoader"
+        expected = [next(ref) for _ in range(6)]
+    finally:
+        ref.close()
+    fresh = _hand_wired(t2i_path, num_workers)
+    try:
+        fresh.restore_state(pickle.loads(pickle.dumps(state)))
+        for i, want in enumerate(expected):
+            _same(next(fresh), want, f"resumed[{i}]")
+    finally:
+        fresh.close()
+    # without the restore, the same chain starts from the beginning: the comparison above can fail
+    other = _hand_wired(t2i_path, num_workers)
+    try:
+        assert next(other)["key"] != expected[0]["key"]
+    finally:
+        other.close()
+
+
+@pytest.mark.slow
+def test_energon_savable_loader_resumes_through_bridge_save_and_load(t2i_path, tmp_path):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from bridge.models.bagel.data._bridge import import_bridge
+
+    api = import_bridge()
+    if api.maybe_save_dataloader_state is None:
+        pytest.skip(api.checkpointing_error)
+    pgs = single_process_pg_collection()
+    root = str(tmp_path / "energon")
+    it = RerunDataIterator(_hand_wired(t2i_path, 2))
+    try:
+        for _ in range(3):
+            next(it)
+        api.maybe_save_dataloader_state(None, it, 3, root, pg_collection=pgs)
+        assert os.path.isfile(os.path.join(root, "iter_0000003", "train_dataloader_dprank000.pt"))
+        expected = [next(it) for _ in range(5)]
+    finally:
+        it.iterable.close()
+    resumed = RerunDataIterator(_hand_wired(t2i_path, 2))
+    try:
+        api.maybe_load_dataloader_state(resumed, 3, root, pg_collection=pgs)  # Bridge's restricted unpickler
+        assert resumed.iterable.position == 3
+        for i, want in enumerate(expected):
+            _same(next(resumed), want, f"resumed[{i}]")
+    finally:
+        resumed.iterable.close()
+
+
+class _Rows:
+    """A reader that speaks only Energon's per-rank protocol."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def save_state_rank(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def restore_state_rank(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+def test_a_reader_with_only_save_state_rank_is_saved_and_restored():
+    rows = _Rows()
+    loader = BagelExternalLoader(_KeyBatches(rows), length=1, stateful_loaders=[rows])
+    rows.position = 4
+    state = loader.state_dict()
+    assert state["stateful_loaders"] == [{"stage": "_Rows", "state": {"position": 4}}]
+    fresh_rows = _Rows()
+    BagelExternalLoader(_KeyBatches(fresh_rows), length=1, stateful_loaders=[fresh_rows]).load_state_dict(state)
+    assert fresh_rows.position == 4
+
+
+def test_an_object_without_either_protocol_is_refused_naming_both():
+    with pytest.raises(TypeError, match=r"stateful_loaders\[0\] \(object\).*state_dict\(\).*save_state_rank\(\)"):
+        BagelExternalLoader(iter([]), length=1, stateful_loaders=[object()])
+
+
+def test_mimo_provider_from_train_loader_alone_over_plain_batches(caplog):
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from bridge.models.bagel.data._bridge import import_bridge
+
+    api = import_bridge()
+    from megatron.bridge.data.samplers import build_pretraining_data_loader
+
+    batches = [{"step": 0}, {"step": 1}]
+    loader = BagelExternalLoader(iter(batches), length=2)
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.providers"):
+        provider = external.BagelMegatronMIMODatasetProvider(train_loader=loader)
+    assert provider.seq_length is None
+    assert any("cfg.dataset.seq_length" in r.getMessage() for r in caplog.records)
+    train, valid, test = provider.build_datasets(api.DatasetBuildContext(train_samples=2, valid_samples=0,
+                                                                         test_samples=0))
+    assert (valid, test) == (None, None)
+    ext = build_pretraining_data_loader(train, consumed_samples=0, dataloader_type="external", micro_batch_size=1,
+                                        num_workers=0, data_sharding=False)
+    assert ext is loader
+    rerun = RerunDataIterator(ext)
+    assert next(rerun) is batches[0] and next(rerun) is batches[1]
+    assert provider.get_collate_fn() is external._reject_collate
+    with pytest.raises(RuntimeError, match="must not be collated"):
+        provider.get_collate_fn()([])
+    # an explicit seq_length is kept, and a loader that knows its length still refuses a mismatch
+    assert external.BagelMegatronMIMODatasetProvider(train_loader=loader, seq_length=512).seq_length == 512
