@@ -67,7 +67,7 @@ def test_reader_needs_and_budgets_are_problems_of_the_same_pass(tmp_path):
     problems = exc.value.problems
     assert any(f"{info}: t2i_pretrain.t2i: no 'energon_path'" in p for p in problems), problems
     assert any(f"{groups}: group 'vlm_sft': key 'image_transform_args' is required" in p for p in problems)
-    assert sum("key 'num_used_data' is required by order 'official'" in p for p in problems) == 2
+    assert sum("order 'official' needs 'num_used_data'" in p for p in problems) == 2
     assert any("packer.max_latent_size is 32" in p for p in problems), problems  # case B4, same pass
     # the report mode (bagel-data stats) keeps budget findings out of the error
     with pytest.raises(ConfigError) as exc2:

@@ -78,7 +78,7 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
     if not g.image_transform_args:
         problems.add(f"{config.groups}: group {g.name!r}: key 'image_transform_args' is required")
     if config.order == "official" and g.num_used_data is None:
-        problems.add(f"{config.groups}: group {g.name!r}: key 'num_used_data' is required by order 'official' "
+        problems.add(f"{config.groups}: group {g.name!r}: order 'official' needs 'num_used_data' "
                      "(the official loader requires it)")
 
 
