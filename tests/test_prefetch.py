@@ -14,6 +14,7 @@ import torch
 from _external_common import FLEX_CASE, assert_same, demo_loader, golden_loader
 from bridge.models.bagel.data.config import PackerConfig
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
+from bridge.models.bagel.data.prefetch import PrefetchStage
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
 from bridge.models.bagel.data.prefetch import PrefetchError, RemoteTraceback, live_producers
 from packer_golden import load_case
@@ -97,7 +98,8 @@ def _poisoned_loader(after: int) -> BagelExternalLoader:
     sources = [ListGroupSource(groups[g], name=g) for g in cfg["group_names"]]
     packer = BagelPacker(sources, cfg["group_weights"], cfg["is_mandatory"], cfg["special_tokens"],
                          PackerConfig.from_mapping({k: v for k, v in cfg.items() if k in PackerConfig.keys()}), group_names=cfg["group_names"])
-    return BagelExternalLoader(BagelRNGIterator(packer, 1), length=10, stateful_loaders=sources, prefetch=2)
+    return BagelExternalLoader(PrefetchStage(BagelRNGIterator(packer, 1), depth=2), length=10,
+                               stateful_loaders=sources)
 
 
 def test_packer_exception_reaches_the_trainer_with_its_traceback() -> None:
