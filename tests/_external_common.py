@@ -31,7 +31,7 @@ def golden_loader(case_name: str = FLEX_CASE, *, length: int = 1000, rank_seed: 
     fp = {"case": case_name, "rank_seed": rank_seed} if fingerprint is None else fingerprint
     batches = BagelRNGIterator(packer, rank_seed)
     if prefetch:
-        from bridge.models.bagel.data.prefetch import PrefetchStage
+        from bridge.models.bagel.data.pipeline.prefetch import PrefetchStage
 
         batches = PrefetchStage(batches, depth=prefetch)
     return BagelExternalLoader(batches, length=length, stateful_loaders=sources, fingerprint=fp)

@@ -83,7 +83,8 @@ def test_dataset_provider_for_pretrain_builds_the_rank_loader(bridge, tmp_path):
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from _external_common import single_process_pg_collection
-    from bridge.models.bagel.data import build, providers
+    from bridge.models.bagel.data import build
+    from bridge.models.bagel.data import providers
     from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
     from bridge.models.bagel.data.converter.demo import make_demo_data
     from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer

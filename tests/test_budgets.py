@@ -14,9 +14,9 @@ import pytest
 import torch
 import yaml
 
-from bridge.models.bagel.data import budgets
-from bridge.models.bagel.data.budgets import budget_issues, check_budgets, group_bounds, transform_extremes
-from bridge.models.bagel.data.validate import validate_data
+from bridge.models.bagel.data.config import budgets
+from bridge.models.bagel.data.config.budgets import budget_issues, check_budgets, group_bounds, transform_extremes
+from bridge.models.bagel.data.config.validate import validate_data
 from bridge.models.bagel.data.config import BagelDataConfig, ConfigError, PackerConfig, load_grouped_yaml
 from bridge.models.bagel.data.job.batch_check import check_batch
 from packer_golden import load_case
@@ -91,7 +91,7 @@ def test_b3_largest_image_over_the_per_sample_limit_warns_at_config_time(tmp_pat
     cfg = _write_config(tmp_path, {"t2i_pretrain": {"dataset_names": ["t2i"], "weight": 1, "is_mandatory": True,
                                                     "image_transform_args": T2I_1024}},
                         PackerConfig(**REPORT_BUDGETS, max_latent_size=64))
-    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.budgets"):
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.config.budgets"):
         validate_data(cfg).groups
         validate_data(cfg).groups  # the builder and the job both load the groups: one warning, not two
     warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -236,7 +236,7 @@ def _brute_force(ds_root: Path, group: str, tok, ctx_args: dict) -> tuple[int, l
 
 
 def test_stats_counts_equal_a_brute_force_count_over_the_demo_data(demo_setup, tmp_path: Path) -> None:
-    from bridge.models.bagel.data.budget_stats import collect_stats
+    from bridge.models.bagel.data.tools.budget_stats import collect_stats
     from bridge.models.bagel.data.config import load_dataset_info, resolve_groups
 
     out, tok = demo_setup
@@ -270,7 +270,7 @@ def test_stats_counts_equal_a_brute_force_count_over_the_demo_data(demo_setup, t
 
 def test_stats_advisor_flags_an_impossible_configuration(demo_setup, tmp_path: Path) -> None:
     """B3 on real data: every demo t2i image is >= 1376 latent tokens, a 1024-token per-sample limit fits none."""
-    from bridge.models.bagel.data.budget_stats import collect_stats
+    from bridge.models.bagel.data.tools.budget_stats import collect_stats
     from bridge.models.bagel.data.config import load_dataset_info, resolve_groups
 
     out, tok = demo_setup
@@ -288,7 +288,7 @@ def test_stats_advisor_flags_an_impossible_configuration(demo_setup, tmp_path: P
 
 
 def test_simulate_packing_replays_the_official_loop() -> None:
-    from bridge.models.bagel.data.budget_stats import simulate_packing
+    from bridge.models.bagel.data.tools.budget_stats import simulate_packing
 
     packer = PackerConfig(expected_num_tokens=900, max_num_tokens=1000, max_num_tokens_per_sample=500,
                           prefer_buffer_before=100)
@@ -302,7 +302,8 @@ def test_simulate_packing_replays_the_official_loop() -> None:
 
 def test_stats_cli_on_a_job_config(demo_setup, tmp_path: Path, monkeypatch, capsys) -> None:
     """``bagel-data stats --config JOB.yaml [overrides]``: report on stdout, PNG written, exit 3 when impossible."""
-    from bridge.models.bagel.data import cli, tokenizer
+    from bridge.models.bagel.data.tools import cli
+    from bridge.models.bagel.data import tokenizer
 
     out, tok = demo_setup
     monkeypatch.setattr(tokenizer, "load_tokenizer", lambda *_: tok)

@@ -232,8 +232,8 @@ def test_producer_pool_leaves_no_segment_behind(demo_setup) -> None:
     """A producer exits with os._exit; its pooled shared blocks must be dropped first, or each one outlives it
     (until the trainer exits): a suite of prefetching loaders filled /dev/shm and was OOM-killed."""
     from _external_common import demo_loader
-    from bridge.models.bagel.data import shm
-    from bridge.models.bagel.data.prefetch import live_producers
+    from bridge.models.bagel.data.pipeline import shm
+    from bridge.models.bagel.data.pipeline.prefetch import live_producers
 
     out, tok = demo_setup
     loader = demo_loader(out, tok, 0, False, prefetch=2)

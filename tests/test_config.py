@@ -21,7 +21,7 @@ from bridge.models.bagel.data.config import (
     load_grouped_yaml,
     resolve_groups,
 )
-from bridge.models.bagel.data.validate import validate_data
+from bridge.models.bagel.data.config.validate import validate_data
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "configs" / "example.yaml"
 

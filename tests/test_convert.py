@@ -246,7 +246,7 @@ def test_edit_missing_declared_row_group_and_info_root(tmp_path):
 
 def test_convert_from_config_and_cli(tmp_path, monkeypatch, capsys):
     """Official dataset_info (paths relative to the working directory) + grouped YAML -> all groups, CLI table."""
-    from bridge.models.bagel.data.cli import main
+    from bridge.models.bagel.data.tools.cli import main
 
     info = {T2I: {"golden_t2i": {"data_dir": "t2i", "num_files": 4}},
             EDIT: {"golden_edit": {"data_dir": "unified_edit", "parquet_info_path": "parquet_info/unified_edit.json"}},

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from _external_common import DEMO_MAX_TOKENS, demo_loader
-from bridge.models.bagel.data import cli
-from bridge.models.bagel.data.inspection import (
+from bridge.models.bagel.data.tools import cli
+from bridge.models.bagel.data.tools.inspection import (
     attention_allowed,
     canvas_size,
     pack_view,

@@ -22,9 +22,9 @@ from bridge.models.bagel.data.config import OFFICIAL_NON_PACKER_KEYS, BagelDataC
 from bridge.models.bagel.data.energon.cookers import make_cook_context
 from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
 from bridge.models.bagel.data.external import ResumeMismatchError
-from bridge.models.bagel.data.official_mode import OfficialWorkers
+from bridge.models.bagel.data.pipeline.official_mode import OfficialWorkers
 from bridge.models.bagel.data.packing import BagelPacker
-from bridge.models.bagel.data.rng import BagelRNGIterator
+from bridge.models.bagel.data.pipeline.rng import BagelRNGIterator
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 

@@ -14,9 +14,9 @@ import torch
 from _external_common import FLEX_CASE, assert_same, demo_loader, golden_loader
 from bridge.models.bagel.data.config import PackerConfig
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
-from bridge.models.bagel.data.prefetch import PrefetchStage
+from bridge.models.bagel.data.pipeline.prefetch import PrefetchStage
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
-from bridge.models.bagel.data.prefetch import PrefetchError, RemoteTraceback, live_producers
+from bridge.models.bagel.data.pipeline.prefetch import PrefetchError, RemoteTraceback, live_producers
 from packer_golden import load_case
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bridge.models.bagel.data import shm
+from bridge.models.bagel.data.pipeline import shm
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
@@ -25,7 +25,7 @@ _JOB = r"""
 import json, os, sys, time
 sys.path.insert(0, "tests")
 from _external_common import FLEX_CASE, golden_loader
-from bridge.models.bagel.data.prefetch import live_producers
+from bridge.models.bagel.data.pipeline.prefetch import live_producers
 loader = golden_loader(FLEX_CASE, prefetch=2)
 held = [next(loader) for _ in range(2)]
 time.sleep(0.5)  # let the producer fill its queue: segments in flight as well as in use

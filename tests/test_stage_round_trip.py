@@ -24,7 +24,7 @@ from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.energon.reader import BagelGroupReader
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
 from bridge.models.bagel.data.packing import BagelPacker
-from bridge.models.bagel.data.prefetch import PrefetchStage, live_producers
+from bridge.models.bagel.data.pipeline.prefetch import PrefetchStage, live_producers
 from bridge.models.bagel.data.state import walk_stages
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from bridge.models.bagel.data.config import BagelDataConfig, ConfigError, PackerConfig, load_config
-from bridge.models.bagel.data.validate import validate_data
+from bridge.models.bagel.data.config.validate import validate_data
 
 T2I_ARGS = {"max_image_size": 256, "min_image_size": 64, "image_stride": 16}
 

@@ -21,13 +21,13 @@ from typing import Any
 
 from .config import BagelDataConfig, ConfigError, ResolvedGroup
 from .energon.reader import BagelGroupReader
-from .loader import BagelExternalLoader
-from .official_mode import OfficialWorkers
+from .pipeline.loader import BagelExternalLoader
+from .pipeline.official_mode import OfficialWorkers
 from .packing import BagelPacker
-from .prefetch import PrefetchStage
-from .rng import BagelRNGIterator
+from .pipeline.prefetch import PrefetchStage
+from .pipeline.rng import BagelRNGIterator
 from .tokenizer import add_special_tokens
-from .validate import ValidatedData, validate_data
+from .config import ValidatedData, validate_data
 
 __all__ = ["build_bagel_train_loader", "build_upstream", "dp_rank_size", "package_version", "rank_seed"]
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .loader import STATE_VERSION, BagelExternalLoader, ResumeMismatchError, energon_state_classes, fingerprint_diff
+from .pipeline.loader import STATE_VERSION, BagelExternalLoader, ResumeMismatchError, energon_state_classes, fingerprint_diff
 from .providers import reject_collate as _reject_collate
-from .rng import BagelRNGIterator, initial_worker_rng_states
+from .pipeline.rng import BagelRNGIterator, initial_worker_rng_states
 
 __all__ = [
     "BagelExternalLoader",

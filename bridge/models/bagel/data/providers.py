@@ -107,7 +107,7 @@ def dataset_provider_class() -> type:
     """``BagelDatasetProvider``: a plain Bridge ``DatasetProvider`` building the loader for ``pretrain()``."""
     from .build import build_bagel_train_loader
     from .config import BagelDataConfig
-    from .loader import BagelExternalLoader
+    from .pipeline.loader import BagelExternalLoader
 
     base = import_bridge().DatasetProvider
 

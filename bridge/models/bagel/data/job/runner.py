@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 from ..packing import batch_digest
-from ..validate import ValidatedData, validate_data
+from ..config import ValidatedData, validate_data
 from .batch_check import account_batch, check_batch
 from .checkpoint import check_resume_dp, read_step, restore_loader, save_checkpoint
 from .config import JobConfig

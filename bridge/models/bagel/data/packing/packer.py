@@ -19,7 +19,7 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..budgets import estimate, is_overlength
+from ..config.budgets import estimate, is_overlength
 from ..config import PackerConfig
 from ..state import Savable, StateError
 from ..stats import DropCounter, StallWatch, merge_counts

@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 def _norms(groups: Sequence[Any]) -> tuple[tuple[float, float], tuple[float, float]]:
     """(mean, std) for VAE and ViT images from the groups' transform args (0.5/0.5 when unset or mixed)."""
-    from ..transforms import ImageTransform
+    from ...transforms import ImageTransform
 
     vae, vit = set(), set()
     for grp in groups:
@@ -82,17 +82,17 @@ def run_inspect(config: str | os.PathLike | None, *, overrides: Sequence[str] = 
     its picture to ``out/batch_NNNN.png`` (``out=None``: no pictures). Returns one :class:`BatchSummary` per
     batch. Raises ``ConfigError`` for a bad config and ``ValueError`` for ``batches < 1``.
     """
-    from ..build import build_bagel_train_loader
-    from ..job.config import load_job_config
-    from ..tokenizer import load_tokenizer
-    from ..validate import validate_data
+    from ...build import build_bagel_train_loader
+    from ...job.config import load_job_config
+    from ...tokenizer import load_tokenizer
+    from ...config import validate_data
 
     if batches < 1:
         raise ValueError(f"inspect: --batches must be >= 1, got {batches}")
     emit = emit or logger.info
     cfg = load_job_config(config, [*overrides, "data.prefetch=0"])
     if cfg.demo_data:
-        from ..converter.demo import make_demo_data
+        from ...converter.demo import make_demo_data
 
         make_demo_data(cfg.demo_data, seed=cfg.demo_seed)
     packer_cfg = cfg.data.packer

@@ -1,7 +1,6 @@
-"""Configuration: packer knobs, the official grouped-dataset YAML, the dataset registry and the top config.
+"""The config schema: packer knobs, the dataset registry and the top data config (re-exported by ``config``).
 
-The grouped YAML (``configs/example.yaml``; parsed in ``grouped_yaml``, re-exported here) and the
-dataset-info registry keep the official BAGEL formats (spec ``bagel_packer.md`` §3), but are parsed
+The grouped YAML (``configs/example.yaml``) is parsed in ``grouped_yaml``. It and the dataset-info registry keep the official BAGEL formats (spec ``bagel_packer.md`` §3), but are parsed
 without mutating the input and with errors that name the file, group and key. ``BagelDataConfig`` is an
 OmegaConf-structured dataclass, so YAML files and ``key=value`` overrides are type-checked and unknown keys
 are rejected.

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from ..budgets import VAE_GROUPS, BudgetIssue
-from ..config import PackerConfig
+from ...config.budgets import VAE_GROUPS, BudgetIssue
+from ...config import PackerConfig
 from .estimate import GroupStats
 from .simulate import Candidate, SimResult
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .config import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
-from .transforms import ImageTransform
+from .schema import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
+from ..transforms import ImageTransform
 
 __all__ = [
     "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "ImageGrid", "TransformExtremes", "VAE_GROUPS",

@@ -32,8 +32,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from ..budgets import budget_issues
-from ..config import ConfigError, PackerConfig, ResolvedGroup
+from ...config.budgets import budget_issues
+from ...config import ConfigError, PackerConfig, ResolvedGroup
 from .estimate import DatasetStats, GroupStats, SampleEstimate, dataset_stats
 from .report import StatsReport, data_findings, draw_histogram
 from .simulate import Candidate, SimResult, candidate_budgets, simulate_packing
@@ -90,18 +90,18 @@ def job_stats(config: str, overrides: Sequence[str] = (), *, tokenizer: Any = No
 
     Raises ConfigError for an invalid config or an unconverted dataset.
     """
-    from ..job.config import load_job_config
-    from ..validate import validate_data
+    from ...job.config import load_job_config
+    from ...config import validate_data
 
     cfg = load_job_config(config, list(overrides))
     if cfg.demo_data:
-        from ..converter.demo import make_demo_data
+        from ...converter.demo import make_demo_data
 
         make_demo_data(cfg.demo_data, seed=cfg.demo_seed)
     data = cfg.data
     groups = validate_data(data, budgets="report").groups  # bad budgets are what this report is for
     if tokenizer is None:
-        from ..tokenizer import load_tokenizer
+        from ...tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(data.tokenizer)
     return collect_stats(groups, data.packer, tokenizer, source=str(data.groups), **kw)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..attention import ATTN_MODES, mask_rule
+from ...attention import ATTN_MODES, mask_rule
 
 __all__ = ["PackView", "attention_allowed", "pack_view"]
 

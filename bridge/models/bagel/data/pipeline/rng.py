@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .state import Savable, StateError
+from ..state import Savable, StateError
 
 __all__ = ["BagelRNGIterator", "initial_worker_rng_states"]
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .transforms import ImageTransform
+from ..transforms import ImageTransform
 
 __all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "is_int", "is_number", "load_grouped_yaml",
            "read_mapping"]

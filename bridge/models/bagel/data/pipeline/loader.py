@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .state import Savable, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
+from ..state import Savable, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
 
 __all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff"]
 

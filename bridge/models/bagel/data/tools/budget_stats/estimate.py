@@ -24,10 +24,10 @@ from typing import Any
 
 from PIL import Image
 
-from ..budgets import edit_outcomes, image_tokens, is_overlength, t2i_estimate, vlm_estimate
-from ..config import ConfigError, GroupConfig
-from ..energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
-from ..transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
+from ...config.budgets import edit_outcomes, image_tokens, is_overlength, t2i_estimate, vlm_estimate
+from ...config import ConfigError, GroupConfig
+from ...energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
+from ...transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
 __all__ = ["DatasetStats", "GroupStats", "SampleEstimate", "dataset_stats"]
 
@@ -114,8 +114,8 @@ def _t2i(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
 
 
 def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
-    from ..energon.cook_common import DropSample
-    from ..energon.cook_vlm import conversation_elements
+    from ...energon.cook_common import DropSample
+    from ...energon.cook_vlm import conversation_elements
 
     t = g.transform()
     try:

@@ -19,8 +19,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from .state import Savable, StateError
-from .stats import merge_counts
+from ..state import Savable, StateError
+from ..stats import merge_counts
 
 __all__ = ["OfficialWorkers"]
 

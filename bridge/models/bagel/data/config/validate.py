@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .budgets import BudgetIssue, budget_issues, log_warnings
-from .config import (BagelDataConfig, ConfigError, DatasetInfoEntry, ResolvedGroup, load_dataset_info,
+from .schema import (BagelDataConfig, ConfigError, DatasetInfoEntry, ResolvedGroup, load_dataset_info,
                      load_grouped_yaml, resolve_groups)
 from .grouped_yaml import GroupConfig
 

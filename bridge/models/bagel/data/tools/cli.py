@@ -7,8 +7,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from .converter.convert import ConvertError, ConvertSummary, convert_from_config, convert_group
-from .energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
+from ..converter.convert import ConvertError, ConvertSummary, convert_from_config, convert_group
+from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
 def _run_inspect(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from .config import ConfigError
+    from ..config import ConfigError
     from .inspection import run_inspect
 
     try:
@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
 def _stats(args: argparse.Namespace) -> int:
     """``bagel-data stats``: print the report; exit 3 when the configured budgets can never yield a batch."""
     from .budget_stats import job_stats
-    from .config import ConfigError
+    from ..config import ConfigError
 
     try:
         report = job_stats(args.config, args.overrides, max_samples=args.max_samples, progress=not args.no_progress,
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stats(args)
     try:
         if args.cmd == "demo-data":
-            from .converter.demo import make_demo_data
+            from ..converter.demo import make_demo_data
 
             summaries = make_demo_data(args.out, seed=args.seed, scale=args.scale)
             if not summaries:

@@ -42,9 +42,9 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from . import shm
-from .config import PREFETCH_STARTS
-from .packing.memory import release_shared, use_shared_memory
-from .state import Savable, StateError, load_tagged, tagged_state
+from ..config import PREFETCH_STARTS
+from ..packing.memory import release_shared, use_shared_memory
+from ..state import Savable, StateError, load_tagged, tagged_state
 
 __all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "START_METHODS", "live_producers"]
 

@@ -14,8 +14,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..budgets import FLEX_BLOCK, image_grids, is_overlength, mandatory_tokens, table_side
-from ..config import PackerConfig
+from ...config.budgets import FLEX_BLOCK, image_grids, is_overlength, mandatory_tokens, table_side
+from ...config import PackerConfig
 from .estimate import GroupStats
 
 __all__ = ["Candidate", "SimResult", "candidate_budgets", "simulate_packing"]
