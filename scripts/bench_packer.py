@@ -8,8 +8,10 @@ Prints batches/s, tokens/s and ms/batch per mode. The comparison packer is ``--r
 own packer at git revision ``--baseline`` (default: the commit before the warm-memory work), imported from
 ``git archive`` under another package name. Equality first: both must produce equal batches on the same
 samples and RNG. Then ``--runs`` timed runs per mode in rotated order (ours first, then the other first, ...)
-and the median of the per-run ratios. The last line is machine-readable:
-``speedup vs reference: flex=<x> dense=<y>`` or ``speedup vs baseline <rev>: flex=<x> dense=<y>``.
+and the median of the per-run ratios. The second-to-last line reads ``speedup vs reference: flex=<x> dense=<y>`` (or ``speedup vs baseline <rev>: …``);
+the last line is the machine-readable one: ``packer: speedup_flex=<x> speedup_dense=<y> vs=<reference|baseline@rev>``.
+``--quick`` is the CI smoke run (small sizes, one run; ``tests/test_benches.py``): it proves the bench still works,
+its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -148,7 +150,11 @@ def main() -> int:
                     f"is given (default {BASELINE_REV})")
     ap.add_argument("--warmup", type=int, default=8, help="untimed batches before each timed run (default 8)")
     ap.add_argument("--runs", type=int, default=3, help="timed runs per mode, in rotated order (default 3)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: 12 samples per group, 1 batch compared, "
+                    "1 warm-up and 1 timed run of 2 batches per mode (the ratio is noise at this size)")
     args = ap.parse_args()
+    if args.quick:
+        args.samples_per_group, args.check_batches, args.warmup, args.runs, args.batches = 12, 1, 1, 1, 2
     torch.set_num_threads(1)
     streams = make_samples(args.samples_per_group, args.seed)
     if args.reference:
@@ -177,7 +183,9 @@ def main() -> int:
             per_run.append(secs["ref "] / secs["ours"])
         ratios[mode] = statistics.median(per_run)
         print(f"{mode:5s} ratios per run: {' '.join(f'{x:.2f}' for x in per_run)}")
+    vs = "reference" if args.reference else f"baseline@{args.baseline}"
     print(f"speedup vs {label}: flex={ratios['flex']:.2f} dense={ratios['dense']:.2f}")
+    print(f"packer: speedup_flex={ratios['flex']:.2f} speedup_dense={ratios['dense']:.2f} vs={vs}")
     return 0
 
 

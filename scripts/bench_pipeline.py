@@ -12,6 +12,8 @@ Prints, in one run:
     floor is visible as a ratio.
 Last line (best configuration by wait fraction, then tokens/s):
 ``pipeline: wait_fraction=<w> overhead_vs_decode=<r> tokens_per_s=<t>``.
+``--quick`` is the CI smoke run (small sizes, one run; ``tests/test_benches.py``): it proves the bench still works,
+its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -127,7 +129,11 @@ def main() -> int:
     ap.add_argument("--step-ms", type=float, default=1000.0, help="simulated training step in ms (default 1000)")
     ap.add_argument("--starts", nargs="+", default=["fork", "forkserver"], choices=["fork", "forkserver"],
                     help="producer start methods for the prefetch runs")
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 batches, num_workers 0 only, prefetch "
+                    "with a forked producer only, 100 ms simulated step")
     args = ap.parse_args()
+    if args.quick:
+        args.batches, args.workers, args.starts, args.step_ms = 2, [0], ["fork"], 100.0
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -6,6 +6,8 @@ torch, transformers' Qwen2 tokenizer module and our builder (``imports_s``), the
 batch (``first_batch_s``). ``after_imports_s`` is the sum of the last three; target <= 2 s. The first process may
 also write the tokenizer's snapshot, so ``--runs`` processes are timed and the median is reported. Last line:
 ``startup: imports_s=<a> tokenizer_s=<b> build_s=<c> first_batch_s=<d> after_imports_s=<e>``.
+``--quick`` is the CI smoke run (small sizes, one run; ``tests/test_benches.py``): it proves the bench still works,
+its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ def main() -> int:
     ap.add_argument("--dense", action="store_true", help="dense masks instead of flex metadata")
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: one fresh process")
     args = ap.parse_args()
+    if args.quick:
+        args.runs = 1
     if args.child:
         _child(args.demo_dir, not args.dense, args.num_workers)
         return 0

@@ -6,6 +6,8 @@ is in use, then measures what Bridge's checkpoint hooks do per DP rank: ``save_s
 loader itself is not counted). Then the state size of the same loader with 2 Energon workers (each worker's
 checkpoint is part of the state). Targets: <= 64 KiB (both) and <= 1 s. Last line:
 ``state: bytes=<n> bytes_nw2=<m> save_ms=<x> restore_ms=<y>``.
+``--quick`` is the CI smoke run (small sizes, one run; ``tests/test_benches.py``): it proves the bench still works,
+its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="save/restore repetitions (median reported)")
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--flex", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: 1 batch before saving, one save/restore")
     args = ap.parse_args()
+    if args.quick:
+        args.batches, args.repeats = 1, 1
     logging.basicConfig(level=logging.ERROR)
     warnings.filterwarnings("ignore")
 

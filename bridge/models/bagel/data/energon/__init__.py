@@ -2,7 +2,9 @@
 
 The converter from the official raw formats lives in the separate ``converter`` wing. The reader names
 below are resolved lazily (PEP 562), so importing ``layout`` does not pull in torch / megatron-energon.
-``OfficialOrderReader`` reproduces the official unit order for the parity tests; the builder does not use it.
+``BagelGroupReader`` is the per-group reader of the default ``data.order: energon``; ``OfficialOrderReader``
+reproduces the official unit order, for the parity tests and as the per-group reader the builder
+(``build.py``) gives each emulated official worker under ``data.order: official`` (``official_mode``).
 """
 
 from __future__ import annotations
