@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-__all__ = ["STATE_PROTOCOLS", "Savable", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
+__all__ = ["STATE_PROTOCOLS", "Savable", "Stage", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
            "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "walk_stages"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, range)
@@ -123,14 +123,14 @@ def tagged_state(stage: Any) -> dict[str, Any]:
     it may be added or removed between a save and a restore.
     """
     if _transparent(stage):
-        return stage.state_dict()["upstream"]
+        return stage.state_dict()[stage._upstream_field]
     return {"stage": type(stage).__name__, "state": save_of(stage)}
 
 
 def load_tagged(stage: Any, saved: Any, where: str) -> None:
     """Restore ``stage`` in place from ``tagged_state`` output; the class tag must match."""
     if _transparent(stage):
-        stage.load_state_dict({"upstream": saved})
+        stage.load_state_dict({stage._upstream_field: saved})
         return
     if not isinstance(saved, dict) or set(saved) != {"stage", "state"}:
         got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
@@ -159,7 +159,7 @@ def chain_fingerprint(stage: Any) -> dict[str, Any]:
     ``{"stage": class name, **stage.identity(), <field>: nested fingerprint, …}`` (JSON-like, no paths).
     """
     if _transparent(stage):
-        return chain_fingerprint(stage.upstream)
+        return chain_fingerprint(getattr(stage, stage._upstream_field))
     identity = getattr(stage, "identity", None)
     out: dict[str, Any] = {"stage": type(stage).__name__, **(identity() if callable(identity) else {})}
     for name in getattr(stage, "_savable_fields", ()):
@@ -174,8 +174,9 @@ def chain_fingerprint(stage: Any) -> dict[str, Any]:
 class Savable:
     """Mixin: state = the attributes named in ``_savable_fields`` (nested stages through their own state).
 
-    A stage that does not change the stream and wraps exactly one ``upstream`` may set ``_transparent = True``:
-    its saved form and fingerprint are then its upstream's (see ``tagged_state``).
+    A stage that does not change the stream and wraps exactly one upstream (the field named by
+    ``_upstream_field``) may set ``_transparent = True``: its saved form and fingerprint are then its
+    upstream's (see ``tagged_state``).
 
     Subclasses may implement ``reset_state()`` (every plain field back to its initial value),
     ``identity()`` (the configuration that must match for a saved state to apply; see ``chain_fingerprint``)
@@ -184,6 +185,8 @@ class Savable:
 
     _savable_fields: ClassVar[tuple[str, ...]] = ()
     _transparent: ClassVar[bool] = False
+    #: The declared field holding the upstream stage (a transparent stage saves as that field's state).
+    _upstream_field: ClassVar[str] = "upstream"
 
     def reset_state(self) -> None:  # pragma: no cover - optional
         raise NotImplementedError
@@ -241,3 +244,45 @@ class Savable:
         with self._state_context():
             for name in self._savable_fields:
                 self._load_field(name, _nested(self, name), state[name])
+
+
+class Stage(Savable):
+    """A pipeline stage: owns its upstream (one stage, or a list of stages) under the declared field
+    ``_upstream_field`` and inherits the delegation every stage needs, as Energon's ``BaseWrapperDataset`` and
+    torchdata's ``BaseNode`` do:
+
+    * ``upstream_stages()``: the upstream as a list;
+    * ``close()``: closes every upstream stage that can be closed (idempotent where they are);
+    * ``seq_length``: the first upstream's packed sequence length (``max_num_tokens``), or None;
+    * ``stats()``: the only upstream's counters (``{}`` when it has none); a stage over several upstreams
+      (``OfficialWorkers``) or with counters of its own overrides it.
+
+    State is still declared in ``_savable_fields`` (see ``Savable``); inside the package every stage saves with
+    ``state_dict()`` / ``load_state_dict()``, and only the loader Megatron receives adds Bridge's
+    ``save_state()`` / ``restore_state()``.
+    """
+
+    def upstream_stages(self) -> list[Any]:
+        value = getattr(self, self._upstream_field)
+        return list(value) if isinstance(value, (list, tuple)) else [value]
+
+    def __iter__(self) -> "Stage":
+        return self
+
+    @property
+    def seq_length(self) -> int | None:
+        """Packed sequence length of every batch (the packer's ``max_num_tokens``), or None if unknown."""
+        stages = self.upstream_stages()
+        return getattr(stages[0], "seq_length", None) if stages else None
+
+    def stats(self) -> dict[str, Any]:
+        """The upstream's counters (``{}`` when it has none)."""
+        stages = self.upstream_stages()
+        stats = getattr(stages[0], "stats", None) if len(stages) == 1 else None
+        return dict(stats()) if callable(stats) else {}
+
+    def close(self) -> None:
+        for stage in self.upstream_stages():
+            close = getattr(stage, "close", None)
+            if callable(close):
+                close()

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ..state import Savable, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
+from ..state import Stage, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
 
 __all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff"]
 
@@ -69,7 +69,7 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> li
             for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
 
 
-class BagelExternalLoader(Savable):
+class BagelExternalLoader(Stage):
     """The train "dataset" for ``dataloader_type="external"``: an iterator of ready packed batches.
 
     ``batches`` is the upstream stage (normally ``BagelRNGIterator`` over ``BagelPacker``, or a
@@ -160,11 +160,6 @@ class BagelExternalLoader(Savable):
     def __len__(self) -> int:
         return self.length
 
-    @property
-    def seq_length(self) -> int | None:
-        """Packed sequence length of every batch (the packer's ``max_num_tokens``), or None if unknown."""
-        return getattr(self.upstream, "seq_length", None)
-
     def stats(self) -> dict[str, Any]:
         """Pipeline counters from the trainer's side (identical with and without prefetch for the same batches).
 
@@ -172,8 +167,7 @@ class BagelExternalLoader(Savable):
         overflow buffer), ``drops`` (reason → count, packer and readers together), ``packer_drops`` and
         ``source_drops`` (per group) — whatever the upstream reports, plus ``position``.
         """
-        stats = getattr(self.upstream, "stats", None)
-        out = dict(stats()) if callable(stats) else {}
+        out = super().stats()
         out["position"] = self.position
         return out
 
@@ -214,7 +208,8 @@ class BagelExternalLoader(Savable):
         if self._closed:
             return
         self._closed = True
-        for obj in [self.upstream, *self.stateful_loaders]:
+        super().close()
+        for obj in self.stateful_loaders:
             close = getattr(obj, "close", None)
             if callable(close):
                 close()

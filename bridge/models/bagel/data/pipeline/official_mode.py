@@ -19,7 +19,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..state import Savable, StateError
+from ..state import Stage, StateError
 from ..stats import merge_counts
 
 __all__ = ["OfficialWorkers"]
@@ -27,7 +27,7 @@ __all__ = ["OfficialWorkers"]
 logger = logging.getLogger(__name__)
 
 
-class OfficialWorkers(Savable):
+class OfficialWorkers(Stage):
     """Round-robin over per-worker chains (``workers[w]`` = emulated DataLoader worker w), like ``DataLoader``.
 
     ``next()`` returns the next batch of worker ``next_worker`` and advances it modulo ``len(workers)``.
@@ -35,6 +35,7 @@ class OfficialWorkers(Savable):
     """
 
     _savable_fields = ("workers", "next_worker")
+    _upstream_field = "workers"
 
     def __init__(self, workers: Sequence[Any]) -> None:
         if not workers:
@@ -59,11 +60,6 @@ class OfficialWorkers(Savable):
             raise StateError(f"OfficialWorkers: next_worker {value!r} out of range for {len(self.workers)} workers")
         self._next = value
 
-    @property
-    def seq_length(self) -> int | None:
-        """Packed sequence length of every batch (the chains' ``max_num_tokens``)."""
-        return getattr(self.workers[0], "seq_length", None)
-
     def stats(self) -> dict[str, Any]:
         """The packer counters summed over workers (``num_batches``, ``consumed`` per group, ``buffer_len``,
         ``drops``, ``packer_drops``, ``source_drops`` per group) and each worker's own (``workers``)."""
@@ -78,16 +74,7 @@ class OfficialWorkers(Savable):
                 "source_drops": {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups},
                 "workers": per}
 
-    def __iter__(self) -> "OfficialWorkers":
-        return self
-
     def __next__(self) -> Any:
         batch = next(self.workers[self._next])
         self._next = (self._next + 1) % len(self.workers)
         return batch
-
-    def close(self) -> None:
-        for w in self.workers:
-            close = getattr(w, "close", None)
-            if callable(close):
-                close()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..state import Savable, StateError
+from ..state import Stage, StateError
 
 __all__ = ["BagelRNGIterator", "initial_worker_rng_states"]
 
@@ -88,7 +88,7 @@ def _process_rng_kept() -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
-class BagelRNGIterator(Savable):
+class BagelRNGIterator(Stage):
     """Runs the wrapped iterator (the packer) with private, saved Python/NumPy/torch-CPU RNG streams.
 
     The official loader draws packer randomness in a DataLoader worker; here the same initial streams are
@@ -98,6 +98,7 @@ class BagelRNGIterator(Savable):
     """
 
     _savable_fields = ("python_rng", "numpy_rng", "torch_rng", "inner")
+    _upstream_field = "inner"
 
     def __init__(self, iterator: Iterator[Any], rank_seed: int, *, worker_id: int = 0) -> None:
         self.inner = iterator
@@ -141,19 +142,6 @@ class BagelRNGIterator(Savable):
         # Saving / restoring the inner stages must neither use nor disturb any RNG stream.
         return _process_rng_kept()
 
-    @property
-    def seq_length(self) -> int | None:
-        """The wrapped iterator's packed sequence length (``max_num_tokens``), or None."""
-        return getattr(self.inner, "seq_length", None)
-
-    def stats(self) -> dict[str, Any]:
-        """The wrapped iterator's counters (``{}`` when it has none)."""
-        stats = getattr(self.inner, "stats", None)
-        return stats() if callable(stats) else {}
-
-    def __iter__(self) -> "BagelRNGIterator":
-        return self
-
     def __next__(self) -> Any:
         with _process_rng_kept():
             random.setstate(self._python)
@@ -163,8 +151,3 @@ class BagelRNGIterator(Savable):
                 return next(self.inner)
             finally:
                 self._python, self._numpy, self._torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-    def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if callable(close):
-            close()
