@@ -88,7 +88,7 @@ def image_problem(data: bytes, max_pixels: int) -> tuple[str, str] | None:
     except Image.DecompressionBombError as e:  # PIL refuses > 2x its own MAX_IMAGE_PIXELS at open
         return IMAGE_OVER_LIMIT, str(e).split(" could be")[0]
     except Exception as e:  # PIL raises UnidentifiedImageError, SyntaxError, OSError, ... on bad headers
-        return IMAGE_UNREADABLE, f"{type(e).__name__}: {e}"
+        return IMAGE_UNREADABLE, f"{type(e).__name__}: {str(e).split(' <')[0]}"
     if w * h > max_pixels:
         return IMAGE_OVER_LIMIT, f"{w}x{h} = {w * h} pixels > {max_pixels}"
     return None
@@ -216,7 +216,10 @@ class _UnitWriter:
 
     def discard(self) -> None:
         if self.current is not None:
-            self.current.f.close()
+            try:
+                self.current.f.close()  # flushing may fail again (disk still full)
+            except OSError:
+                pass
         for tmp, _ in self.tmps:
             try:
                 os.remove(tmp)
