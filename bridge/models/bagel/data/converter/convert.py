@@ -97,13 +97,15 @@ def _skip_counts(skipped: list[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _write_error(e: BaseException, what: str) -> ConvertWriteError:
+def _write_error(e: BaseException, what: str, done: str = "") -> ConvertWriteError:
+    """One line: the path being written, the error, how much was written, what to do."""
     if isinstance(e, UnitWriteError):
         where = str(e)
     else:
         where = f"{getattr(e, 'filename', None) or what}: {getattr(e, 'strerror', None) or e}"
-    return ConvertWriteError(f"cannot write the conversion output — {where}; nothing half-written was published: "
-                             f"free space (or fix the error) and rerun the same command to resume")
+    return ConvertWriteError(f"cannot write the conversion output — {where}; {done + '; ' if done else ''}nothing "
+                             f"half-written was published: free space (or fix the error) and rerun the same command "
+                             f"to resume")
 
 
 def _plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader, log: ScanLog, root: str,
@@ -213,7 +215,11 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                       unit="row") as bar:
                 _run_jobs(todo, workers, bar)
     except (OSError, UnitWriteError) as e:
-        raise _write_error(e, ds_dir) from e
+        staged = ds_dir.rstrip(os.sep) + ".partial"
+        records, _ = load_records(staged, len(plan["units"])) if os.path.isdir(staged) else ([], [])
+        done = (f"{len(records)} of {len(plan['units'])} work units "
+                f"({sum(sh['bytes'] for r in records for sh in r['shards'])} bytes of shards) are done")
+        raise _write_error(e, ds_dir, done) from e
     if num_parts > 1 and not merged:
         records, missing = load_records(staging, len(plan["units"]))
         mine_set = set(mine)

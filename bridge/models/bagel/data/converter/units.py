@@ -288,7 +288,10 @@ def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict
             w.publish(record)
         except (OSError, sqlite3.Error) as e:
             path = w.current.tmp if w.current is not None else unit_index_path(job.staging, job.index)
-            written = w.current.written if w.current is not None else 0
+            try:  # what reached the file (the buffered rest did not)
+                written = os.path.getsize(path)
+            except OSError:
+                written = 0
             raise UnitWriteError(path, getattr(e, "errno", None), getattr(e, "strerror", None) or str(e),
                                  written) from e
     except BaseException:
