@@ -58,6 +58,7 @@ def write_energon_index(staging: str, shards: list[dict[str, Any]], n_units: int
     writer = SqliteIndexWriter(EPath(tmp))  # Energon's schema for `samples` (+ `sample_parts`, dropped below)
     db = writer.db
     assert db is not None
+    db.execute("PRAGMA synchronous = OFF")  # built under a temporary name, published by os.replace
     for k in range(n_units):
         db.execute("ATTACH DATABASE ? AS u", (unit_index_path(staging, k),))
         db.execute("INSERT INTO samples (tar_file_id, sample_key, sample_index, byte_offset, byte_size) "
@@ -67,6 +68,7 @@ def write_energon_index(staging: str, shards: list[dict[str, Any]], n_units: int
     writer.close()
     db = sqlite3.connect(tmp)
     try:
+        db.execute("PRAGMA synchronous = OFF")
         db.execute("DROP TABLE sample_parts")
         db.commit()
         db.execute("VACUUM")

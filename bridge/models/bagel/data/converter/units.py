@@ -198,6 +198,7 @@ class _UnitWriter:
         self.current = None
         db = sqlite3.connect(path + ".tmp")
         try:
+            db.execute("PRAGMA synchronous = OFF")  # no fsync: the fragment is published by os.replace like the shards
             db.execute("CREATE TABLE samples (tar_file_id INTEGER, sample_key TEXT, sample_index INTEGER, "
                        "byte_offset INTEGER, byte_size INTEGER)")
             db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)", self.rows)
