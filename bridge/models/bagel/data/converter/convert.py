@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import sqlite3
 import sys
 from collections import Counter
 from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
 from .finalize import build_manifest, load_records, manifest_path, publish, write_energon_index, write_index_uuid
-from .formats import ConvertError, EditReader, ScanLog, SourceUnit, T2IReader, VlmReader, relpath
-from .units import WORK_DIR, UnitJob, UnitWriteError, run_unit, unit_record_path
+from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
+from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
+from .units import WORK_DIR, UnitWriteError, unit_record_path
 from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, T2I, VLM, dataset_dir
 
 logger = logging.getLogger(__name__)
@@ -38,10 +37,6 @@ __all__ = ["ConvertError", "ConvertWriteError", "ConvertSummary", "convert_group
 #: Image check: images with more pixels than this are counted (PIL's own ``Image.MAX_IMAGE_PIXELS`` default,
 #: above which PIL warns about a decompression bomb; the official reader's PIL decodes them all the same).
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
-#: Bumped when the staged work files change meaning (a staging dir of another version is started over).
-_PLAN_FORMAT = 1
-
-
 @dataclass
 class ConvertSummary:
     """Result of converting one sub-dataset (or, with ``num_parts > 1``, this part of it).
@@ -66,11 +61,6 @@ class ConvertSummary:
 
 class ConvertWriteError(ConvertError):
     """Writing the output failed (disk full, quota, I/O error): nothing half-written is published."""
-
-
-def dumps_json(obj: Any) -> bytes:
-    """Canonical JSON bytes (sorted keys, no whitespace, UTF-8): the same object always gives the same bytes."""
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 def _check_usable(group: str, dataset_name: str, n: int, problems: Counter, example: dict[str, str],
@@ -108,112 +98,21 @@ def _write_error(e: BaseException, what: str, done: str = "") -> ConvertWriteErr
                              f"to resume")
 
 
-def _plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader, log: ScanLog, root: str,
-          samples_per_shard: int, max_image_pixels: int, fingerprints: list[str]) -> dict[str, Any]:
-    """The deterministic layout of the conversion: units with their sample and shard ranges (JSON-able)."""
-    units, n, sh = [], 0, 0
-    for u in reader.units:
-        q, rem = divmod(u.num_samples, samples_per_shard)
-        counts = [samples_per_shard] * q + ([rem] if rem else [])
-        units.append({"path": u.path, "rel": u.rel, "file_index": u.file_index, "row_groups": list(u.row_groups),
-                      "start": u.start, "num_samples": u.num_samples, "first_sample": n, "first_shard": sh,
-                      "shard_counts": counts})
-        n, sh = n + u.num_samples, sh + len(counts)
-    sources = []
-    for p in fingerprints:
-        st = os.stat(p)
-        sources.append([relpath(p, root), st.st_size, st.st_mtime_ns])
-    vlm = isinstance(reader, VlmReader)
-    return {"plan_format": _PLAN_FORMAT, "group": group, "dataset_name": name, "source_root": root,
-            "samples_per_shard": samples_per_shard, "max_image_pixels": max_image_pixels, "sources": sources,
-            "image_dir": os.path.abspath(reader.image_dir) if vlm else "",
-            "rel_image_dir": reader.rel_image_dir if vlm else "", "units": units,
-            "manifest": {**log.manifest, "skipped": log.skipped}, "warnings": log.warnings}
-
-
-def _jobs(plan: dict[str, Any], staging: str) -> list[UnitJob]:
-    return [UnitJob(plan["group"], staging, k, SourceUnit(u["path"], u["rel"], u["file_index"], tuple(u["row_groups"]),
-                                                          u["start"], u["num_samples"]),
-                    u["first_sample"], u["first_shard"], tuple(u["shard_counts"]), plan["max_image_pixels"],
-                    plan["image_dir"], plan["rel_image_dir"]) for k, u in enumerate(plan["units"])]
-
-
-def part_units(plan: dict[str, Any], part: int, num_parts: int) -> list[int]:
-    """Unit indices of part ``part`` of ``num_parts``: contiguous, disjoint, balanced by sample count."""
-    if num_parts < 1 or not 0 <= part < num_parts:
-        raise ConvertError(f"--part {part} --num-parts {num_parts}: need num_parts >= 1 and 0 <= part < num_parts")
-    units = plan["units"]
-    total = sum(u["num_samples"] for u in units)
-    return [k for k, u in enumerate(units)
-            if (u["first_sample"] * num_parts // total if total else k * num_parts // len(units)) == part]
-
-
-def _open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool) -> tuple[str, bool]:
-    """The staging dir of ``ds_dir`` holding ``plan`` (resumed when it matches, else started over).
-
-    Returns ``(staging, merged)``; ``merged``: a previous run finished the merge and only the publish is left.
-    """
-    if os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or os.listdir(ds_dir)) and not overwrite:
-        raise ConvertError(f"{ds_dir}: output directory is not empty (pass overwrite=True / --overwrite to replace it)")
-    staging = ds_dir.rstrip(os.sep) + ".partial"
-    work = os.path.join(staging, WORK_DIR)
-    plan_bytes = dumps_json(plan)
-    plan_path = os.path.join(work, "plan.json")
-    if os.path.isdir(staging):
-        if os.path.exists(manifest_path(staging)) and not os.path.exists(work):
-            return staging, True
-        try:
-            with open(plan_path, "rb") as f:
-                same = f.read() == plan_bytes
-        except FileNotFoundError:
-            same = False
-        if not same:
-            logger.warning("%s: staged work of a different conversion (other sources or options); starting over",
-                           staging)
-            shutil.rmtree(staging)
-        else:
-            logger.info("%s: resuming a previous conversion", staging)
-    os.makedirs(work, exist_ok=True)
-    if not os.path.exists(plan_path):
-        with open(plan_path + f".tmp{os.getpid()}", "wb") as f:
-            f.write(plan_bytes)
-        os.replace(plan_path + f".tmp{os.getpid()}", plan_path)
-    return staging, False
-
-
-def _run_jobs(jobs: list[UnitJob], workers: int, bar: tqdm) -> None:
-    """Convert ``jobs`` in this process (``workers <= 1``) or in a pool of forked processes."""
-    if workers <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            run_unit(job, on_rows=bar.update)
-        return
-    ctx = multiprocessing.get_context("fork")  # workers inherit the parsed inputs (vlm lines) for free
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as ex:
-        futures = [ex.submit(run_unit, job) for job in jobs]
-        try:
-            for fut in as_completed(futures):
-                bar.update(fut.result()["num_samples"])
-        except BaseException:
-            for fut in futures:
-                fut.cancel()
-            raise
-
-
 def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: int, part: int, num_parts: int,
                      progress: bool, overwrite: bool) -> ConvertSummary:
     group, name = plan["group"], plan["dataset_name"]
     mine = part_units(plan, part, num_parts)
     try:
-        staging, merged = _open_staging(ds_dir, plan, overwrite)
+        staging, merged = open_staging(ds_dir, plan, overwrite)
         if not merged:
-            jobs = _jobs(plan, staging)
+            jobs = plan_jobs(plan, staging)
             todo = [jobs[k] for k in mine if not os.path.exists(unit_record_path(staging, k))]
             done_rows = sum(jobs[k].unit.num_samples for k in mine) - sum(j.unit.num_samples for j in todo)
             show = progress and sys.stderr.isatty()
             with tqdm(total=sum(jobs[k].unit.num_samples for k in mine), initial=done_rows, disable=not show,
                       desc=f"{group}/{name}" + (f" part {part}/{num_parts}" if num_parts > 1 else ""),
                       unit="row") as bar:
-                _run_jobs(todo, workers, bar)
+                run_jobs(todo, workers, bar)
     except (OSError, UnitWriteError) as e:
         staged = ds_dir.rstrip(os.sep) + ".partial"
         records, _ = load_records(staged, len(plan["units"])) if os.path.isdir(staged) else ([], [])
@@ -378,7 +277,7 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
         fingerprints = [jsonl_path]
     else:
         raise ConvertError(f"unknown group {group!r} (expected one of {GROUPS})")
-    plan = _plan(group, name, reader, log, root, samples_per_shard, max_image_pixels, fingerprints)
+    plan = make_plan(group, name, reader, log, root, samples_per_shard, max_image_pixels, fingerprints)
     return _convert_planned(plan, dataset_dir(out_dir, group, name), reader.total, workers=workers, part=part,
                             num_parts=num_parts, progress=progress, overwrite=overwrite)
 

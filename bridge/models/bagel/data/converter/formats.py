@@ -25,7 +25,7 @@ from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYO
 logger = logging.getLogger(__name__)
 
 __all__ = ["ConvertError", "RawSample", "ScanLog", "SourceUnit", "T2IReader", "EditReader", "VlmReader", "iter_unit",
-           "relpath", "match_parquet_info"]
+           "relpath", "match_parquet_info", "dumps_json"]
 
 
 class ConvertError(Exception):
@@ -76,6 +76,11 @@ class ScanLog:
         elif len(self.warnings) == 10:
             logger.warning("further conversion warnings are only counted (see the summary)")
         self.warnings.append(msg)
+
+
+def dumps_json(obj: Any) -> bytes:
+    """Canonical JSON bytes (sorted keys, no whitespace, UTF-8): the same object always gives the same bytes."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 def relpath(path: str, root: str) -> str:

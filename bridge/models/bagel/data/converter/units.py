@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..energon.layout import META_PART, SHARDS_DIR, image_part, sample_key, shard_relpath
-from .formats import SourceUnit, iter_unit, record_problem
+from .formats import SourceUnit, dumps_json, iter_unit, record_problem
 
 __all__ = ["UnitJob", "UnitWriteError", "run_unit", "tar_header", "image_problem", "unit_record_path",
            "unit_index_path", "WORK_DIR", "IMAGE_EMPTY", "IMAGE_UNREADABLE", "IMAGE_OVER_LIMIT", "TAR_RECORD"]
@@ -234,8 +234,6 @@ def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict
     Raises ``ConvertError`` for unreadable input and :class:`UnitWriteError` when writing fails (nothing of
     the unit stays published then).
     """
-    from .convert import dumps_json
-
     problems: Counter = Counter()
     images: Counter = Counter()
     examples: dict[str, str] = {}
