@@ -9,8 +9,10 @@ times, on the same files:
 - the serial converter (``bagel-data convert t2i``, workers=1), ``--workers N``, and ``--part 0/1
   --num-parts 2`` (run one after the other in this process) + ``convert merge``.
 
-Ratios: ``serial_ratio`` = converter MB/s / floor MB/s (output bytes), ``workersN_speedup`` = serial time /
-workers time. Usage: ``python scripts/bench_convert.py [--quick] [--rows R] [--files F] [--workers N]``;
+Ratios: ``serial_ratio`` = converter MB/s / floor MB/s (output bytes, wall clock), ``serial_cpu_ratio`` the
+same per CPU second (robust when other jobs share the cores), ``workersN_speedup`` = serial time / workers
+time, ``workersN_cpu_overhead`` = CPU seconds with workers / serial CPU seconds; ``load_avg`` says how busy the
+machine was (a speed-up needs idle cores). Usage: ``python scripts/bench_convert.py [--quick] [--rows R] [--files F] [--workers N]``;
 last line ``bench_convert: rows=... floor_mb_s=... serial_ratio=... workers2_speedup=... parts2_merge_s=...``.
 ``run(rows, files, workers)`` returns the same numbers as a dict (used by other benches).
 """
@@ -64,6 +66,12 @@ def make_corpus(root: str, rows: int, files: int, px: int = 384, distinct: int =
     return d
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and its reaped children (pool workers), user + system."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def floor(data_dir: str, out: str) -> tuple[float, int]:
     """Seconds and bytes for reading the columns and writing the same payloads as tar members (one thread)."""
     import pyarrow.parquet as pq
@@ -112,15 +120,18 @@ def run(rows: int = 4000, files: int = 40, workers: int = 2, tmp: str | None = N
         warm = make_corpus(os.path.join(root, "raw_warm"), 8, 1, px=32, distinct=2)
         convert_t2i(warm, os.path.join(root, "warm_conv"), progress=False)  # imports (energon, PIL) warm
         shutil.rmtree(os.path.join(root, "warm"))
+        load0 = os.getloadavg()[0]
+        c0 = _cpu()
         t_floor, floor_bytes = floor(data_dir, os.path.join(root, "floor"))
+        c_floor = _cpu() - c0
         shutil.rmtree(os.path.join(root, "floor"))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         s = convert_t2i(data_dir, os.path.join(root, "serial"), progress=False)
-        t_serial = time.perf_counter() - t0
+        t_serial, c_serial = time.perf_counter() - t0, _cpu() - c0
         ref = _digest_and_remove(os.path.join(root, "serial"))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         convert_t2i(data_dir, os.path.join(root, "workers"), progress=False, workers=workers)
-        t_workers = time.perf_counter() - t0
+        t_workers, c_workers = time.perf_counter() - t0, _cpu() - c0
         identical = ref == _digest_and_remove(os.path.join(root, "workers"))
         t0 = time.perf_counter()
         for part in range(2):
@@ -134,10 +145,13 @@ def run(rows: int = 4000, files: int = 40, workers: int = 2, tmp: str | None = N
         return {"rows": s.samples, "files": files, "source_mb": round(src_mb, 1), "floor_s": round(t_floor, 3),
                 "floor_mb_s": round(floor_mb_s, 1), "serial_s": round(t_serial, 3),
                 "serial_rows_s": round(s.samples / t_serial), "serial_mb_s": round(conv_mb_s, 1),
-                "serial_ratio": round(conv_mb_s / floor_mb_s, 3), f"workers{workers}_s": round(t_workers, 3),
+                "serial_ratio": round(conv_mb_s / floor_mb_s, 3),
+                "serial_cpu_ratio": round((s.bytes / c_serial) / (floor_bytes / c_floor), 3),
+                f"workers{workers}_s": round(t_workers, 3),
+                f"workers{workers}_cpu_overhead": round(c_workers / c_serial, 3),
                 f"workers{workers}_speedup": round(t_serial / t_workers, 3),
                 "parts2_s": round(t_parts, 3), "parts2_merge_s": round(t_merge, 3), "identical": identical,
-                "cores": len(os.sched_getaffinity(0))}
+                "cores": len(os.sched_getaffinity(0)), "load_avg": round(max(load0, os.getloadavg()[0]), 1)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -156,8 +170,8 @@ def main() -> int:
         print(f"{k:>20}: {v}")
     w = f"workers{a.workers}_speedup"
     print(f"bench_convert: rows={r['rows']} floor_mb_s={r['floor_mb_s']} serial_mb_s={r['serial_mb_s']} "
-          f"serial_ratio={r['serial_ratio']} {w}={r[w]} parts2_merge_s={r['parts2_merge_s']} "
-          f"identical={r['identical']}")
+          f"serial_ratio={r['serial_ratio']} serial_cpu_ratio={r['serial_cpu_ratio']} {w}={r[w]} "
+          f"parts2_merge_s={r['parts2_merge_s']} identical={r['identical']} load_avg={r['load_avg']}")
     return 0 if r["identical"] else 1
 
 
