@@ -122,7 +122,7 @@ def _check_columns(path: str, pf: pq.ParquetFile, required: Mapping[str, Any]) -
 
 def _read_row_group(path: str, pf: pq.ParquetFile, g: int, columns: list[str]) -> pa.Table:
     try:
-        return pf.read_row_group(g, columns=columns)
+        return pf.read_row_group(g, columns=columns, use_threads=False)  # one thread per unit: units run in parallel
     except Exception as e:
         raise ConvertError(f"{path}: cannot read row group {g} ({type(e).__name__}: {e})") from e
 
