@@ -145,8 +145,16 @@ def load_records(staging: str, n_units: int) -> tuple[list[dict[str, Any]], list
 
 
 def publish(staging: str, ds_dir: str) -> None:
-    """Drop the work files and move the staged dataset to its final path (replacing an old one)."""
-    shutil.rmtree(os.path.join(staging, WORK_DIR), ignore_errors=True)
+    """Drop the work files and move the staged dataset to its final path (replacing an old one).
+
+    The work dir is first renamed away in one step, so a run killed while it is being deleted finds a merged
+    staging dir (manifest, no work dir) and only publishes.
+    """
+    work, done = os.path.join(staging, WORK_DIR), os.path.join(staging, WORK_DIR + ".done")
+    if os.path.exists(work):
+        shutil.rmtree(done, ignore_errors=True)
+        os.replace(work, done)
+    shutil.rmtree(done, ignore_errors=True)
     if os.path.exists(ds_dir):
         old = ds_dir.rstrip(os.sep) + ".old"
         shutil.rmtree(old, ignore_errors=True)
