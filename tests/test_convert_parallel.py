@@ -264,3 +264,13 @@ def test_bad_images_are_counted_by_reason_and_kept(tmp_path, capsys):
     # the default limit (PIL's MAX_IMAGE_PIXELS) counts only the 10^10-pixel header
     s = convert_t2i(str(d), tmp_path / "out2", progress=False)
     assert s.bad_images == {IMAGE_EMPTY: 1, IMAGE_OVER_LIMIT: 1, IMAGE_UNREADABLE: 1}
+
+
+def test_a_run_killed_between_merge_and_publish_only_publishes(tmp_path):
+    """The state a kill leaves after the merge dropped the work dir but before the rename: a rerun publishes it."""
+    s = convert_t2i(str(RAW / "t2i"), tmp_path / "out", samples_per_shard=4, progress=False)
+    ref = tree(Path(s.path))
+    os.replace(s.path, s.path + ".partial")  # merged staging dir: manifest, no .convert
+    again = convert_t2i(str(RAW / "t2i"), tmp_path / "out", samples_per_shard=4, progress=False)
+    assert tree(Path(again.path)) == ref and not Path(s.path + ".partial").exists()
+    assert (again.samples, again.shards) == (s.samples, s.shards)
