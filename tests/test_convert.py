@@ -81,22 +81,36 @@ def converted(tmp_path_factory) -> dict[str, str]:
     return {T2I: s1, EDIT: s2, VLM: s3, "out": out}
 
 
+def coordinate(man: dict, i: int) -> list[int]:
+    """Official coordinate of sample ``i`` from the format-2 manifest arithmetic (files' first_sample/row_groups)."""
+    if man["group"] == VLM:
+        return [i]
+    for f in man["files"]:
+        if f["first_sample"] <= i < f["first_sample"] + f["num_samples"]:
+            k = i - f["first_sample"]
+            for g, n in enumerate(f["row_groups"]):
+                if k < n:
+                    return [f["file_index"], g, k]
+                k -= n
+    raise IndexError(i)
+
+
 def _rows(group: str) -> list[dict]:
     return RAW_MANIFEST[group]["rows"]
 
 
 def test_t2i_every_row_once_with_exact_bytes(converted):
     s = converted[T2I]
-    assert (s.samples, s.shards, s.skipped) == (21, 6, {})
+    assert (s.samples, s.shards, s.skipped) == (21, 8, {})  # shards per source file: 4+4 / 2 / 4+4 / 2+1
     tars = read_tars(s.path)
     man = load_manifest(s.path)
-    assert man["num_samples"] == 21 and len(man["samples"]) == 21
+    assert man["num_samples"] == 21 and sum(f["num_samples"] for f in man["files"]) == 21
     assert [f["file"] for f in man["files"]] == [f"t2i/part-000{i}.parquet" for i in range(4)]  # .crc ignored
     seen = set()
     for i, (key, parts) in enumerate(tars.items()):
         meta = json.loads(parts[META_PART])
         src = meta["source"]
-        assert meta["group"] == T2I and man["samples"][i] == [src["file_index"], src["row_group"], src["row"]]
+        assert meta["group"] == T2I and coordinate(man, i) == [src["file_index"], src["row_group"], src["row"]]
         pf = pq.ParquetFile(RAW / src["file"])
         row = pf.read_row_group(src["row_group"]).to_pylist()[src["row"]]
         assert pf.read().to_pylist()[src["file_row"]] == row
@@ -112,26 +126,26 @@ def test_t2i_every_row_once_with_exact_bytes(converted):
 
 def test_edit_official_rows_only(converted):
     s = converted[EDIT]
-    assert s.samples == 13 and s.shards == 3
+    assert s.samples == 13 and s.shards == 4  # shards per source file
     assert s.skipped == {SKIP_NOT_IN_PARQUET_INFO: 1, SKIP_ROW_GROUP_BEYOND_INFO: 1}
     man = load_manifest(s.path)
     assert man["parquet_info"] == {"unified_edit/shard-a.parquet": 2, "unified_edit/shard-b.parquet": 3,
                                    "unified_edit/shard-c.parquet": 2}
-    assert sorted((x["coordinate"], x["reason"]) for x in man["skipped"]) == [
-        ([2, 2, 0], SKIP_ROW_GROUP_BEYOND_INFO), ([3, 0, 0], SKIP_NOT_IN_PARQUET_INFO)]
+    assert sorted((x["file_index"], x["row_group"], x["rows"], x["reason"]) for x in man["skipped"]) == [
+        (2, 2, 1, SKIP_ROW_GROUP_BEYOND_INFO), (3, 0, 1, SKIP_NOT_IN_PARQUET_INFO)]
     assert man["missing_row_groups"] == []
     tars = read_tars(s.path)
     for i, parts in enumerate(tars.values()):
         meta = json.loads(parts[META_PART])
         src = meta["source"]
-        assert man["samples"][i] == [src["file_index"], src["row_group"], src["row"]]
+        assert coordinate(man, i) == [src["file_index"], src["row_group"], src["row"]]
         row = pq.ParquetFile(RAW / src["file"]).read_row_group(src["row_group"]).to_pylist()[src["row"]]
         assert meta["instruction_list"] == row["instruction_list"] and meta["num_images"] == len(row["image_list"])
         imgs = {image_index(p): b for p, b in parts.items() if p != META_PART}
         assert imgs == {j: b for j, b in enumerate(row["image_list"]) if b is not None}
         assert meta["null_images"] == [j for j, b in enumerate(row["image_list"]) if b is None]
     # every declared, existing (file, row group) unit is covered
-    units = {(m[0], m[1]) for m in man["samples"]}
+    units = {tuple(coordinate(man, i)[:2]) for i in range(man["num_samples"])}
     assert units == {(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)}
 
 
@@ -140,7 +154,7 @@ def test_vlm_every_line_once(converted):
     assert s.samples == 25 and s.skipped == {}
     assert any("missing/none.png" in w for w in s.warnings)
     man = load_manifest(s.path)
-    assert man["samples"] == [[i] for i in range(25)] and man["num_lines"] == 25
+    assert man["files"][0]["first_sample"] == 0 and man["files"][0]["num_samples"] == 25 and man["num_lines"] == 25
     lines = (RAW / "vlm" / "vlm_sft.jsonl").open(encoding="utf-8").readlines()
     for i, parts in enumerate(read_tars(s.path).values()):
         meta = json.loads(parts[META_PART])
@@ -260,7 +274,7 @@ def test_convert_from_config_and_cli(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out
     assert rc == 0
     assert "unified_edit/golden_edit" in table and "file not in parquet_info: 1" in table
-    assert table.splitlines()[-1].split()[:3] == ["TOTAL", "59", "3"]
+    assert table.splitlines()[-1].split()[:3] == ["TOTAL", "59", "8"]  # 4 t2i files + 3 edit files + 1 jsonl
     written = json.loads((tmp_path / "out" / "dataset_info.json").read_text())
     for g, names in info.items():
         for name in names:
@@ -273,7 +287,7 @@ def test_convert_from_config_and_cli(tmp_path, monkeypatch, capsys):
     assert main(args) == 2
     assert main(args + ["--overwrite", "--samples-per-shard", "10"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()]
-    assert ["t2i_pretrain/golden_t2i", "21", "3"] in [r[:3] for r in rows]
+    assert ["t2i_pretrain/golden_t2i", "21", "4"] in [r[:3] for r in rows]  # one shard per file (<= 10 rows)
 
 
 def test_vlm_edge_records(tmp_path):

@@ -8,36 +8,43 @@ sample indices so a reader can reproduce the official unit order. Output is dete
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
 import shutil
+import sqlite3
 import sys
-import tarfile
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm import tqdm
 
-from .formats import ConvertError, EditReader, RawSample, ScanLog, T2IReader, VlmReader, record_problem
-from ..energon.layout import (
-    DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, MANIFEST_NAME, META_PART, SHARDS_DIR, T2I, VLM,
-    crude_dataset_yaml, dataset_dir, image_part, sample_key, shard_relpath,
-)
+from .finalize import build_manifest, load_records, manifest_path, publish, write_energon_index, write_index_uuid
+from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
+from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
+from .units import WORK_DIR, UnitWriteError, unit_record_path
+from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, T2I, VLM, dataset_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConvertError", "ConvertSummary", "convert_group", "convert_t2i", "convert_edit", "convert_vlm",
-           "convert_from_config", "dumps_json"]
+__all__ = ["ConvertError", "ConvertWriteError", "ConvertSummary", "convert_group", "convert_t2i", "convert_edit",
+           "convert_vlm", "convert_from_config", "merge_dataset", "merge_all", "part_units", "dumps_json",
+           "DEFAULT_MAX_IMAGE_PIXELS"]
 
 
+#: Image check: images with more pixels than this are counted (PIL's own ``Image.MAX_IMAGE_PIXELS`` default,
+#: above which PIL warns about a decompression bomb; the official reader's PIL decodes them all the same).
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
 @dataclass
 class ConvertSummary:
-    """Result of converting one sub-dataset."""
+    """Result of converting one sub-dataset (or, with ``num_parts > 1``, this part of it).
+
+    ``skipped``: rows the official reader never reads, by reason; ``bad_images``: stored images that are
+    empty, have no readable header or exceed the pixel limit, by reason (kept unchanged in the dataset);
+    ``status``: "published", or what is left before ``bagel-data convert merge`` can publish a part.
+    """
 
     group: str
     dataset_name: str
@@ -47,75 +54,17 @@ class ConvertSummary:
     bytes: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    num_warnings: int = 0
+    bad_images: dict[str, int] = field(default_factory=dict)
+    status: str = "published"
 
 
-def dumps_json(obj: Any) -> bytes:
-    """Canonical JSON bytes (sorted keys, no whitespace, UTF-8): the same object always gives the same bytes."""
-    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
-
-
-def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
-    ti = tarfile.TarInfo(name)
-    ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
-    return ti
-
-
-class _ShardWriter:
-    """Writes samples into ``shards/shard-NNNNNN.tar`` with at most ``per_shard`` samples each."""
-
-    def __init__(self, root: str, per_shard: int) -> None:
-        self.root, self.per_shard = root, per_shard
-        self.shards: list[dict[str, Any]] = []
-        self.bytes = 0
-        self._tar: tarfile.TarFile | None = None
-        os.makedirs(os.path.join(root, SHARDS_DIR))
-
-    def add(self, key: str, parts: Iterable[tuple[str, bytes]]) -> None:
-        if self._tar is None or self.shards[-1]["count"] >= self.per_shard:
-            self._close_current()
-            rel = shard_relpath(len(self.shards))
-            self._tar = tarfile.open(os.path.join(self.root, rel), "w", format=tarfile.GNU_FORMAT)
-            self.shards.append({"path": rel, "count": 0})
-        for name, data in parts:
-            self._tar.addfile(_tarinfo(f"{key}.{name}", len(data)), io.BytesIO(data))
-        self.shards[-1]["count"] += 1
-
-    def _close_current(self) -> None:
-        if self._tar is not None:
-            self._tar.close()
-            self.bytes += os.path.getsize(os.path.join(self.root, self.shards[-1]["path"]))
-            self._tar = None
-
-    def close(self) -> None:
-        self._close_current()
-
-
-def _prepare_output(ds_dir: str, overwrite: bool) -> str:
-    """Check the target is absent or empty (unless ``overwrite``); return a fresh sibling staging directory."""
-    if os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or os.listdir(ds_dir)) and not overwrite:
-        raise ConvertError(f"{ds_dir}: output directory is not empty (pass overwrite=True / --overwrite to replace it)")
-    staging = ds_dir.rstrip(os.sep) + ".partial"
-    if os.path.exists(staging):
-        shutil.rmtree(staging)
-    os.makedirs(staging)
-    return staging
-
-
-def _energon_prepare(root: str, shard_paths: list[str], group: str) -> None:
-    """Index the shards with Energon (train split = everything, tar order kept) and write a crude dataset.yaml."""
-    from megatron.energon.flavors import BaseWebdatasetFactory
-
-    chatter = io.StringIO()  # energon prints progress lines; keep stdout clean for the CLI table
-    with contextlib.redirect_stdout(chatter):
-        BaseWebdatasetFactory.prepare_dataset(root, shard_paths, split_parts_ratio=[("train", 1.0)],
-                                              shuffle_seed=None, workers=1)
-    logger.debug("energon prepare %s: %s", root, chatter.getvalue().strip())
-    with open(os.path.join(root, ".nv-meta", "dataset.yaml"), "w", encoding="utf-8") as f:
-        f.write(crude_dataset_yaml(group))
+class ConvertWriteError(ConvertError):
+    """Writing the output failed (disk full, quota, I/O error): nothing half-written is published."""
 
 
 def _check_usable(group: str, dataset_name: str, n: int, problems: Counter, example: dict[str, str],
-                  log: ScanLog) -> None:
+                  warnings: list[str]) -> None:
     """Refuse a dataset none of whose records can be used; warn (with counts) when some cannot."""
     if not problems:
         return
@@ -125,57 +74,140 @@ def _check_usable(group: str, dataset_name: str, n: int, problems: Counter, exam
                            + ("The official vlm_sft reader needs one JSON object per line with a `conversations` list "
                               "of {\"from\": \"human\"|\"gpt\", \"value\": ...} turns." if group == VLM else
                               "Check the source data."))
-    log.warn(f"{group}/{dataset_name}: {sum(problems.values())} of {n} records can never become a training sample "
-             f"and will be dropped (counted) when read — {what}")
+    msg = (f"{group}/{dataset_name}: {sum(problems.values())} of {n} records can never become a training sample "
+           f"and will be dropped (counted) when read — {what}")
+    logger.warning("%s", msg)
+    warnings.append(msg)
 
 
-def _write_dataset(group: str, dataset_name: str, out_dir: str, reader: Iterable[RawSample], total: int,
-                   log: ScanLog, source_root: str, samples_per_shard: int, progress: bool,
-                   overwrite: bool) -> ConvertSummary:
-    if samples_per_shard < 1:
-        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
-    ds_dir = dataset_dir(out_dir, group, dataset_name)
-    staging = _prepare_output(ds_dir, overwrite)
-    coords: list[list[int]] = []
+def _skip_counts(skipped: list[dict[str, Any]]) -> dict[str, int]:
+    out: Counter = Counter()
+    for e in skipped:  # an unreadable file not in parquet_info (row_group None) counts once
+        out[e["reason"]] += e["rows"] if e["row_group"] is not None else 1
+    return dict(sorted(out.items()))
+
+
+def _write_error(e: BaseException, what: str, done: str = "") -> ConvertWriteError:
+    """One line: the path being written, the error, how much was written, what to do."""
+    if isinstance(e, UnitWriteError):
+        where = str(e)
+    else:
+        where = f"{getattr(e, 'filename', None) or what}: {getattr(e, 'strerror', None) or e}"
+    return ConvertWriteError(f"cannot write the conversion output — {where}; {done + '; ' if done else ''}nothing "
+                             f"half-written was published: free space (or fix the error) and rerun the same command "
+                             f"to resume")
+
+
+def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: int, part: int, num_parts: int,
+                     progress: bool, overwrite: bool) -> ConvertSummary:
+    group, name = plan["group"], plan["dataset_name"]
+    mine = part_units(plan, part, num_parts)
     try:
-        writer = _ShardWriter(staging, samples_per_shard)
-        show = progress and sys.stderr.isatty()
-        problems: Counter = Counter()
-        example: dict[str, str] = {}
-        with tqdm(total=total, disable=not show, desc=f"{group}/{dataset_name}", unit="row") as bar:
-            for s in reader:
-                parts = [(META_PART, dumps_json(s.meta))] + [(image_part(i), b) for i, b in s.images]
-                writer.add(sample_key(len(coords)), parts)
-                coords.append(s.coord)
-                problem = record_problem(s.meta)
-                if problem is not None:
-                    problems[problem.split(" (")[0]] += 1
-                    example.setdefault(problem.split(" (")[0], f"{s.meta.get('source')}: {problem}")
-                bar.update(1)
-        writer.close()
-        if not coords:
-            raise ConvertError(f"{group}/{dataset_name}: no convertible rows (skipped: "
-                               f"{dict(Counter(x['reason'] for x in log.skipped))})")
-        _check_usable(group, dataset_name, len(coords), problems, example, log)
-        _energon_prepare(staging, [sh["path"] for sh in writer.shards], group)
-        manifest = {"format": MANIFEST_FORMAT, "group": group, "dataset_name": dataset_name,
-                    "source_root": source_root, "num_samples": len(coords), "samples_per_shard": samples_per_shard,
-                    "shards": writer.shards, "samples": coords, "skipped": log.skipped, **log.manifest}
-        with open(os.path.join(staging, MANIFEST_NAME), "wb") as f:
-            f.write(dumps_json(manifest) + b"\n")
-    except BaseException:
+        staging, merged = open_staging(ds_dir, plan, overwrite)
+        if not merged:
+            jobs = plan_jobs(plan, staging)
+            todo = [jobs[k] for k in mine if not os.path.exists(unit_record_path(staging, k))]
+            done_rows = sum(jobs[k].unit.num_samples for k in mine) - sum(j.unit.num_samples for j in todo)
+            show = progress and sys.stderr.isatty()
+            with tqdm(total=sum(jobs[k].unit.num_samples for k in mine), initial=done_rows, disable=not show,
+                      desc=f"{group}/{name}" + (f" part {part}/{num_parts}" if num_parts > 1 else ""),
+                      unit="row") as bar:
+                run_jobs(todo, workers, bar)
+    except (OSError, UnitWriteError) as e:
+        staged = ds_dir.rstrip(os.sep) + ".partial"
+        records, _ = load_records(staged, len(plan["units"])) if os.path.isdir(staged) else ([], [])
+        done = (f"{len(records)} of {len(plan['units'])} work units "
+                f"({sum(sh['bytes'] for r in records for sh in r['shards'])} bytes of shards) are done")
+        raise _write_error(e, ds_dir, done) from e
+    if num_parts > 1 and not merged:
+        records, missing = load_records(staging, len(plan["units"]))
+        mine_set = set(mine)
+        return ConvertSummary(group, name, ds_dir, samples=sum(r["num_samples"] for r in records
+                                                                if r["unit"] in mine_set),
+                              shards=sum(len(r["shards"]) for r in records if r["unit"] in mine_set),
+                              bytes=sum(sh["bytes"] for r in records if r["unit"] in mine_set for sh in r["shards"]),
+                              skipped=_skip_counts(plan["manifest"]["skipped"]), status=(
+                                  f"part {part}/{num_parts} done; {len(missing)} of {len(plan['units'])} units "
+                                  f"left" if missing else f"part {part}/{num_parts} done; all parts done, run merge"))
+    return merge_dataset(ds_dir, overwrite=True)
+
+
+def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
+    """Join the converted units of ``<ds_dir>.partial`` (all parts) into the final dataset and publish it.
+
+    Raises ConvertError when units are missing (naming them and the part to rerun) or the data is unusable,
+    ConvertWriteError when writing fails (rerun to resume).
+    """
+    staging = ds_dir.rstrip(os.sep) + ".partial"
+    if os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or os.listdir(ds_dir)) and not overwrite:
+        raise ConvertError(f"{ds_dir}: output directory is not empty (pass overwrite=True / --overwrite to replace it)")
+    try:
+        with open(os.path.join(staging, WORK_DIR, "plan.json"), encoding="utf-8") as f:
+            plan = json.load(f)
+    except FileNotFoundError:
+        if os.path.exists(manifest_path(staging)):  # merged before; only the publish was left
+            with open(manifest_path(staging), encoding="utf-8") as f:
+                man = json.load(f)
+            publish(staging, ds_dir)
+            return _summary(man, ds_dir, [], [], man["skipped"])
+        raise ConvertError(f"{staging}: no staged conversion to merge (run `bagel-data convert ...` first)") from None
+    group, name, n_units = plan["group"], plan["dataset_name"], len(plan["units"])
+    records, missing = load_records(staging, n_units)
+    if missing:
+        u = plan["units"][missing[0]]
+        raise ConvertError(f"{staging}: {len(missing)} of {n_units} work units are not converted yet (e.g. unit "
+                           f"{missing[0]}: {u['rel']}); run every --part of the conversion (a rerun resumes), then "
+                           f"merge again")
+    problems: Counter = Counter()
+    examples: dict[str, str] = {}
+    warnings_ = list(plan["warnings"])
+    for r in records:
+        problems.update(r["problems"])
+        for k, v in r["examples"].items():
+            examples.setdefault(k, v)
+        for w in r["warnings"]:
+            if len(warnings_) < 10:
+                logger.warning("%s", w)
+            warnings_.append(w)
+    n = sum(r["num_samples"] for r in records)
+    try:
+        if n == 0:
+            raise ConvertError(f"{group}/{name}: no convertible rows (skipped: "
+                               f"{_skip_counts(plan['manifest']['skipped'])})")
+        _check_usable(group, name, n, problems, examples, warnings_)
+    except ConvertError:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    if os.path.exists(ds_dir):
-        shutil.rmtree(ds_dir)
-    os.replace(staging, ds_dir)
-    summary = ConvertSummary(group, dataset_name, ds_dir, samples=len(coords), shards=len(writer.shards),
-                             bytes=writer.bytes, skipped=dict(sorted(Counter(x["reason"] for x in log.skipped).items())),
-                             warnings=list(log.warnings))
-    logger.info("converted %s/%s: %d samples in %d shards (%d bytes), skipped %s, %d warnings -> %s",
-                group, dataset_name, summary.samples, summary.shards, summary.bytes, summary.skipped,
-                len(summary.warnings), ds_dir)
+    man = build_manifest(plan, records)
+    try:
+        write_energon_index(staging, man["shards"], n_units, group)
+        data = dumps_json(man) + b"\n"
+        write_index_uuid(staging, data)
+        with open(manifest_path(staging) + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(manifest_path(staging) + ".tmp", manifest_path(staging))
+        publish(staging, ds_dir)
+    except (OSError, sqlite3.Error) as e:
+        raise _write_error(e, staging) from e
+    for reason, count in man["image_checks"]["problems"].items():
+        logger.warning("%s/%s: %d stored images: %s (e.g. %s); kept as they are, the reader decides", group, name,
+                       count, reason, examples.get(reason))
+    bad = sum(r["num_warnings"] for r in records) - sum(len(r["warnings"]) for r in records)
+    summary = _summary(man, ds_dir, warnings_, records, plan["manifest"]["skipped"], extra_warnings=bad)
+    logger.info("converted %s/%s: %d samples in %d shards (%d bytes), skipped %s, bad images %s, %d warnings -> %s",
+                group, name, summary.samples, summary.shards, summary.bytes, summary.skipped, summary.bad_images,
+                summary.num_warnings, ds_dir)
     return summary
+
+
+def _summary(man: dict[str, Any], ds_dir: str, warnings_: list[str], records: list[dict[str, Any]],  # noqa: ARG001
+             skipped: list[dict[str, Any]], extra_warnings: int = 0) -> ConvertSummary:
+    return ConvertSummary(man["group"], man["dataset_name"], ds_dir, samples=man["num_samples"],
+                          shards=len(man["shards"]),
+                          bytes=sum(os.path.getsize(os.path.join(ds_dir, sh["path"])) for sh in man["shards"]),
+                          skipped=_skip_counts(skipped), warnings=warnings_,
+                          num_warnings=len(warnings_) + extra_warnings,
+                          bad_images=dict(man.get("image_checks", {}).get("problems", {})))
 
 
 def _load_parquet_info(path: str) -> dict[str, Any]:
@@ -194,7 +226,8 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
                   parquet_info_root: str | None = None, jsonl_path: str | None = None, image_dir: str | None = None,
                   dataset_name: str | None = None, source_root: str | None = None,
                   samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD, progress: bool = True,
-                  overwrite: bool = False) -> ConvertSummary:
+                  overwrite: bool = False, workers: int = 1, part: int = 0, num_parts: int = 1,
+                  max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ConvertSummary:
     """Convert one official sub-dataset of ``group`` into ``<out_dir>/<group>/<dataset_name>/``.
 
     Inputs per group: t2i_pretrain ``data_dir``; unified_edit ``data_dir`` + ``parquet_info_path`` (or an
@@ -204,7 +237,16 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
     ``source_root`` is what stored paths are relative to; default: the parent of ``data_dir`` (t2i/edit) or
     the parent of the common directory of the jsonl and ``image_dir`` (vlm). ``dataset_name`` defaults to the
     basename of ``data_dir`` (t2i/edit) or the jsonl stem (vlm).
+
+    ``workers``: processes converting work units (one parquet file / ``samples_per_shard`` jsonl lines each).
+    ``part``/``num_parts``: convert only this deterministic, disjoint part of the units (staged in
+    ``<dataset>.partial``); :func:`merge_dataset` publishes once every part is done. Any workers/parts give the
+    same bytes; an interrupted conversion resumes where it stopped. ``max_image_pixels``: images above are
+    counted in ``bad_images`` (header-only check; the bytes are stored unchanged).
+    Raises ConvertError (bad input), ConvertWriteError (writing failed; rerun to resume).
     """
+    if samples_per_shard < 1:
+        raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
     out_dir = os.fspath(out_dir)
     log = ScanLog()
     if group in (T2I, EDIT):
@@ -223,6 +265,7 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
             info_file = parquet_info_path or "<parquet_info>"
             roots = [r for r in (parquet_info_root, root) if r]
             reader = EditReader(data_dir, parquet_info, info_file, roots, root, log)
+        fingerprints = [os.path.join(data_dir, f["file"].rsplit("/", 1)[-1]) for f in log.manifest["files"]]
     elif group == VLM:
         if not jsonl_path or not image_dir:
             raise ConvertError(f"{group}: jsonl_path and image_dir are required")
@@ -230,11 +273,27 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
         common = os.path.commonpath([os.path.dirname(os.path.abspath(jsonl_path)), os.path.abspath(image_dir)])
         root = source_root or os.path.dirname(common)
         name = dataset_name or os.path.splitext(os.path.basename(jsonl_path))[0]
-        reader = VlmReader(jsonl_path, image_dir, root, log)
+        reader = VlmReader(jsonl_path, image_dir, root, log, samples_per_shard)
+        fingerprints = [jsonl_path]
     else:
         raise ConvertError(f"unknown group {group!r} (expected one of {GROUPS})")
-    return _write_dataset(group, name, out_dir, reader, reader.total, log, root, samples_per_shard, progress,
-                          overwrite)
+    plan = make_plan(group, name, reader, log, root, samples_per_shard, max_image_pixels, fingerprints)
+    return _convert_planned(plan, dataset_dir(out_dir, group, name), reader.total, workers=workers, part=part,
+                            num_parts=num_parts, progress=progress, overwrite=overwrite)
+
+
+def merge_all(out_dir: str | os.PathLike, *, overwrite: bool = False) -> list[ConvertSummary]:
+    """Merge every staged conversion under ``<out_dir>/<group>/*.partial`` (see :func:`merge_dataset`)."""
+    out_dir = os.fspath(out_dir)
+    found = []
+    for group in GROUPS:
+        gdir = os.path.join(out_dir, group)
+        if os.path.isdir(gdir):
+            found += [os.path.join(gdir, n[: -len(".partial")]) for n in sorted(os.listdir(gdir))
+                      if n.endswith(".partial")]
+    if not found:
+        raise ConvertError(f"{out_dir}: no staged conversion (<group>/<name>.partial) to merge")
+    return [merge_dataset(ds, overwrite=overwrite) for ds in found]
 
 
 def convert_t2i(data_dir: str, out_dir: str | os.PathLike, **kw: Any) -> ConvertSummary:
@@ -267,7 +326,7 @@ def _load_mapping(path: str, what: str) -> dict[str, Any]:
 
 def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir: str | os.PathLike, *,
                         source_root: str | None = None, samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
-                        progress: bool = True, overwrite: bool = False) -> list[ConvertSummary]:
+                        progress: bool = True, overwrite: bool = False, **kw: Any) -> list[ConvertSummary]:
     """Convert every sub-dataset the grouped YAML names, reading paths from an official dataset_info file.
 
     ``dataset_info_path``: YAML/JSON ``{group: {name: {data_dir, jsonl_path?, parquet_info_path?, ...}}}``
@@ -275,6 +334,7 @@ def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir:
     the working directory, as in the official training script) and stored relative to it. The parquet_info
     files of all edit datasets of the grouped YAML are merged, as the official ``build_datasets`` does.
     Writes ``<out_dir>/dataset_info.json``: the input with ``energon_path`` (absolute) on every converted entry.
+    ``kw``: ``workers``, ``part``, ``num_parts``, ``max_image_pixels`` as for :func:`convert_group`.
     """
     # Parsed here with pyyaml: no shared config module existed when this was written.
     info = _load_mapping(dataset_info_path, "dataset_info")
@@ -306,22 +366,24 @@ def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir:
                     raise ConvertError(f"{dataset_info_path}: {group}.{name} needs parquet_info_path")
                 merged_info.update(_load_parquet_info(resolve(entry["parquet_info_path"])))
         for name, entry in entries.items():
-            kw: dict[str, Any] = dict(dataset_name=name, source_root=root, samples_per_shard=samples_per_shard,
-                                      progress=progress, overwrite=overwrite)
+            one: dict[str, Any] = dict(dataset_name=name, source_root=root, samples_per_shard=samples_per_shard,
+                                       progress=progress, overwrite=overwrite, **kw)
             if group == VLM:
                 if not entry.get("jsonl_path"):
                     raise ConvertError(f"{dataset_info_path}: {group}.{name} needs jsonl_path")
                 s = convert_group(group, out_dir, jsonl_path=resolve(entry["jsonl_path"]),
-                                  image_dir=resolve(entry["data_dir"]), **kw)
+                                  image_dir=resolve(entry["data_dir"]), **one)
             elif group == EDIT:
                 s = convert_group(group, out_dir, data_dir=resolve(entry["data_dir"]), parquet_info=merged_info,
-                                  parquet_info_path=resolve(entry["parquet_info_path"]), parquet_info_root=root, **kw)
+                                  parquet_info_path=resolve(entry["parquet_info_path"]), parquet_info_root=root, **one)
             else:
-                s = convert_group(group, out_dir, data_dir=resolve(entry["data_dir"]), **kw)
+                s = convert_group(group, out_dir, data_dir=resolve(entry["data_dir"]), **one)
             result[group][name]["energon_path"] = os.path.abspath(s.path)
             summaries.append(s)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "dataset_info.json"), "w", encoding="utf-8") as f:
+    tmp = os.path.join(out_dir, f"dataset_info.json.tmp{os.getpid()}")  # parts may write it at the same time
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1, sort_keys=True, ensure_ascii=False)
         f.write("\n")
+    os.replace(tmp, os.path.join(out_dir, "dataset_info.json"))
     return summaries

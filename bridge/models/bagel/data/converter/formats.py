@@ -1,9 +1,11 @@
 """Row readers for the three official BAGEL raw formats (t2i parquet, unified_edit parquet + parquet_info, vlm jsonl).
 
-Each reader first validates its inputs (so a bad file fails before anything is written), then yields one
-:class:`RawSample` per row the official reader can ever read, with the official coordinate, the ``meta.json``
-dict of the layout contract and the original encoded image bytes. Rows the official reader never reads are
-recorded in :class:`ScanLog` (``skipped``), never silently dropped.
+Each reader first validates its inputs (so a bad file fails before anything is written) and splits the work
+into :class:`SourceUnit` s: one per parquet file (t2i/edit) or one per line range of the jsonl (vlm). A unit
+is converted on its own (in any process) by :func:`iter_unit`, which yields one :class:`RawSample` per row the
+official reader can ever read, with the official coordinate, the ``meta.json`` dict of the layout contract and
+the original encoded image bytes. Rows the official reader never reads are recorded in :class:`ScanLog`
+(``skipped``, aggregated per file / row group and reason), never silently dropped.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +24,8 @@ from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYO
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ConvertError", "RawSample", "ScanLog", "T2IReader", "EditReader", "VlmReader", "relpath", "match_parquet_info"]
+__all__ = ["ConvertError", "RawSample", "ScanLog", "SourceUnit", "T2IReader", "EditReader", "VlmReader", "iter_unit",
+           "relpath", "match_parquet_info", "dumps_json"]
 
 
 class ConvertError(Exception):
@@ -38,9 +41,30 @@ class RawSample:
     images: list[tuple[int, bytes]]
 
 
+@dataclass(frozen=True)
+class SourceUnit:
+    """One work unit of a conversion: the stored rows of one parquet file, or a range of jsonl lines.
+
+    ``path`` is the source file as opened, ``rel`` its stored (source-root relative) form, ``file_index`` its
+    position in the sorted listing (vlm: 0), ``row_groups`` the row groups read in order (t2i/edit),
+    ``start`` the first line (vlm) and ``num_samples`` how many samples the unit yields (known from parquet
+    metadata / the line count before anything is read, so shard layout and sample keys are fixed up front).
+    """
+
+    path: str
+    rel: str
+    file_index: int
+    row_groups: tuple[int, ...]
+    start: int
+    num_samples: int
+
+
 @dataclass
 class ScanLog:
-    """What a reader learned besides the samples: manifest fields, skipped rows, conversion warnings."""
+    """What a reader learned besides the samples: manifest fields, skipped rows, conversion warnings.
+
+    ``skipped``: ``{"file_index", "row_group" (None: the whole file), "rows", "reason"}`` per file/row group.
+    """
 
     manifest: dict[str, Any] = field(default_factory=dict)
     skipped: list[dict[str, Any]] = field(default_factory=list)
@@ -52,6 +76,11 @@ class ScanLog:
         elif len(self.warnings) == 10:
             logger.warning("further conversion warnings are only counted (see the summary)")
         self.warnings.append(msg)
+
+
+def dumps_json(obj: Any) -> bytes:
+    """Canonical JSON bytes (sorted keys, no whitespace, UTF-8): the same object always gives the same bytes."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
 def relpath(path: str, root: str) -> str:
@@ -93,7 +122,7 @@ def _check_columns(path: str, pf: pq.ParquetFile, required: Mapping[str, Any]) -
 
 def _read_row_group(path: str, pf: pq.ParquetFile, g: int, columns: list[str]) -> pa.Table:
     try:
-        return pf.read_row_group(g, columns=columns)
+        return pf.read_row_group(g, columns=columns, use_threads=False)  # one thread per unit: units run in parallel
     except Exception as e:
         raise ConvertError(f"{path}: cannot read row group {g} ({type(e).__name__}: {e})") from e
 
@@ -130,7 +159,7 @@ class T2IReader:
 
     def __init__(self, data_dir: str, source_root: str, log: ScanLog) -> None:
         self.data_dir, self.source_root, self.log = data_dir, source_root, log
-        self.files: list[tuple[int, str, pq.ParquetFile]] = []
+        self.files: list[tuple[int, str]] = []
         entries = []
         for fi, name in enumerate(_parquet_names(data_dir)):
             path = os.path.join(data_dir, name)
@@ -138,24 +167,26 @@ class T2IReader:
             _check_columns(path, pf, self.columns)
             rgs = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
             entries.append({"file": relpath(path, source_root), "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs})
-            self.files.append((fi, path, pf))
+            self.files.append((fi, path))
         if not self.files:
             raise ConvertError(f"{data_dir}: no *.parquet files")
         log.manifest.update(files=entries, data_dir=relpath(data_dir, source_root))
+        self.units = [SourceUnit(path, e["file"], fi, tuple(range(len(e["row_groups"]))), 0, e["num_rows"])
+                      for (fi, path), e in zip(self.files, entries)]
         self.total = sum(e["num_rows"] for e in entries)
 
-    def __iter__(self) -> Iterator[RawSample]:
-        for fi, path, pf in self.files:
-            rel, k = relpath(path, self.source_root), 0
-            for g in range(pf.metadata.num_row_groups):
-                tbl = _read_row_group(path, pf, g, ["image", "captions"])
-                for r, (img, cap) in enumerate(zip(tbl.column("image").to_pylist(), tbl.column("captions").to_pylist())):
-                    if isinstance(cap, bytes):
-                        cap = cap.decode("utf-8", errors="replace")
-                    meta = {"group": T2I, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
-                            "captions": cap, "image_null": img is None}
-                    yield RawSample([fi, g, r], meta, [] if img is None else [(0, img)])
-                    k += 1
+
+def _iter_t2i(unit: SourceUnit) -> Iterator[RawSample]:
+    pf, k, fi, rel = _open_parquet(unit.path), 0, unit.file_index, unit.rel
+    for g in unit.row_groups:
+        tbl = _read_row_group(unit.path, pf, g, ["image", "captions"])
+        for r, (img, cap) in enumerate(zip(tbl.column("image").to_pylist(), tbl.column("captions").to_pylist())):
+            if isinstance(cap, bytes):
+                cap = cap.decode("utf-8", errors="replace")
+            meta = {"group": T2I, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
+                    "captions": cap, "image_null": img is None}
+            yield RawSample([fi, g, r], meta, [] if img is None else [(0, img)])
+            k += 1
 
 
 def match_parquet_info(parquet_info: Mapping[str, Any], data_dir: str, names: list[str], roots: list[str],
@@ -201,7 +232,7 @@ class EditReader:
         if not declared:
             log.warn(f"{info_file}: no parquet_info key names a file of {data_dir}; every row is skipped "
                      f"(keys must equal os.path.join(data_dir, file), see convert docs)")
-        self.units: list[tuple[int, str, pq.ParquetFile, list[int]]] = []
+        self.units: list[SourceUnit] = []
         entries, missing = [], []
         for fi, name in enumerate(names):
             path, rel = os.path.join(data_dir, name), relpath(os.path.join(data_dir, name), source_root)
@@ -213,7 +244,8 @@ class EditReader:
                 except Exception as e:
                     log.warn(f"{path}: unlisted in parquet_info and unreadable ({type(e).__name__}: {e})")
                     rgs = []
-                    log.skipped.append({"coordinate": [fi, None, None], "reason": SKIP_NOT_IN_PARQUET_INFO})
+                    log.skipped.append({"file_index": fi, "row_group": None, "rows": 0,
+                                        "reason": SKIP_NOT_IN_PARQUET_INFO})
                 self._skip_rows(fi, rgs, range(len(rgs)), SKIP_NOT_IN_PARQUET_INFO)
                 entries.append({"file": rel, "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs,
                                 "declared_row_groups": None})
@@ -228,32 +260,32 @@ class EditReader:
                 missing.append({"file": rel, "file_index": fi, "row_group": g})
                 log.warn(f"{path}: parquet_info declares {n_decl} row groups but the file has {len(rgs)}; "
                          f"row group {g} does not exist (the official reader skips that unit)")
-            self.units.append((fi, path, pf, [g for g in range(min(n_decl, len(rgs)))]))
+            stored = tuple(range(min(n_decl, len(rgs))))
+            self.units.append(SourceUnit(path, rel, fi, stored, 0, sum(rgs[g] for g in stored)))
         if not self.units:
             log.warn(f"{data_dir}: no file of this directory is listed in {info_file}")
         log.manifest.update(files=entries, missing_row_groups=missing, data_dir=relpath(data_dir, source_root),
                             parquet_info={e["file"]: e["declared_row_groups"] for e in entries
                                           if e["declared_row_groups"] is not None})
-        self.total = sum(sum(u[2].metadata.row_group(g).num_rows for g in u[3]) for u in self.units)
+        self.total = sum(u.num_samples for u in self.units)
 
     def _skip_rows(self, fi: int, rgs: list[int], groups: range, reason: str) -> None:
         for g in groups:
-            for r in range(rgs[g]):
-                self.log.skipped.append({"coordinate": [fi, g, r], "reason": reason})
+            self.log.skipped.append({"file_index": fi, "row_group": g, "rows": rgs[g], "reason": reason})
 
-    def __iter__(self) -> Iterator[RawSample]:
-        for fi, path, pf, groups in self.units:
-            rel, k = relpath(path, self.source_root), 0  # groups always start at row group 0
-            for g in groups:
-                tbl = _read_row_group(path, pf, g, ["image_list", "instruction_list"])
-                for r, (imgs, instr) in enumerate(zip(tbl.column("image_list").to_pylist(),
-                                                      tbl.column("instruction_list").to_pylist())):
-                    imgs = imgs if imgs is not None else []
-                    meta = {"group": EDIT, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
-                            "instruction_list": instr, "num_images": len(imgs),
-                            "null_images": [i for i, b in enumerate(imgs) if b is None]}
-                    yield RawSample([fi, g, r], meta, [(i, b) for i, b in enumerate(imgs) if b is not None])
-                    k += 1
+
+def _iter_edit(unit: SourceUnit) -> Iterator[RawSample]:
+    pf, k, fi, rel = _open_parquet(unit.path), 0, unit.file_index, unit.rel  # groups always start at row group 0
+    for g in unit.row_groups:
+        tbl = _read_row_group(unit.path, pf, g, ["image_list", "instruction_list"])
+        for r, (imgs, instr) in enumerate(zip(tbl.column("image_list").to_pylist(),
+                                              tbl.column("instruction_list").to_pylist())):
+            imgs = imgs if imgs is not None else []
+            meta = {"group": EDIT, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
+                    "instruction_list": instr, "num_images": len(imgs),
+                    "null_images": [i for i, b in enumerate(imgs) if b is None]}
+            yield RawSample([fi, g, r], meta, [(i, b) for i, b in enumerate(imgs) if b is not None])
+            k += 1
 
 
 def _os_error_message(e: OSError, shown_path: str) -> str:
@@ -263,53 +295,89 @@ def _os_error_message(e: OSError, shown_path: str) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-class VlmReader:
-    """vlm_sft: every physical line of the jsonl (as ``readlines()`` gives it) is one sample, broken ones too."""
+#: jsonl path -> (size, mtime_ns, lines): read once per process (a forked worker inherits the parent's copy).
+_VLM_LINES: dict[str, tuple[int, int, list[str]]] = {}
 
-    def __init__(self, jsonl_path: str, image_dir: str, source_root: str, log: ScanLog) -> None:
+
+def _read_lines(jsonl_path: str) -> list[str]:
+    """Every physical line as ``readlines()`` gives it (universal newlines), cached per process."""
+    st = os.stat(jsonl_path)
+    hit = _VLM_LINES.get(jsonl_path)
+    if hit is not None and hit[:2] == (st.st_size, st.st_mtime_ns):
+        return hit[2]
+    try:
+        with open(jsonl_path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConvertError(f"{jsonl_path}: cannot read jsonl ({type(e).__name__}: {e})") from e
+    _VLM_LINES.clear()
+    _VLM_LINES[jsonl_path] = (st.st_size, st.st_mtime_ns, lines)
+    return lines
+
+
+class VlmReader:
+    """vlm_sft: every physical line of the jsonl (as ``readlines()`` gives it) is one sample, broken ones too.
+
+    The jsonl is split into units of ``lines_per_unit`` consecutive lines (converted in parallel; a line range
+    needs no offset pre-pass because every process reads the same ``readlines()`` list).
+    """
+
+    def __init__(self, jsonl_path: str, image_dir: str, source_root: str, log: ScanLog, lines_per_unit: int) -> None:
         if not os.path.isfile(jsonl_path):
             raise ConvertError(f"{jsonl_path}: jsonl file does not exist")
-        try:
-            with open(jsonl_path, encoding="utf-8") as f:
-                self.lines = f.readlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConvertError(f"{jsonl_path}: cannot read jsonl ({type(e).__name__}: {e})") from e
+        lines = _read_lines(jsonl_path)
         if not os.path.isdir(image_dir):
             log.warn(f"{image_dir}: image directory does not exist; every referenced image is recorded as an error")
         self.image_dir, self.log = image_dir, log
         self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
-        self.total = len(self.lines)
-        log.manifest.update(files=[{"file": self.rel_file, "num_lines": len(self.lines)}], num_lines=len(self.lines),
+        self.total = len(lines)
+        log.manifest.update(files=[{"file": self.rel_file, "num_lines": len(lines)}], num_lines=len(lines),
                             image_dir=self.rel_image_dir)
+        step = max(1, lines_per_unit)
+        self.units = [SourceUnit(jsonl_path, self.rel_file, 0, (), a, min(step, len(lines) - a))
+                      for a in range(0, len(lines), step)]
 
-    def __iter__(self) -> Iterator[RawSample]:
-        for i, line in enumerate(self.lines):
-            names, errors, images, video = None, {}, [], None
+
+def _iter_vlm(unit: SourceUnit, image_dir: str, rel_image_dir: str, warn: Callable[[str], None]) -> Iterator[RawSample]:
+    lines = _read_lines(unit.path)
+    for i in range(unit.start, unit.start + unit.num_samples):
+        line = lines[i]
+        names, errors, images, video = None, {}, [], None
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            if "image" in rec:
+                names = rec["image"] if isinstance(rec["image"], list) else [rec["image"]]
+            else:
+                names = []
+                if "video" in rec:
+                    video = rec["video"]
+                    errors[VIDEO_ERROR_KEY] = VIDEO_UNSUPPORTED
+        for idx, name in enumerate(names or []):
+            if not isinstance(name, str):
+                errors[str(idx)] = f"TypeError: expected str, bytes or os.PathLike object, not {type(name).__name__}"
+                continue
             try:
-                rec = json.loads(line)
-            except ValueError:
-                rec = None
-            if isinstance(rec, dict):
-                if "image" in rec:
-                    names = rec["image"] if isinstance(rec["image"], list) else [rec["image"]]
-                else:
-                    names = []
-                    if "video" in rec:
-                        video = rec["video"]
-                        errors[VIDEO_ERROR_KEY] = VIDEO_UNSUPPORTED
-            for idx, name in enumerate(names or []):
-                if not isinstance(name, str):
-                    errors[str(idx)] = f"TypeError: expected str, bytes or os.PathLike object, not {type(name).__name__}"
-                    continue
-                try:
-                    with open(os.path.join(self.image_dir, name), "rb") as f:
-                        images.append((idx, f.read()))
-                except OSError as e:
-                    errors[str(idx)] = _os_error_message(e, os.path.join(self.rel_image_dir, name))
-            for idx, msg in errors.items():
-                self.log.warn(f"{self.rel_file} line {i}: image {idx}: {msg}")
-            meta = {"group": VLM, "source": {"file": self.rel_file, "line": i}, "raw_line": line,
-                    "image_dir": self.rel_image_dir, "image_names": names, "image_errors": errors}
-            if video is not None:
-                meta["video"] = video
-            yield RawSample([i], meta, images)
+                with open(os.path.join(image_dir, name), "rb") as f:
+                    images.append((idx, f.read()))
+            except OSError as e:
+                errors[str(idx)] = _os_error_message(e, os.path.join(rel_image_dir, name))
+        for idx, msg in errors.items():
+            warn(f"{unit.rel} line {i}: image {idx}: {msg}")
+        meta = {"group": VLM, "source": {"file": unit.rel, "line": i}, "raw_line": line,
+                "image_dir": rel_image_dir, "image_names": names, "image_errors": errors}
+        if video is not None:
+            meta["video"] = video
+        yield RawSample([i], meta, images)
+
+
+def iter_unit(group: str, unit: SourceUnit, *, image_dir: str = "", rel_image_dir: str = "",
+              warn: Callable[[str], None] = lambda msg: None) -> Iterator[RawSample]:
+    """The samples of one work unit, in sample order (``image_dir``/``rel_image_dir``: vlm only)."""
+    if group == T2I:
+        return _iter_t2i(unit)
+    if group == EDIT:
+        return _iter_edit(unit)
+    return _iter_vlm(unit, image_dir, rel_image_dir, warn)

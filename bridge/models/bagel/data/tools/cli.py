@@ -7,32 +7,42 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from ..converter.convert import ConvertError, ConvertSummary, convert_from_config, convert_group
+from ..converter.convert import (
+    DEFAULT_MAX_IMAGE_PIXELS, ConvertError, ConvertSummary, convert_from_config, convert_group, merge_all,
+)
 from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
 
 logger = logging.getLogger(__name__)
 
 
 def format_summary(summaries: Sequence[ConvertSummary]) -> str:
-    """A plain-text table: one line per converted dataset plus a total line."""
-    head = ("dataset", "samples", "shards", "bytes", "warnings", "skipped (by reason)")
-    rows = [(f"{s.group}/{s.dataset_name}", str(s.samples), str(s.shards), str(s.bytes), str(len(s.warnings)),
-             ", ".join(f"{r}: {n}" for r, n in s.skipped.items()) or "-") for s in summaries]
-    tot_skip: dict[str, int] = {}
-    for s in summaries:
-        for r, n in s.skipped.items():
-            tot_skip[r] = tot_skip.get(r, 0) + n
+    """A plain-text table: one line per converted dataset plus a total line (parts: a status line each)."""
+    head = ("dataset", "samples", "shards", "bytes", "warnings", "skipped (by reason)", "bad images (by reason)")
+
+    def reasons(d: dict[str, int]) -> str:
+        return ", ".join(f"{r}: {n}" for r, n in sorted(d.items())) or "-"
+
+    def total(attr: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for s in summaries:
+            for r, n in getattr(s, attr).items():
+                out[r] = out.get(r, 0) + n
+        return out
+
+    rows = [(f"{s.group}/{s.dataset_name}", str(s.samples), str(s.shards), str(s.bytes),
+             str(max(s.num_warnings, len(s.warnings))), reasons(s.skipped), reasons(s.bad_images)) for s in summaries]
     rows.append(("TOTAL", str(sum(s.samples for s in summaries)), str(sum(s.shards for s in summaries)),
-                 str(sum(s.bytes for s in summaries)), str(sum(len(s.warnings) for s in summaries)),
-                 ", ".join(f"{r}: {n}" for r, n in sorted(tot_skip.items())) or "-"))
+                 str(sum(s.bytes for s in summaries)), str(sum(max(s.num_warnings, len(s.warnings)) for s in summaries)),
+                 reasons(total("skipped")), reasons(total("bad_images"))))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = "  ".join(f"{{:{'<' if i in (0, 5) else '>'}{w}}}" for i, w in enumerate(widths))
+    fmt = "  ".join(f"{{:{'<' if i in (0, 5, 6) else '>'}{w}}}" for i, w in enumerate(widths))
     lines = [fmt.format(*head), "  ".join("-" * w for w in widths)] + [fmt.format(*r) for r in rows]
+    lines += [f"{s.group}/{s.dataset_name}: {s.status}" for s in summaries if s.status != "published"]
     return "\n".join(line.rstrip() for line in lines)
 
 
 def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``bagel-data inspect``: see ``inspection.run_inspect`` and README "Look before you train"."""
+    """``bagel-data inspect``: see ``inspection.run_inspect`` and docs/inspect.md."""
     ins = sub.add_parser("inspect", help="build the job's loader and report/draw N packed batches")
     ins.add_argument("--config", required=True, help="job YAML (the one scripts/pretrain_bagel.py runs)")
     ins.add_argument("--batches", type=int, default=4, help="packed batches to inspect (default 4)")
@@ -76,6 +86,14 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD)
         sp.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
         sp.add_argument("--no-progress", action="store_true")
+        sp.add_argument("--workers", type=int, default=1, help="processes converting source files (default 1)")
+        sp.add_argument("--part", type=int, default=0, help="convert only part PART of --num-parts (0-based)")
+        sp.add_argument("--num-parts", type=int, default=1,
+                        help="split the work units into this many disjoint parts (one per job of an array); "
+                             "publish with `bagel-data convert merge --out OUT` once all are done")
+        sp.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+                        help=f"count stored images with more pixels (header check; default {DEFAULT_MAX_IMAGE_PIXELS},"
+                             " PIL's MAX_IMAGE_PIXELS)")
 
     t2i = csub.add_parser("t2i", help="t2i_pretrain parquet folder")
     t2i.add_argument("--data-dir", required=True)
@@ -94,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     cfg.add_argument("--groups", required=True, help="grouped YAML (official example.yaml format)")
     cfg.add_argument("--source-root", help="directory relative dataset_info paths are relative to (default: cwd)")
     common(cfg, named=False)
+    mrg = csub.add_parser("merge", help="join the parts of a --num-parts conversion under OUT and publish them")
+    mrg.add_argument("--out", required=True, help="the --out of the part runs")
+    mrg.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
 
     _add_inspect_parser(sub)
     stats = sub.add_parser("stats", help="token estimates per group/dataset and a budget advisor for a job config")
@@ -141,8 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not summaries:
                 print(f"demo data already complete in {args.out} (seed {args.seed}, scale {args.scale})")
                 return 0
+        elif args.fmt == "merge":
+            summaries = merge_all(args.out, overwrite=args.overwrite)
         else:
-            kw = dict(samples_per_shard=args.samples_per_shard, progress=not args.no_progress, overwrite=args.overwrite)
+            kw = dict(samples_per_shard=args.samples_per_shard, progress=not args.no_progress, overwrite=args.overwrite,
+                      workers=args.workers, part=args.part, num_parts=args.num_parts,
+                      max_image_pixels=args.max_image_pixels)
             if args.fmt == "config":
                 summaries = convert_from_config(args.dataset_info, args.groups, args.out, source_root=args.source_root,
                                                 **kw)

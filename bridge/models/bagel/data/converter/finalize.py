@@ -1,0 +1,169 @@
+"""Merge the finished units of a conversion: Energon's ``.nv-meta`` index, ``manifest.json``, atomic publish.
+
+Costs O(units + shards) in Python: the ``samples`` rows of ``index.sqlite`` are copied from the units'
+fragments by SQLite itself (``ATTACH`` + ``INSERT ... SELECT``), in unit order, so the index bytes do not depend
+on how many processes or machines converted the units.
+
+What Energon's ``prepare_dataset`` would write, and why it is not called: it re-reads every shard (the
+converter already knows every offset), its ``index.uuid`` is a fresh ``uuid4`` on every run, and with
+``workers > 1`` its sqlite rows arrive in worker completion order, so neither is byte-deterministic. Here:
+``shards/*.tar.idx`` (written by the units, the same bytes as Energon's), ``.nv-meta/.info.json`` and
+``split.yaml`` (Energon's own structs and serialisers), ``index.sqlite`` with Energon's ``samples`` table and
+indexes only (the ``sample_parts`` table serves lookups by full entry name, which no BAGEL reader does), and
+``index.uuid`` derived from the content (it changes exactly when the index does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sqlite3
+import uuid
+from collections import Counter
+from typing import Any
+
+from ..energon.layout import EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, crude_dataset_yaml
+from .units import WORK_DIR, unit_index_path, unit_record_path
+
+__all__ = ["write_energon_index", "build_manifest", "v1_samples"]
+
+_NV = ".nv-meta"
+
+
+def _write(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def write_energon_index(staging: str, shards: list[dict[str, Any]], n_units: int, group: str) -> None:
+    """Write ``.nv-meta/{index.sqlite,.info.json,split.yaml,dataset.yaml,index.uuid}`` of the staged dataset."""
+    import yaml
+    from megatron.energon import __version__ as energon_version
+    from megatron.energon.bracecollapse import collapse
+    from megatron.energon.epathlib import EPath
+    from megatron.energon.flavors.webdataset.indexing import SqliteIndexWriter
+    from megatron.energon.flavors.webdataset.structs import WebdatasetInfo, WebdatasetSplits
+    from megatron.energon.typed_converter import to_json_object
+
+    nv = os.path.join(staging, _NV)
+    os.makedirs(nv, exist_ok=True)
+    db_path = os.path.join(nv, "index.sqlite")
+    tmp = db_path + ".tmp"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    writer = SqliteIndexWriter(EPath(tmp))  # Energon's schema for `samples` (+ `sample_parts`, dropped below)
+    db = writer.db
+    assert db is not None
+    db.execute("PRAGMA synchronous = OFF")  # built under a temporary name, published by os.replace
+    for k in range(n_units):
+        db.execute("ATTACH DATABASE ? AS u", (unit_index_path(staging, k),))
+        db.execute("INSERT INTO samples (tar_file_id, sample_key, sample_index, byte_offset, byte_size) "
+                   "SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size FROM u.samples ORDER BY rowid")
+        db.commit()
+        db.execute("DETACH DATABASE u")
+    writer.close()
+    db = sqlite3.connect(tmp)
+    try:
+        db.execute("PRAGMA synchronous = OFF")
+        db.execute("DROP TABLE sample_parts")
+        db.commit()
+        db.execute("VACUUM")
+    finally:
+        db.close()
+    os.replace(tmp, db_path)
+
+    names = [sh["path"] for sh in shards]
+    info = io.StringIO()
+    json.dump(to_json_object(WebdatasetInfo(energon_version=energon_version,
+                                            shard_counts={sh["path"]: sh["count"] for sh in shards})), info, indent=2)
+    split = yaml.dump(to_json_object(WebdatasetSplits(split_parts={"train": collapse(names, keep_order=True)})),
+                      sort_keys=False)
+    _write(os.path.join(nv, ".info.json"), info.getvalue().encode())
+    _write(os.path.join(nv, "split.yaml"), split.encode())
+    _write(os.path.join(nv, "dataset.yaml"), crude_dataset_yaml(group).encode())
+
+
+def write_index_uuid(staging: str, manifest_bytes: bytes) -> None:
+    """``.nv-meta/index.uuid``: a UUID derived from the manifest and ``.info.json`` (same content, same UUID)."""
+    nv = os.path.join(staging, _NV)
+    with open(os.path.join(nv, ".info.json"), "rb") as f:
+        digest = hashlib.sha256(manifest_bytes + f.read()).digest()
+    _write(os.path.join(nv, "index.uuid"), str(uuid.UUID(bytes=digest[:16], version=4)).encode())
+
+
+def v1_samples(group: str, files: list[dict[str, Any]]) -> list[list[int]]:
+    """The per-sample coordinates of manifest format 1 (only written while ``MANIFEST_FORMAT == 1``)."""
+    if group not in (T2I, EDIT):
+        return [[i] for i in range(files[0]["num_samples"])]
+    out = []
+    for f in files:
+        stored = len(f["row_groups"]) if group == T2I else min(f.get("declared_row_groups") or 0, len(f["row_groups"]))
+        out += [[f["file_index"], g, r] for g in range(stored) for r in range(f["row_groups"][g])]
+    return out
+
+
+def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """``manifest.json`` (format 2 fields, see docs/converting.md) from the plan and the unit records."""
+    base = plan["manifest"]
+    files = [dict(f) for f in base["files"]]
+    if plan["group"] in (T2I, EDIT):
+        per_file = {u["file_index"]: u for u in plan["units"]}
+        n = 0
+        for f in files:
+            u = per_file.get(f["file_index"])
+            f["first_sample"], f["num_samples"] = n, (u["num_samples"] if u else 0)
+            n += f["num_samples"]
+    else:
+        files[0]["first_sample"], files[0]["num_samples"] = 0, files[0]["num_lines"]
+    shards = [{"path": sh["path"], "count": sh["count"]} for r in records for sh in r["shards"]]
+    images: Counter = Counter()
+    for r in records:
+        images.update(r["image_problems"])
+    man = {**base, "format": MANIFEST_FORMAT, "group": plan["group"], "dataset_name": plan["dataset_name"],
+           "source_root": plan["source_root"], "num_samples": sum(r["num_samples"] for r in records),
+           "samples_per_shard": plan["samples_per_shard"], "files": files, "shards": shards,
+           "image_checks": {"max_image_pixels": plan["max_image_pixels"], "problems": dict(sorted(images.items()))}}
+    if MANIFEST_FORMAT == 1:
+        man["samples"] = v1_samples(plan["group"], files)
+    return man
+
+
+def load_records(staging: str, n_units: int) -> tuple[list[dict[str, Any]], list[int]]:
+    """The unit records present (in unit order) and the indices of the units without one."""
+    records, missing = [], []
+    for k in range(n_units):
+        try:
+            with open(unit_record_path(staging, k), encoding="utf-8") as f:
+                records.append(json.load(f))
+        except FileNotFoundError:
+            missing.append(k)
+    return records, missing
+
+
+def publish(staging: str, ds_dir: str) -> None:
+    """Drop the work files and move the staged dataset to its final path (replacing an old one).
+
+    The work dir is first renamed away in one step, so a run killed while it is being deleted finds a merged
+    staging dir (manifest, no work dir) and only publishes.
+    """
+    work, done = os.path.join(staging, WORK_DIR), os.path.join(staging, WORK_DIR + ".done")
+    if os.path.exists(work):
+        shutil.rmtree(done, ignore_errors=True)
+        os.replace(work, done)
+    shutil.rmtree(done, ignore_errors=True)
+    if os.path.exists(ds_dir):
+        old = ds_dir.rstrip(os.sep) + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(ds_dir, old)
+        os.replace(staging, ds_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, ds_dir)
+
+
+def manifest_path(staging: str) -> str:
+    return os.path.join(staging, MANIFEST_NAME)

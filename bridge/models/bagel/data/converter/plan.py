@@ -1,0 +1,119 @@
+"""The plan of a conversion (units with fixed sample/shard ranges), its parts, its staging dir, its process pool.
+
+The plan is computed from the inputs' metadata alone (parquet footers, the jsonl line count) by every part of a
+conversion, identically, and stored in ``<dataset>.partial/.convert/plan.json``; a staging dir whose plan
+differs (other sources, sizes, mtimes or options) is started over, one whose plan matches is resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+from tqdm import tqdm
+
+from .finalize import manifest_path
+from .formats import ConvertError, EditReader, ScanLog, SourceUnit, T2IReader, VlmReader, dumps_json, relpath
+from .units import WORK_DIR, UnitJob, run_unit
+
+__all__ = ["make_plan", "plan_jobs", "part_units", "open_staging", "run_jobs"]
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the staged work files change meaning (a staging dir of another version is started over).
+_PLAN_FORMAT = 1
+
+
+def make_plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader, log: ScanLog, root: str,
+          samples_per_shard: int, max_image_pixels: int, fingerprints: list[str]) -> dict[str, Any]:
+    """The deterministic layout of the conversion: units with their sample and shard ranges (JSON-able)."""
+    units, n, sh = [], 0, 0
+    for u in reader.units:
+        q, rem = divmod(u.num_samples, samples_per_shard)
+        counts = [samples_per_shard] * q + ([rem] if rem else [])
+        units.append({"path": u.path, "rel": u.rel, "file_index": u.file_index, "row_groups": list(u.row_groups),
+                      "start": u.start, "num_samples": u.num_samples, "first_sample": n, "first_shard": sh,
+                      "shard_counts": counts})
+        n, sh = n + u.num_samples, sh + len(counts)
+    sources = []
+    for p in fingerprints:
+        st = os.stat(p)
+        sources.append([relpath(p, root), st.st_size, st.st_mtime_ns])
+    vlm = isinstance(reader, VlmReader)
+    return {"plan_format": _PLAN_FORMAT, "group": group, "dataset_name": name, "source_root": root,
+            "samples_per_shard": samples_per_shard, "max_image_pixels": max_image_pixels, "sources": sources,
+            "image_dir": os.path.abspath(reader.image_dir) if vlm else "",
+            "rel_image_dir": reader.rel_image_dir if vlm else "", "units": units,
+            "manifest": {**log.manifest, "skipped": log.skipped}, "warnings": log.warnings}
+
+
+def plan_jobs(plan: dict[str, Any], staging: str) -> list[UnitJob]:
+    return [UnitJob(plan["group"], staging, k, SourceUnit(u["path"], u["rel"], u["file_index"], tuple(u["row_groups"]),
+                                                          u["start"], u["num_samples"]),
+                    u["first_sample"], u["first_shard"], tuple(u["shard_counts"]), plan["max_image_pixels"],
+                    plan["image_dir"], plan["rel_image_dir"]) for k, u in enumerate(plan["units"])]
+
+
+def part_units(plan: dict[str, Any], part: int, num_parts: int) -> list[int]:
+    """Unit indices of part ``part`` of ``num_parts``: contiguous, disjoint, balanced by sample count."""
+    if num_parts < 1 or not 0 <= part < num_parts:
+        raise ConvertError(f"--part {part} --num-parts {num_parts}: need num_parts >= 1 and 0 <= part < num_parts")
+    units = plan["units"]
+    total = sum(u["num_samples"] for u in units)
+    return [k for k, u in enumerate(units)
+            if (u["first_sample"] * num_parts // total if total else k * num_parts // len(units)) == part]
+
+
+def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool) -> tuple[str, bool]:
+    """The staging dir of ``ds_dir`` holding ``plan`` (resumed when it matches, else started over).
+
+    Returns ``(staging, merged)``; ``merged``: a previous run finished the merge and only the publish is left.
+    """
+    if os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or os.listdir(ds_dir)) and not overwrite:
+        raise ConvertError(f"{ds_dir}: output directory is not empty (pass overwrite=True / --overwrite to replace it)")
+    staging = ds_dir.rstrip(os.sep) + ".partial"
+    work = os.path.join(staging, WORK_DIR)
+    plan_bytes = dumps_json(plan)
+    plan_path = os.path.join(work, "plan.json")
+    if os.path.isdir(staging):
+        if os.path.exists(manifest_path(staging)) and not os.path.exists(work):
+            return staging, True
+        try:
+            with open(plan_path, "rb") as f:
+                same = f.read() == plan_bytes
+        except FileNotFoundError:
+            same = False
+        if not same:
+            logger.warning("%s: staged work of a different conversion (other sources or options); starting over",
+                           staging)
+            shutil.rmtree(staging)
+        else:
+            logger.info("%s: resuming a previous conversion", staging)
+    os.makedirs(work, exist_ok=True)
+    if not os.path.exists(plan_path):
+        with open(plan_path + f".tmp{os.getpid()}", "wb") as f:
+            f.write(plan_bytes)
+        os.replace(plan_path + f".tmp{os.getpid()}", plan_path)
+    return staging, False
+
+
+def run_jobs(jobs: list[UnitJob], workers: int, bar: tqdm) -> None:
+    """Convert ``jobs`` in this process (``workers <= 1``) or in a pool of forked processes."""
+    if workers <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            run_unit(job, on_rows=bar.update)
+        return
+    ctx = multiprocessing.get_context("fork")  # workers inherit the parsed inputs (vlm lines) for free
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as ex:
+        futures = [ex.submit(run_unit, job) for job in jobs]
+        try:
+            for fut in as_completed(futures):
+                bar.update(fut.result()["num_samples"])
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            raise

@@ -1,0 +1,276 @@
+"""Parallel, partitioned, resumable conversion: same bytes for any workers/parts, after a kill, after a full disk.
+
+Everything is compared file by file (shards, ``.tar.idx``, manifest, every ``.nv-meta`` file including
+``index.sqlite``) against the serial run; the Energon index is also checked against what Energon's own
+``prepare_dataset`` writes for the same shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import struct
+import subprocess
+import sys
+import tarfile
+import time
+import zlib
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from bridge.models.bagel.data.converter.convert import (
+    ConvertError, ConvertWriteError, convert_edit, convert_t2i, convert_vlm, merge_all, part_units,
+)
+from bridge.models.bagel.data.converter.units import IMAGE_EMPTY, IMAGE_OVER_LIMIT, IMAGE_UNREADABLE, tar_header
+from bridge.models.bagel.data.energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
+
+pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+
+RAW = Path(__file__).parent / "fixtures" / "bagel_readers" / "raw"
+REPO = Path(__file__).parent.parent
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Every file under ``root`` -> sha256 of its bytes."""
+    out = {}
+    for dp, _, fns in os.walk(root):
+        for fn in fns:
+            p = os.path.join(dp, fn)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, root)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _png(w: int, h: int, seed: int = 0) -> bytes:
+    """A real (tiny, or header-declared huge) PNG: signature, IHDR, one IDAT, IEND."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    raw = b"".join(b"\0" + bytes([(seed + x) % 256 for x in range(w)]) for _ in range(h)) if w * h <= 4096 else b""
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def make_corpus(root: Path, files: int = 12, rows: int = 250, lines: int = 600) -> dict[str, Path]:
+    """A few thousand t2i rows (2 row groups per file), an edit folder + parquet_info, a vlm jsonl + images."""
+    t2i = root / "raw" / "t2i"
+    t2i.mkdir(parents=True)
+    imgs = [_png(8, 8, i) for i in range(7)]
+    for fi in range(files):
+        n = rows + fi % 3
+        tbl = pa.table({"image": pa.array([imgs[(fi + r) % 7] for r in range(n)], pa.binary()),
+                        "captions": pa.array([json.dumps({"c": f"file {fi} row {r}"}) for r in range(n)])})
+        pq.write_table(tbl, t2i / f"part-{fi:04d}.parquet", row_group_size=(n + 1) // 2)
+    edit = root / "raw" / "edit"
+    edit.mkdir()
+    info = {}
+    for fi in range(4):
+        tbl = pa.table({"image_list": pa.array([[imgs[r % 7], imgs[(r + 1) % 7]] for r in range(40)],
+                                               pa.list_(pa.binary())),
+                        "instruction_list": pa.array([[[f"do {r}"]] for r in range(40)],
+                                                     pa.list_(pa.list_(pa.string())))})
+        pq.write_table(tbl, edit / f"e-{fi}.parquet", row_group_size=10)
+        info[str(edit / f"e-{fi}.parquet")] = {"num_row_groups": 3}
+    (root / "raw" / "info.json").write_text(json.dumps(info))
+    images = root / "raw" / "vlm" / "images"
+    images.mkdir(parents=True)
+    for i in range(7):
+        (images / f"{i}.png").write_bytes(imgs[i])
+    conv = [{"from": "human", "value": "<image> what?"}, {"from": "gpt", "value": "a square"}]
+    (root / "raw" / "vlm" / "sft.jsonl").write_text(
+        "".join(json.dumps({"image": f"{i % 7}.png", "conversations": conv}) + "\n" for i in range(lines)))
+    return {"t2i": t2i, "edit": edit, "info": root / "raw" / "info.json",
+            "jsonl": root / "raw" / "vlm" / "sft.jsonl", "images": images}
+
+
+def convert_all(src: dict[str, Path], out: Path, **kw) -> None:
+    convert_t2i(str(src["t2i"]), out, samples_per_shard=kw.pop("sps_t2i", 100), progress=False, **kw)
+    convert_edit(str(src["edit"]), str(src["info"]), out, samples_per_shard=7, progress=False, **kw)
+    convert_vlm(str(src["jsonl"]), str(src["images"]), out, samples_per_shard=64, progress=False, **kw)
+
+
+GOLDEN = {"t2i": RAW / "t2i", "edit": RAW / "unified_edit", "info": RAW / "parquet_info" / "unified_edit.json",
+          "jsonl": RAW / "vlm" / "vlm_sft.jsonl", "images": RAW / "vlm" / "images"}
+
+
+def test_tar_header_is_what_tarfile_writes():
+    for name, size in [("00000000.meta.json", 0), ("00000001.img0", 1), ("12345678.img12", 511),
+                       ("99999999.meta.json", 512), ("x" * 99, 10 ** 9), ("x" * 120, 5), ("é.img0", 3)]:
+        ti = tarfile.TarInfo(name)
+        ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
+        assert tar_header(name, size) == ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"), name
+
+
+def test_energon_index_is_what_prepare_dataset_writes(tmp_path):
+    """.tar.idx, .info.json, split.yaml and the sqlite `samples` table equal Energon's own indexing."""
+    from megatron.energon.flavors import BaseWebdatasetFactory
+
+    s = convert_t2i(str(RAW / "t2i"), tmp_path / "out", samples_per_shard=4, progress=False)
+    ref = tmp_path / "ref"
+    shutil.copytree(s.path, ref)
+    shutil.rmtree(ref / ".nv-meta")
+    for p in ref.glob("shards/*.idx"):
+        p.unlink()
+    shards = [sh["path"] for sh in load_manifest(s.path)["shards"]]
+    with contextlib.redirect_stdout(io.StringIO()):
+        BaseWebdatasetFactory.prepare_dataset(ref, shards, split_parts_ratio=[("train", 1.0)], shuffle_seed=None,
+                                              workers=1)
+    mine = Path(s.path)
+    for rel in [".nv-meta/.info.json", ".nv-meta/split.yaml"] + [p + ".idx" for p in shards]:
+        assert (mine / rel).read_bytes() == (ref / rel).read_bytes(), rel
+    q = "SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size FROM samples ORDER BY rowid"
+    schema = "SELECT type, name, sql FROM sqlite_master WHERE tbl_name = 'samples' ORDER BY name"
+    a, b = sqlite3.connect(mine / ".nv-meta" / "index.sqlite"), sqlite3.connect(ref / ".nv-meta" / "index.sqlite")
+    assert a.execute(q).fetchall() == b.execute(q).fetchall() and len(a.execute(q).fetchall()) == 21
+    assert a.execute(schema).fetchall() == b.execute(schema).fetchall()
+    # only the index our readers use: no sample_parts table (lookups by full entry name)
+    assert [r[0] for r in a.execute("SELECT name FROM sqlite_master WHERE type = 'table'")] == ["samples"]
+
+
+def test_parts_are_disjoint_balanced_and_cover_everything(tmp_path):
+    src = make_corpus(tmp_path, files=10, rows=50, lines=10)
+    s = convert_t2i(str(src["t2i"]), tmp_path / "o", progress=False, part=0, num_parts=3)
+    plan = json.loads((Path(s.path + ".partial") / ".convert" / "plan.json").read_text())
+    parts = [part_units(plan, i, 3) for i in range(3)]
+    assert sorted(sum(parts, [])) == list(range(10)) and all(parts)
+    assert all(a[-1] < b[0] for a, b in zip(parts, parts[1:]))  # contiguous ranges
+    with pytest.raises(ConvertError, match=rf"{10 - len(parts[0])} of 10 work units are not converted yet.*--part"):
+        merge_all(tmp_path / "o")  # part 0 only
+    with pytest.raises(ConvertError, match="--part 3 --num-parts 3"):
+        convert_t2i(str(src["t2i"]), tmp_path / "o", progress=False, part=3, num_parts=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corpus", ["golden", "generated"])
+def test_any_workers_or_parts_give_the_serial_bytes(tmp_path, corpus):
+    src = GOLDEN if corpus == "golden" else make_corpus(tmp_path)
+    kw = {"sps_t2i": 4} if corpus == "golden" else {}
+    convert_all(src, tmp_path / "serial", **kw)
+    ref = tree(tmp_path / "serial")
+    assert len([p for p in ref if p.endswith(".tar")]) > 8 and all(".partial" not in p for p in ref)
+    for workers in (2, 3):
+        convert_all(src, tmp_path / f"w{workers}", workers=workers, **kw)
+        assert tree(tmp_path / f"w{workers}") == ref, f"--workers {workers}"
+    for k in (2, 3):
+        out = tmp_path / f"parts{k}"
+        for i in range(k):
+            convert_all(src, out, part=i, num_parts=k, workers=2 if i == 0 else 1, **kw)
+        assert all(p.name.endswith(".partial") for g in (T2I, EDIT, VLM) for p in (out / g).iterdir())  # unpublished
+        merge_all(out)
+        assert tree(out) == ref, f"{k} parts"
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bridge.models.bagel.data.tools.cli", "convert", *args]
+
+
+@pytest.mark.slow
+def test_killed_conversion_resumes_with_the_same_bytes(tmp_path):
+    src = make_corpus(tmp_path, files=40, rows=150, lines=10)
+    args = ["t2i", "--data-dir", str(src["t2i"]), "--samples-per-shard", "50", "--no-progress"]
+    subprocess.run(_cli(*args, "--out", str(tmp_path / "ref")), check=True, cwd=REPO, capture_output=True)
+    out = tmp_path / "out"
+    work = out / T2I / "t2i.partial" / ".convert"
+    proc = subprocess.Popen(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (work.is_dir() and any(work.glob("unit-*.json"))):
+        assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before the first unit"
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its worker processes
+    proc.wait()
+    done = len(list(work.glob("unit-*.json")))
+    assert 0 < done < 40 and not (out / T2I / "t2i").exists()
+    r = subprocess.run(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "resuming" in r.stderr
+    assert tree(out) == tree(tmp_path / "ref")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 192 KiB tmpfs (needs root); yields (mount point, grow()) where grow() remounts it at 64 MiB."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield mnt, lambda: subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+@pytest.mark.slow
+def test_full_disk_stops_with_one_line_and_a_rerun_resumes(tmp_path, small_disk):
+    mnt, grow = small_disk
+    src = make_corpus(tmp_path, files=12, rows=250, lines=10)  # ~1.4 MB of shards
+    args = ["t2i", "--data-dir", str(src["t2i"]), "--samples-per-shard", "100", "--no-progress", "--workers", "2"]
+    subprocess.run(_cli(*args, "--out", str(tmp_path / "ref")), check=True, cwd=REPO, capture_output=True)
+    r = subprocess.run(_cli(*args, "--out", str(mnt)), cwd=REPO, capture_output=True, text=True)
+    errors = [ln for ln in r.stderr.splitlines() if " ERROR " in ln]
+    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "No space left on device" in errors[0] and str(mnt / T2I / "t2i.partial") in errors[0]
+    assert "bytes of that file" in errors[0] and "rerun the same command to resume" in errors[0]
+    assert not (mnt / T2I / "t2i").exists()  # nothing published
+    staged = mnt / T2I / "t2i.partial"
+    assert not list(staged.rglob("*.tmp"))  # no half-written file left behind
+    done = len(list((staged / ".convert").glob("unit-*.json")))
+    grow()
+    r = subprocess.run(_cli(*args, "--out", str(mnt)), cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert tree(mnt) == tree(tmp_path / "ref") and done < 12
+
+
+def test_full_disk_in_process_raises_convert_write_error(tmp_path, small_disk):
+    mnt, grow = small_disk
+    src = make_corpus(tmp_path, files=12, rows=250, lines=10)
+    with pytest.raises(ConvertWriteError) as e:
+        convert_t2i(str(src["t2i"]), mnt, progress=False)
+    assert "\n" not in str(e.value) and "No space left on device" in str(e.value)
+    grow()
+    s = convert_t2i(str(src["t2i"]), mnt, progress=False)
+    ref = convert_t2i(str(src["t2i"]), tmp_path / "ref", progress=False)
+    assert tree(Path(s.path)) == tree(Path(ref.path))
+
+
+def test_bad_images_are_counted_by_reason_and_kept(tmp_path, capsys):
+    from bridge.models.bagel.data.tools.cli import main
+
+    d = tmp_path / "in"
+    d.mkdir()
+    images = [_png(8, 8), b"", _png(100_000, 100_000), b"not an image", _png(300, 300), None]
+    pq.write_table(pa.table({"image": pa.array(images, pa.binary()),
+                             "captions": pa.array([json.dumps({"c": str(i)}) for i in range(6)])}), d / "p.parquet")
+    rc = main(["convert", "t2i", "--data-dir", str(d), "--out", str(tmp_path / "out"), "--no-progress",
+               "--max-image-pixels", "50000"])
+    table = capsys.readouterr().out
+    assert rc == 0
+    assert f"{IMAGE_EMPTY}: 1, {IMAGE_OVER_LIMIT}: 2, {IMAGE_UNREADABLE}: 1" in table.splitlines()[2]
+    man = load_manifest(tmp_path / "out" / T2I / "in")
+    assert man["image_checks"] == {"max_image_pixels": 50000, "problems": {
+        IMAGE_EMPTY: 1, IMAGE_OVER_LIMIT: 2, IMAGE_UNREADABLE: 1}}
+    with tarfile.open(tmp_path / "out" / T2I / "in" / man["shards"][0]["path"]) as tf:
+        stored = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
+    assert [stored.get(f"{i:08d}.img0") for i in range(6)] == images  # every sample, bytes unchanged
+    assert all(f"{i:08d}.{META_PART}" in stored for i in range(6))
+    # the default limit (PIL's MAX_IMAGE_PIXELS) counts only the 10^10-pixel header
+    s = convert_t2i(str(d), tmp_path / "out2", progress=False)
+    assert s.bad_images == {IMAGE_EMPTY: 1, IMAGE_OVER_LIMIT: 1, IMAGE_UNREADABLE: 1}
+
+
+def test_a_run_killed_between_merge_and_publish_only_publishes(tmp_path):
+    """The state a kill leaves after the merge dropped the work dir but before the rename: a rerun publishes it."""
+    s = convert_t2i(str(RAW / "t2i"), tmp_path / "out", samples_per_shard=4, progress=False)
+    ref = tree(Path(s.path))
+    os.replace(s.path, s.path + ".partial")  # merged staging dir: manifest, no .convert
+    again = convert_t2i(str(RAW / "t2i"), tmp_path / "out", samples_per_shard=4, progress=False)
+    assert tree(Path(again.path)) == ref and not Path(s.path + ".partial").exists()
+    assert (again.samples, again.shards) == (s.samples, s.shards)
