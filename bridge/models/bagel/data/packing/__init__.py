@@ -3,6 +3,7 @@
 from .digest import batch_digest, first_difference
 from .masks import dense_attention_mask
 from .packer import SPECIAL_TOKEN_KEYS, BagelPacker, restore_key_of
+from .packer_config import PackerConfig
 from .sequence import PackLayout, SequenceBuilder
 from .sources import ListGroupSource
 
@@ -10,6 +11,7 @@ __all__ = [
     "BagelPacker",
     "ListGroupSource",
     "PackLayout",
+    "PackerConfig",
     "SequenceBuilder",
     "SPECIAL_TOKEN_KEYS",
     "batch_digest",

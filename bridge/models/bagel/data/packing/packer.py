@@ -19,10 +19,10 @@ import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..config import PackerConfig
 from ..state import Savable, StateError
 from ..stats import DropCounter, StallWatch, merge_counts
 from .lengths import estimate
+from .packer_config import PackerConfig
 from .sequence import PackLayout, SequenceBuilder, sample_field
 from .step import PackBudgets, PackLoop
 

@@ -19,9 +19,9 @@ from ..transforms import (
     get_flattened_position_ids_interpolate,
     len2weight,
 )
-from ..config import PackerConfig
 from . import memory
 from .masks import dense_attention_mask
+from .packer_config import PackerConfig
 
 __all__ = ["PackLayout", "SequenceBuilder", "sample_field"]
 
