@@ -22,10 +22,11 @@ from _external_common import demo_config
 
 PACKING = Path(__file__).resolve().parents[1] / "bridge" / "models" / "bagel" / "data" / "packing"
 #: Budgets that reach every drop reason on the demo data: vlm samples up to ~5000 tokens (mandatory drop),
-#: edit up to ~6200 (overlength), a 2-sample buffer (flush_drop) and prefer_buffer_before + per-sample > max
-#: (a popped sample can overflow: flush_drop_buffered).
-PARITY = PackerConfig(expected_num_tokens=7168, max_num_tokens=8192, max_num_tokens_per_sample=4096,
-                      prefer_buffer_before=6144, max_buffer_size=2, use_flex=True, max_latent_size=64)
+#: edit up to ~6200 (overlength), a 1-sample buffer (flush_drop) and prefer_buffer_before + per-sample > max
+#: (a popped sample can overflow: flush_drop_buffered). The per-sample limit is the estimate of two demo edit
+#: samples, so the non-strict ``>`` (kept at the limit) is exercised, not only the clear cases.
+PARITY = PackerConfig(expected_num_tokens=7168, max_num_tokens=8192, max_num_tokens_per_sample=4110,
+                      prefer_buffer_before=6144, max_buffer_size=1, use_flex=True, max_latent_size=64)
 PER_GROUP, PACKS, SEED = 24, 40, 1234
 
 
@@ -52,7 +53,7 @@ def demo_samples(demo_setup):
     return packer.group_names, packer.group_weights, packer.is_mandatory, special, samples
 
 
-def _run_packer(demo, *, no_cfg: bool) -> tuple[list[int], dict[str, int], int]:
+def _run_packer(demo, *, no_cfg: bool) -> tuple[list[int], list[int], dict[str, int], int]:
     names, weights, mandatory, special, samples = demo
     sources = [ListGroupSource([_as_dict(s, no_cfg=no_cfg) for s in ss], cycle=True, name=n)
                for n, ss in zip(names, samples)]
@@ -62,11 +63,13 @@ def _run_packer(demo, *, no_cfg: bool) -> tuple[list[int], dict[str, int], int]:
     random.seed(SEED)
     np.random.seed(SEED)
     try:
-        lengths = [next(packer)["sequence_length"] for _ in range(PACKS)]
+        batches = [next(packer) for _ in range(PACKS)]
     finally:
         random.setstate(py)
         np.random.set_state(npy)
-    return lengths, dict(packer.drops.counts), sum(packer.consumed)
+    lengths = [b["sequence_length"] for b in batches]
+    samples_per_pack = [len(b["batch_data_indexes"]) for b in batches]
+    return lengths, samples_per_pack, dict(packer.drops.counts), sum(packer.consumed)
 
 
 def test_packer_and_stats_simulator_agree_on_real_demo_samples(demo_samples) -> None:
@@ -77,19 +80,22 @@ def test_packer_and_stats_simulator_agree_on_real_demo_samples(demo_samples) -> 
     samples' ``enable_cfg`` flags are cleared for this comparison; the packed length then equals the estimate.
     """
     names, weights, mandatory, _, samples = demo_samples
-    lengths, drops, consumed = _run_packer(demo_samples, no_cfg=True)
+    lengths, per_pack, drops, consumed = _run_packer(demo_samples, no_cfg=True)
     streams = [[estimate(s.num_tokens, len(s.sequence_plan)) for s in ss] for ss in samples]
+    limit = PARITY.max_num_tokens_per_sample
+    assert any(e == limit for ss, m in zip(streams, mandatory) if not m for e in ss)  # the boundary is in the data
     sim = simulate_packing(streams, weights, mandatory, names, PARITY, packs=PACKS, seed=SEED)
     assert sim.impossible is None and sim.packs == PACKS
     assert sim.pack_lengths == lengths
     assert sim.drops == drops and sim.consumed == consumed
+    assert sim.samples_per_pack == pytest.approx(sum(per_pack) / PACKS)
     assert set(drops) == set(DROP_REASONS) and all(drops[r] > 0 for r in DROP_REASONS), drops  # every path taken
     assert sim.over_limit == drops["overlength"] + drops["overlength_mandatory"]
     assert sim.flushed == drops["flush_drop"] + drops["flush_drop_buffered"]
     assert sim.fill == pytest.approx(sum(lengths) / PACKS / PARITY.max_num_tokens)
     # The comparison can fail: with the samples' real CFG flags the packer draws CFG coins from the same global
     # stream and packs dropped items shorter, so its packs are no longer the simulator's.
-    real_lengths, _, _ = _run_packer(demo_samples, no_cfg=False)
+    real_lengths, _, _, _ = _run_packer(demo_samples, no_cfg=False)
     assert real_lengths != sim.pack_lengths
 
 
@@ -106,7 +112,7 @@ def test_step_rules() -> None:
     assert step(B, 501, 500, from_buffer=False, buffer_len=1) == BUFFER
     assert step(B, 501, 500, from_buffer=False, buffer_len=2) == "flush_drop"     # buffer full
     assert step(B, 501, 500, from_buffer=True, buffer_len=0) == "flush_drop_buffered"  # never re-buffered
-    assert PackBudgets.of(PARITY) == PackBudgets(7168, 8192, 4096, 6144, 2)
+    assert PackBudgets.of(PARITY) == PackBudgets(7168, 8192, 4110, 6144, 1)
 
 
 def test_mandatory_samples_use_the_strict_limit_and_skip_the_cap() -> None:
