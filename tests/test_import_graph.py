@@ -26,8 +26,8 @@ LAYERS: dict[str, int] = {
     "config": 1,
     # 2: Energon readers and cookers
     "energon": 2,
-    # 3: the pack loop
-    "packing": 3,
+    # 3: the pack loop; its length rules are a leaf the config-time budget checks share
+    "packing": 3, "packing.lengths": 0,
     # 4: pipeline stages after the packer (RNG, official workers, prefetch, the loader)
     "pipeline": 4,
     # 5: assembly: the builder, the Bridge providers, the seed facade
@@ -158,6 +158,21 @@ def test_no_stage_imports_a_later_stage(graph):
             if ld is not None and ld > lm:
                 bad.append(f"{mod} (layer {lm}) imports {dep} (layer {ld})")
     assert not bad, "\n".join(sorted(bad))
+
+
+#: Config-time checks: the runtime stages never run them (the builder does, once, through validate_data).
+CONFIG_TIME = ("config.budgets", "config.validate")
+RUNTIME_STAGES = ("energon", "packing", "pipeline")
+
+
+def test_runtime_stages_never_import_config_time_checks(graph):
+    bad = [f"{m} imports {d}" for m, deps in graph.items() if _wing(m, RUNTIME_STAGES)
+           for d in deps if d in CONFIG_TIME or d == "config"]
+    assert not bad, bad
+
+
+def test_packing_length_rules_are_a_leaf(graph):
+    assert graph["packing.lengths"] == set()
 
 
 def test_runtime_never_imports_the_side_wings(graph):

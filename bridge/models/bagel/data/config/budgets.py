@@ -6,7 +6,8 @@ after the group's :class:`~.transforms.ImageTransform`. Everything here derives 
 
 * :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (used by the config
   checks below and by ``bagel-data stats``, so both always agree with the packer); :func:`is_overlength`
-  — the packer's per-sample drop rule on such an estimate;
+  — the packer's per-sample drop rule on such an estimate (``estimate``, ``is_overlength`` and
+  ``mandatory_tokens`` live in :mod:`.packing.lengths`, the packer's leaf module, and are re-exported here);
 * :func:`transform_extremes` — the largest / smallest output a transform can produce (grid side in
   patches, tokens), found by evaluating the exact resize rule over a grid of input sizes;
   :func:`image_grids` / :func:`table_side` — which position table each of a group's transforms indexes
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .schema import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
+from ..packing.lengths import estimate, is_overlength, mandatory_tokens  # re-exported: the packer's own rules
 from ..transforms import ImageTransform
 
 __all__ = [
@@ -67,24 +69,6 @@ def image_tokens(transform: ImageTransform, width: int, height: int, img_num: in
     """
     h, w = transform.target_size(width, height, img_num)
     return h * w // transform.stride ** 2
-
-
-def estimate(num_tokens: int, plan_items: int) -> int:
-    """The packer's length estimate of one sample: ``num_tokens + 2 * plan_items`` (spec §5)."""
-    return int(num_tokens) + 2 * int(plan_items)
-
-
-def is_overlength(est: float, limit: int, mandatory: bool) -> bool:
-    """The packer's per-sample drop rule (spec §5 / §13.1): a sample estimated at ``est`` tokens is dropped
-    when ``est >= limit`` in a mandatory group, ``est > limit`` otherwise (``limit`` =
-    ``max_num_tokens_per_sample``)."""
-    return est >= limit if mandatory else est > limit
-
-
-def mandatory_tokens(mandatory_groups: int, limit: int) -> int:
-    """The most tokens the mandatory samples alone can put into one pack: one sample ``< limit`` per mandatory
-    group; they are never checked against ``max_num_tokens`` (official quirk, case B6)."""
-    return mandatory_groups * (limit - 1)
 
 
 def t2i_estimate(image_tokens: int, caption_tokens: int) -> int:

@@ -3,7 +3,8 @@
 Randomness comes from the process-global ``random`` (group choice, CFG dropout) and ``numpy.random``
 (timesteps) in exactly the official order; isolating it is ``BagelRNGIterator``'s job. Official quirks are
 kept (flush drop, ``<`` vs ``>`` length checks, uncapped mandatory samples) but nothing is silent: every
-dropped sample is counted by reason in ``packer.drops``.
+dropped sample is counted by reason in ``packer.drops``. The loop's decisions live in ``step.PackLoop`` (shared
+with the ``bagel-data stats`` simulator); this class supplies the samples and lays them out.
 
 State (taken between batches) is small: the group sources' own states, the overflow buffer as
 (group, restore key) pairs, the drop counts, the batch count and per-group consumption. Buffered samples
@@ -12,18 +13,18 @@ are rebuilt on load through their group source's ``restore_sample(key)``.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from ..config.budgets import estimate, is_overlength
-from ..config import PackerConfig
+from ..config.schema import PackerConfig
 from ..state import Savable, StateError
 from ..stats import DropCounter, StallWatch, merge_counts
+from .lengths import estimate
 from .sequence import PackLayout, SequenceBuilder, sample_field
+from .step import PackBudgets, PackLoop
 
 __all__ = ["BagelPacker", "SPECIAL_TOKEN_KEYS", "restore_key_of"]
 
@@ -53,7 +54,7 @@ def _dataset_part(sample: Any) -> str:
 
 
 def _estimate(sample: Any) -> int:
-    """Official length estimate of a sample (``budgets.estimate``: num_tokens + 2 per plan item)."""
+    """Official length estimate of a sample (``lengths.estimate``: num_tokens + 2 per plan item)."""
     return estimate(sample_field(sample, "num_tokens"), len(sample_field(sample, "sequence_plan")))
 
 
@@ -96,11 +97,7 @@ class BagelPacker(Savable):
         self.group_names = list(group_names) if group_names is not None else [f"group{i}" for i in range(n)]
         self.group_weights = [float(w) for w in group_weights]
         self.is_mandatory = [bool(m) for m in is_mandatory]
-        # Official cumulative probabilities: cum_i = sum(w_0..w_i) / sum(w).
-        acc, self._cum = 0.0, []
-        for w in self.group_weights:
-            acc += w
-            self._cum.append(acc / total)
+        self._loop: PackLoop[Any] = PackLoop(PackBudgets.of(self.config), list(group_weights), self.is_mandatory)
         self.layout = PackLayout(self.config, **{k: int(special_tokens[k]) for k in SPECIAL_TOKEN_KEYS})
         self.drops = DropCounter("BagelPacker", logger)
         self._stall = StallWatch("BagelPacker:", _STALL_HINT)
@@ -189,7 +186,7 @@ class BagelPacker(Savable):
             if callable(close):
                 close()
 
-    # -- the official loop --------------------------------------------------------------------------
+    # -- the official loop (``step.PackLoop``; this class supplies the samples and lays them out) ----------
     def _next_from(self, group: int) -> Any:
         try:
             sample = next(self.sources[group])
@@ -199,73 +196,62 @@ class BagelPacker(Savable):
         self._consumed[group] += 1
         return sample
 
-    def _choose_group(self) -> int:
-        u = random.random()
-        i = bisect.bisect_right(self._cum, u)  # first i with u < cum_i
-        return i if i < len(self._cum) else 0
-
-    def _finish(self, pack: SequenceBuilder, data_indexes: list[Any]) -> dict[str, Any]:
-        batch = pack.to_batch()
-        batch["batch_data_indexes"] = data_indexes
-        self.num_batches += 1
-        return batch
-
-    def _pack(self, pack: SequenceBuilder, group: int, sample: Any, data_indexes: list[Any]) -> None:
-        pack.pack_sample(sample)
-        data_indexes.append(sample_field(sample, "data_indexes"))
-        self._stall.ok(self.group_names[group])
-
-    def _drop_overlength(self, group: int, sample: Any, reason: str, why: str) -> None:
-        """Count an over-length drop; a group that only ever drops raises ``DataStallError`` (liveness rule)."""
+    def _drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:
+        """Count a drop of the pack loop; a group that only ever drops over-length samples raises
+        ``DataStallError`` (liveness rule)."""
         name = self.group_names[group]
-        detail = f"group {name!r} sample {sample_field(sample, 'data_indexes')} {why}"
-        self.drops.drop(reason, detail)
-        self._stall.drop(name, reason, detail, limit=self.config.max_consecutive_drops,
-                         where=f"group {name!r}{_dataset_part(sample)}")
+        where = f"group {name!r} sample {sample_field(sample, 'data_indexes')}"
+        limit = self.config.max_num_tokens_per_sample
+        if reason in ("overlength_mandatory", "overlength"):
+            op = ">=" if reason == "overlength_mandatory" else ">"
+            detail = f"{where} estimated {est} tokens {op} max_num_tokens_per_sample {limit}"
+            self.drops.drop(reason, detail)
+            self._stall.drop(name, reason, detail, limit=self.config.max_consecutive_drops,
+                             where=f"group {name!r}{_dataset_part(sample)}")
+            return
+        why = "after leaving the buffer" if reason == "flush_drop_buffered" else "and the buffer is full"
+        self.drops.drop(reason, f"{where} ({est} tokens) did not fit a pack of {curr} tokens {why} (official flush)")
 
     def __iter__(self) -> "BagelPacker":
         return self
 
     def __next__(self) -> dict[str, Any]:
-        limit = self.config.max_num_tokens_per_sample
-        pack = SequenceBuilder(self.layout)
-        data_indexes: list[Any] = []
-        while True:
-            if pack.curr == 0:
-                for group, mandatory in enumerate(self.is_mandatory):
-                    if not mandatory:
-                        continue
-                    while True:
-                        sample = self._next_from(group)
-                        est = _estimate(sample)
-                        if not is_overlength(est, limit, mandatory=True):
-                            break
-                        self._drop_overlength(group, sample, "overlength_mandatory",
-                                              f"estimated {est} tokens >= max_num_tokens_per_sample {limit}")
-                    self._pack(pack, group, sample, data_indexes)
-            if pack.curr < self.config.prefer_buffer_before and self.buffer:
-                group, sample = self.buffer.pop(0)
-                from_buffer = True
-            else:
-                group = self._choose_group()
-                sample = self._next_from(group)
-                from_buffer = False
-            est = _estimate(sample)
-            if is_overlength(est, limit, mandatory=False):
-                self._drop_overlength(group, sample, "overlength",
-                                      f"estimated {est} tokens > max_num_tokens_per_sample {limit}")
-                continue
-            if pack.curr + est > self.config.max_num_tokens:
-                if len(self.buffer) < self.config.max_buffer_size and not from_buffer:
-                    self.buffer.append((group, sample))
-                    continue
-                self.drops.drop(
-                    "flush_drop_buffered" if from_buffer else "flush_drop",
-                    f"group {self.group_names[group]!r} sample {sample_field(sample, 'data_indexes')} "
-                    f"({est} tokens) did not fit a pack of {pack.curr} tokens "
-                    f"{'after leaving the buffer' if from_buffer else 'and the buffer is full'} (official flush)",
-                )
-                return self._finish(pack, data_indexes)
-            self._pack(pack, group, sample, data_indexes)
-            if pack.curr >= self.config.expected_num_tokens:
-                return self._finish(pack, data_indexes)
+        fill = _PackFill(self, SequenceBuilder(self.layout))
+        self._loop.fill(fill, self.buffer)
+        batch = fill.pack.to_batch()
+        batch["batch_data_indexes"] = fill.data_indexes
+        self.num_batches += 1
+        return batch
+
+
+class _PackFill:
+    """One pack under construction as the ``PackLoop``'s target: samples from the packer's sources, laid out by a
+    ``SequenceBuilder`` (``curr`` is the real packed length), group draws from the global ``random``."""
+
+    __slots__ = ("packer", "pack", "data_indexes")
+
+    def __init__(self, packer: BagelPacker, pack: SequenceBuilder) -> None:
+        self.packer = packer
+        self.pack = pack
+        self.data_indexes: list[Any] = []
+
+    @property
+    def curr(self) -> int:
+        return self.pack.curr
+
+    def random(self) -> float:
+        return random.random()
+
+    def next_sample(self, group: int) -> Any:
+        return self.packer._next_from(group)
+
+    def estimate(self, sample: Any) -> int:
+        return _estimate(sample)
+
+    def add(self, group: int, sample: Any, est: int) -> None:
+        self.pack.pack_sample(sample)
+        self.data_indexes.append(sample_field(sample, "data_indexes"))
+        self.packer._stall.ok(self.packer.group_names[group])
+
+    def drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:
+        self.packer._drop(reason, group, sample, est, curr)

@@ -19,9 +19,9 @@ from ..transforms import (
     get_flattened_position_ids_interpolate,
     len2weight,
 )
-from ..config import PackerConfig
 from . import memory
 from .masks import dense_attention_mask
+from ..config.schema import PackerConfig
 
 __all__ = ["PackLayout", "SequenceBuilder", "sample_field"]
 
@@ -96,15 +96,32 @@ def _tensor(arr: np.ndarray | list, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
 
 
+class _SampleCursor:
+    """Where ``pack_sample`` is within one sample: packed position ``curr``, RoPE id ``rope``, the open split's
+    length, the last noised timestep, and the sample's finished splits (lengths, attention modes)."""
+
+    __slots__ = ("curr", "rope", "split_len", "sample_len", "timestep", "split_lens", "attn_modes", "sample")
+
+    def __init__(self, curr: int, sample: Any) -> None:
+        self.curr, self.sample = curr, sample
+        self.rope = self.split_len = self.sample_len = 0
+        self.timestep: float | None = None
+        self.split_lens: list[int] = []
+        self.attn_modes: list[str] = []
+
+    def where(self) -> Any:
+        """The sample's ``data_indexes``, for error messages."""
+        return sample_field(self.sample, "data_indexes")
+
+
 class SequenceBuilder:
     """Accumulates the ``sequence_status`` of one pack; see spec §6 for the layout rules."""
 
     def __init__(self, layout: PackLayout, len2weight_fn: Callable[[int], float] = len2weight) -> None:
         self.layout = layout
         self._len2weight = len2weight_fn
-        self._pos_fn = (
-            get_flattened_position_ids_interpolate if layout.config.interpolate_pos else get_flattened_position_ids_extrapolate
-        )
+        self._pos_fn = (get_flattened_position_ids_interpolate if layout.config.interpolate_pos
+                        else get_flattened_position_ids_extrapolate)
         self.curr = 0
         self.sample_lens: list[int] = []
         self.text_ids: list[int] = []
@@ -163,118 +180,129 @@ class SequenceBuilder:
 
     # -- the official pack_sequence ---------------------------------------------------------------
     def pack_sample(self, sample: Any) -> None:
-        """Append one sample; draws CFG dropout from global ``random`` and timesteps from ``np.random``."""
-        lay = self.layout
-        plan = sample_field(sample, "sequence_plan")
+        """Append one sample; draws CFG dropout from global ``random`` and timesteps from ``np.random``.
+
+        The plan items are laid out in order by :meth:`_pack_text`, :meth:`_pack_vit` and :meth:`_pack_vae`
+        (each draws its own CFG dropout, the VAE part also the timestep), then the sample's splits become
+        attention modes (flex) or one dense mask. Raises ValueError for an unknown item type or a malformed
+        image (names the sample's ``data_indexes``).
+        """
+        cur = _SampleCursor(self.curr, sample)
         texts = sample_field(sample, "text_ids_list")
         images = sample_field(sample, "image_tensor_list")
         text_i = image_i = 0
-        curr = self.curr
-        rope = 0
-        sample_len = 0
-        split_len = 0
-        timestep: float | None = None
-        split_lens: list[int] = []
-        attn_modes: list[str] = []
-        for item in plan:
+        for item in sample_field(sample, "sequence_plan"):
             split_start = item.get("split_start", True)
             if split_start:
-                split_len = 0
+                cur.split_len = 0
             kind = item["type"]
             if kind == "text":
-                ids = texts[text_i]
                 text_i += 1
-                if self._cfg_dropped(item, lay.config.text_cond_dropout_prob):
-                    continue
-                n = len(ids) + 1  # bos + ids
-                self.text_ids.append(lay.bos_token_id)
-                self.text_ids.extend(ids)
-                self.text_ids.append(lay.eos_token_id)
-                self._add_run(self.text_idx_runs, curr, n + 1)
-                if item["loss"] == 1:
-                    self._add_run(self.ce_runs, curr, n)
-                    self._add_run(self.ce_weight_runs, self._len2weight(n), n)
-                    self.label_ids.extend(ids)
-                    self.label_ids.append(lay.eos_token_id)
-                if item["special_token_loss"] == 1:
-                    self._add_ce(curr + n, item["special_token_label"])
-                curr += n + 1
-                split_len += n + 1
-                attn_modes.append("causal")
-                self._add_rope(rope, split_len, 1)
-                rope += split_len
+                packed = self._pack_text(item, texts[text_i - 1], cur)
             elif kind == "vit_image":
-                image = images[image_i]
                 image_i += 1
-                if self._cfg_dropped(item, lay.config.vit_cond_dropout_prob):
-                    rope += 1
-                    continue
-                p = lay.config.vit_patch_size
-                if image.dim() != 3 or image.shape[1] % p or image.shape[2] % p:
-                    raise ValueError(
-                        f"vit_image of shape {tuple(image.shape)} is not a (C, H, W) tensor divisible by the "
-                        f"patch size {p} (sample {sample_field(sample, 'data_indexes')})"
-                    )
-                n = (image.shape[1] // p) * (image.shape[2] // p)
-                self._add_run(self.vit_idx_runs, curr + 1, n)
-                self.vit_images.append(image)
-                self.vit_seqlens.append(n)
-                self.vit_pos.append(
-                    self._pos_fn(image.size(1), image.size(2), lay.config.vit_patch_size, lay.config.max_num_patch_per_side)
-                )
-                curr = self._image_tokens(curr, n, item)
-                split_len += n + 2
-                attn_modes.append("full")
-                self._add_rope(rope, split_len, 0)
-                rope += 1
+                packed = self._pack_vit(item, images[image_i - 1], cur)
             elif kind == "vae_image":
-                image = images[image_i]
                 image_i += 1
-                if self._cfg_dropped(item, lay.config.vae_cond_dropout_prob):
-                    rope += 1
-                    continue
-                self.vae_images.append(image)
-                H, W = image.shape[1], image.shape[2]
-                self.latent_pos.append(self._pos_fn(H, W, lay.config.vae_image_downsample, lay.config.max_latent_size))
-                h, w = H // lay.config.vae_image_downsample, W // lay.config.vae_image_downsample
-                self.vae_shapes.append((h, w))
-                n = h * w
-                self._add_run(self.vae_idx_runs, curr + 1, n)
-                if item["loss"] == 1:
-                    self._add_run(self.mse_runs, curr + 1, n)
-                    if split_start:
-                        timestep = np.random.randn()
-                    elif timestep is None:
-                        raise ValueError(
-                            "a noised vae_image that does not start a split must follow one that does "
-                            f"(sample {sample_field(sample, 'data_indexes')})"
-                        )
-                else:
-                    timestep = float("-inf")
-                self._add_run(self.timestep_runs, timestep, n)
-                curr = self._image_tokens(curr, n, item)
-                split_len += n + 2
-                if split_start:
-                    attn_modes.append("noise" if item["loss"] == 1 and "frame_delta" not in item else "full")
-                self._add_rope(rope, n + 2, 0)
-                if "frame_delta" in item:
-                    rope += item["frame_delta"]
-                elif item["loss"] == 0:
-                    rope += 1
+                packed = self._pack_vae(item, images[image_i - 1], split_start, cur)
             else:
-                raise ValueError(
-                    f"unknown sequence_plan item type {kind!r} in sample {sample_field(sample, 'data_indexes')}"
-                )
-            if item.get("split_end", True):
-                split_lens.append(split_len)
-                sample_len += split_len
-        self.curr = curr
-        self.sample_lens.append(sample_len)
-        if lay.config.use_flex:
-            self.split_lens.extend(split_lens)
-            self.attn_modes.extend(attn_modes)
+                raise ValueError(f"unknown sequence_plan item type {kind!r} in sample {cur.where()}")
+            if packed and item.get("split_end", True):  # a CFG-dropped item ends no split (official)
+                cur.split_lens.append(cur.split_len)
+                cur.sample_len += cur.split_len
+        self.curr = cur.curr
+        self.sample_lens.append(cur.sample_len)
+        if self.layout.config.use_flex:
+            self.split_lens.extend(cur.split_lens)
+            self.attn_modes.extend(cur.attn_modes)
         else:
-            self.masks.append(dense_attention_mask(split_lens, attn_modes))
+            self.masks.append(dense_attention_mask(cur.split_lens, cur.attn_modes))
+
+    def _pack_text(self, item: dict, ids: list[int], cur: "_SampleCursor") -> bool:
+        """A text item: bos + ids + eos, causal, RoPE counting up; False when CFG dropped it (RoPE unchanged)."""
+        lay = self.layout
+        if self._cfg_dropped(item, lay.config.text_cond_dropout_prob):
+            return False
+        curr = cur.curr
+        n = len(ids) + 1  # bos + ids
+        self.text_ids.append(lay.bos_token_id)
+        self.text_ids.extend(ids)
+        self.text_ids.append(lay.eos_token_id)
+        self._add_run(self.text_idx_runs, curr, n + 1)
+        if item["loss"] == 1:
+            self._add_run(self.ce_runs, curr, n)
+            self._add_run(self.ce_weight_runs, self._len2weight(n), n)
+            self.label_ids.extend(ids)
+            self.label_ids.append(lay.eos_token_id)
+        if item["special_token_loss"] == 1:
+            self._add_ce(curr + n, item["special_token_label"])
+        cur.curr = curr + n + 1
+        cur.split_len += n + 1
+        cur.attn_modes.append("causal")
+        self._add_rope(cur.rope, cur.split_len, 1)
+        cur.rope += cur.split_len
+        return True
+
+    def _pack_vit(self, item: dict, image: torch.Tensor, cur: "_SampleCursor") -> bool:
+        """A ViT image (C, H, W): <soi> + H/p * W/p patch tokens + <eoi>, full attention, one RoPE id; False when
+        CFG dropped it (RoPE still advances by 1)."""
+        cfg = self.layout.config
+        if self._cfg_dropped(item, cfg.vit_cond_dropout_prob):
+            cur.rope += 1
+            return False
+        p = cfg.vit_patch_size
+        if image.dim() != 3 or image.shape[1] % p or image.shape[2] % p:
+            raise ValueError(
+                f"vit_image of shape {tuple(image.shape)} is not a (C, H, W) tensor divisible by the "
+                f"patch size {p} (sample {cur.where()})"
+            )
+        n = (image.shape[1] // p) * (image.shape[2] // p)
+        self._add_run(self.vit_idx_runs, cur.curr + 1, n)
+        self.vit_images.append(image)
+        self.vit_seqlens.append(n)
+        self.vit_pos.append(self._pos_fn(image.size(1), image.size(2), p, cfg.max_num_patch_per_side))
+        cur.curr = self._image_tokens(cur.curr, n, item)
+        cur.split_len += n + 2
+        cur.attn_modes.append("full")
+        self._add_rope(cur.rope, cur.split_len, 0)
+        cur.rope += 1
+        return True
+
+    def _pack_vae(self, item: dict, image: torch.Tensor, split_start: bool, cur: "_SampleCursor") -> bool:
+        """A VAE image (C, H, W): <soi> + latent tokens + <eoi>; a noised one (``loss`` 1) draws its timestep
+        from ``np.random`` when it starts a split, a clean one gets -inf. False when CFG dropped it (RoPE +1)."""
+        cfg = self.layout.config
+        if self._cfg_dropped(item, cfg.vae_cond_dropout_prob):
+            cur.rope += 1
+            return False
+        self.vae_images.append(image)
+        H, W = image.shape[1], image.shape[2]
+        self.latent_pos.append(self._pos_fn(H, W, cfg.vae_image_downsample, cfg.max_latent_size))
+        h, w = H // cfg.vae_image_downsample, W // cfg.vae_image_downsample
+        self.vae_shapes.append((h, w))
+        n = h * w
+        self._add_run(self.vae_idx_runs, cur.curr + 1, n)
+        if item["loss"] == 1:
+            self._add_run(self.mse_runs, cur.curr + 1, n)
+            if split_start:
+                cur.timestep = np.random.randn()
+            elif cur.timestep is None:
+                raise ValueError(
+                    f"a noised vae_image that does not start a split must follow one that does (sample {cur.where()})"
+                )
+        else:
+            cur.timestep = float("-inf")
+        self._add_run(self.timestep_runs, cur.timestep, n)
+        cur.curr = self._image_tokens(cur.curr, n, item)
+        cur.split_len += n + 2
+        if split_start:
+            cur.attn_modes.append("noise" if item["loss"] == 1 and "frame_delta" not in item else "full")
+        self._add_rope(cur.rope, n + 2, 0)
+        if "frame_delta" in item:
+            cur.rope += item["frame_delta"]
+        elif item["loss"] == 0:
+            cur.rope += 1
+        return True
 
     # -- the official to_tensor -------------------------------------------------------------------
     def _position_ids(self) -> np.ndarray:

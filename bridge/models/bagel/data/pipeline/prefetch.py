@@ -42,7 +42,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from . import shm
-from ..config import PREFETCH_STARTS
+from ..config.schema import PREFETCH_STARTS
 from ..packing.memory import release_shared, use_shared_memory
 from ..state import Savable, StateError, load_tagged, tagged_state
 

@@ -8,9 +8,10 @@ module per concern:
   one :class:`SampleEstimate` (tokens; lo / hi over the reader's random choices: t2i caption, edit start,
   end and instructions) per usable sample, and the samples the cooker would drop for recorded data errors;
   :class:`GroupStats` counts those over ``max_num_tokens_per_sample`` (always, or only for some choices);
-* ``simulate``: :func:`simulate_packing` replays the official pack loop (mandatory first, weighted draws,
-  overflow buffer, flush) on the estimates, for the configured and a few :func:`candidate_budgets`: fill
-  ratio (``sequence_length / max_num_tokens``), samples per pack, share of consumed samples dropped;
+* ``simulate``: :func:`simulate_packing` replays the official pack loop (the packer's own
+  ``packing.step.PackLoop``: mandatory first, weighted draws, overflow buffer, flush) on the estimates,
+  for the configured and a few :func:`candidate_budgets`: fill ratio (``sequence_length /
+  max_num_tokens``), samples per pack, share of consumed samples dropped;
 * ``report``: :class:`StatsReport` (per group and dataset: sample counts, unusable samples, the
   distribution of estimated tokens, the largest VAE / ViT grid; the advisor table; findings) and
   :func:`draw_histogram`.

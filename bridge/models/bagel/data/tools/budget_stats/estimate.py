@@ -24,9 +24,10 @@ from typing import Any
 
 from PIL import Image
 
-from ...config.budgets import edit_outcomes, image_tokens, is_overlength, t2i_estimate, vlm_estimate
+from ...config.budgets import edit_outcomes, image_tokens, t2i_estimate, vlm_estimate
 from ...config import ConfigError, GroupConfig
 from ...energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
+from ...packing.lengths import is_overlength
 from ...transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
 __all__ = ["DatasetStats", "GroupStats", "SampleEstimate", "dataset_stats"]
@@ -274,7 +275,7 @@ class GroupStats:
 
     def over(self, limit: int) -> tuple[int, int]:
         """(always dropped, dropped for some random choices) sample counts under ``max_num_tokens_per_sample =
-        limit`` tokens (:func:`..budgets.is_overlength`)."""
+        limit`` tokens (:func:`..packing.lengths.is_overlength`)."""
         m = self.group.is_mandatory
         always = sum(is_overlength(e.lo, limit, m) for e in self.estimates)
         some = sum(is_overlength(e.hi, limit, m) and not is_overlength(e.lo, limit, m) for e in self.estimates)

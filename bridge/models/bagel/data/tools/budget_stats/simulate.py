@@ -11,11 +11,14 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
-from ...config.budgets import FLEX_BLOCK, image_grids, is_overlength, mandatory_tokens, table_side
+from ...config.budgets import FLEX_BLOCK, image_grids, table_side
 from ...config import PackerConfig
+from ...packing.lengths import is_overlength, mandatory_tokens
+from ...packing.step import PackBudgets, PackLoop
 from .estimate import GroupStats
 
 __all__ = ["Candidate", "SimResult", "candidate_budgets", "simulate_packing"]
@@ -36,7 +39,9 @@ class SimResult:
     """Replay outcome: ``packs`` built, ``fill`` = mean sequence_length / max_num_tokens, ``samples_per_pack``,
     ``dropped_share`` = dropped (over the per-sample limit, or discarded by a flush) / consumed,
     ``impossible`` = why no batch can ever be produced (None when packs were built). ``over_limit``,
-    ``flushed`` and ``consumed`` are sample counts."""
+    ``flushed`` and ``consumed`` are sample counts; ``drops`` the dropped samples by reason
+    (``packing.step.DROP_REASONS``, as ``BagelPacker.drops`` counts them); ``pack_lengths`` the tokens of each
+    pack built, in order."""
 
     packs: int = 0
     fill: float = 0.0
@@ -46,6 +51,45 @@ class SimResult:
     flushed: int = 0
     consumed: int = 0
     impossible: str | None = None
+    drops: dict[str, int] = field(default_factory=dict)
+    pack_lengths: list[int] = field(default_factory=list)
+
+
+class _NoPack(Exception):
+    """``max_draws`` samples drawn without completing the packs asked for."""
+
+
+class _Replay:
+    """The simulator's ``packing.step.PackTarget``: a sample is its estimate (tokens) from a cycled per-group
+    stream, packing it adds the estimate; group draws come from ``rng``."""
+
+    def __init__(self, streams: Sequence[Sequence[int]], rng: random.Random, max_draws: int) -> None:
+        self.streams, self.rng, self.max_draws = streams, rng, max_draws
+        self.pos = [0] * len(streams)
+        self.curr = self.n = self.consumed = 0
+        self.drops: Counter[str] = Counter()
+
+    def random(self) -> float:
+        return self.rng.random()
+
+    def next_sample(self, group: int) -> int:
+        if self.consumed >= self.max_draws:
+            raise _NoPack
+        s = self.streams[group]
+        v = s[self.pos[group] % len(s)]
+        self.pos[group] += 1
+        self.consumed += 1
+        return v
+
+    def estimate(self, sample: int) -> int:
+        return sample
+
+    def add(self, group: int, sample: int, est: int) -> None:
+        self.curr += est
+        self.n += 1
+
+    def drop(self, reason: str, group: int, sample: int, est: int, curr: int) -> None:
+        self.drops[reason] += 1
 
 
 def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float], mandatory: Sequence[bool],
@@ -53,82 +97,41 @@ def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float],
                      max_draws: int = 200_000) -> SimResult:
     """Replay the official loop on per-group length streams (tokens, cycled) for ``packs`` packs.
 
-    Mirrors ``bridge/models/bagel/data/packing/packer.py`` ``BagelPacker.__next__`` (spec §5): one sample per
-    mandatory group first, weighted group draws, the overflow buffer, the flush; it leaves out the tensors
-    (only lengths are packed) and CFG dropout (packed length = estimate). A mandatory group with no sample
-    under the limit, or ``max_draws`` draws without a pack, gives ``impossible``.
+    The loop is ``BagelPacker``'s own (``packing.step.PackLoop``, spec §5): one sample per mandatory group
+    first, weighted group draws (``random.Random(seed)``), the overflow buffer, the flush; only lengths are
+    packed and CFG dropout is left out (packed length = estimate). A group with an empty stream is never drawn
+    (weight 0). A mandatory group with no sample under the limit, or ``max_draws`` samples drawn without the
+    packs, gives ``impossible``.
     """
-    limit, cap = packer.max_num_tokens_per_sample, packer.max_num_tokens
+    limit = packer.max_num_tokens_per_sample
     for s, m, n in zip(streams, mandatory, names):
         if m and all(is_overlength(x, limit, True) for x in s):
             return SimResult(impossible=f"mandatory group {n!r}: no sample is estimated under "
                                         f"max_num_tokens_per_sample {limit}: the packer drops every sample and "
                                         "never yields a batch")
-    if not any(s for s in streams):
+    draw_weights = list(weights) if all(streams) else [w if s else 0 for w, s in zip(weights, streams)]
+    if not any(s for s in streams) or not sum(draw_weights) > 0:
         return SimResult(impossible="no usable samples")
-    rng = random.Random(seed)
-    pos = [0] * len(streams)
-    total = sum(weights)
-    cum = [sum(weights[:i + 1]) / total for i in range(len(weights))]
+    loop: PackLoop[int] = PackLoop(PackBudgets.of(packer), draw_weights, mandatory)
+    replay = _Replay(streams, random.Random(seed), max_draws)
+    buffer: list[tuple[int, int]] = []
     res = SimResult()
-    lens: list[int] = []
     counts: list[int] = []
-
-    def draw(i: int) -> int | None:
-        s = streams[i]
-        if not s:
-            return None
-        v = s[pos[i] % len(s)]
-        pos[i] += 1
-        res.consumed += 1
-        return v
-
-    buffer: list[int] = []
-    draws = 0
-    while len(lens) < packs:
-        curr, n = 0, 0
-        for i, m in enumerate(mandatory):
-            if not m:
-                continue
-            while True:
-                v = draw(i)
-                draws += 1
-                if v is not None and not is_overlength(v, limit, True):
-                    break
-                res.over_limit += 1
-            curr, n = curr + v, n + 1
-        while True:
-            draws += 1
-            if draws > max_draws:
-                res.impossible = res.impossible or f"no pack after {max_draws} draws"
-                break
-            if curr < packer.prefer_buffer_before and buffer:
-                v, from_buffer = buffer.pop(0), True
-            else:
-                u = rng.random()
-                i = next((k for k, c in enumerate(cum) if u < c), 0)
-                v, from_buffer = draw(i), False
-                if v is None:
-                    continue
-            if is_overlength(v, limit, False):
-                res.over_limit += 1
-                continue
-            if curr + v > cap:
-                if len(buffer) < packer.max_buffer_size and not from_buffer:
-                    buffer.append(v)
-                    continue
-                res.flushed += 1
-                break
-            curr, n = curr + v, n + 1
-            if curr >= packer.expected_num_tokens:
-                break
-        if res.impossible:
+    while len(res.pack_lengths) < packs:
+        replay.curr = replay.n = 0
+        try:
+            loop.fill(replay, buffer)
+        except _NoPack:
+            res.impossible = f"no pack after {max_draws} draws"
             break
-        lens.append(curr)
-        counts.append(n)
-    if lens:
-        res.packs = len(lens)
-        res.fill = sum(lens) / len(lens) / cap
+        res.pack_lengths.append(replay.curr)
+        counts.append(replay.n)
+    res.consumed, res.drops = replay.consumed, dict(replay.drops)
+    res.over_limit = replay.drops["overlength"] + replay.drops["overlength_mandatory"]
+    res.flushed = replay.drops["flush_drop"] + replay.drops["flush_drop_buffered"]
+    if res.pack_lengths:
+        res.packs = len(res.pack_lengths)
+        res.fill = sum(res.pack_lengths) / res.packs / packer.max_num_tokens
         res.samples_per_pack = sum(counts) / len(counts)
         res.impossible = None if res.packs == packs else res.impossible
     res.dropped_share = (res.over_limit + res.flushed) / max(res.consumed, 1)

@@ -1,0 +1,161 @@
+"""The official pack loop on lengths (spec §5; quirks §13.1-§13.3 kept): one definition for ``BagelPacker`` and
+the budget simulator of ``bagel-data stats``.
+
+:func:`step` is the fate of one candidate sample (drop / buffer / flush / add), :class:`GroupDraw` the weighted
+group choice from one uniform draw, and :meth:`PackLoop.fill` the loop around them (mandatory fill while the
+pack is empty, buffer preference, group draws) up to the end of one pack. What a pack *is* stays with the
+caller, a :class:`PackTarget`: the packer lays out tensors (its ``curr`` is the real packed length, shorter
+than the estimate after CFG dropout), the simulator only adds estimates. Both therefore make the same
+decisions on the same lengths and uniform draws; ``tests/test_pack_step.py`` checks that on real data.
+
+Pure Python, no torch and no imports of config-time modules; units are tokens (packed sequence positions).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Generic, Protocol, TypeVar
+
+from .lengths import is_overlength
+
+__all__ = ["ADD", "BUFFER", "DROP_REASONS", "GroupDraw", "PackBudgets", "PackLoop", "PackTarget", "step"]
+
+S = TypeVar("S")
+
+#: :func:`step` outcomes that keep the candidate.
+ADD, BUFFER = "add", "buffer"
+#: Every reason the loop drops a sample for, as counted by ``BagelPacker.drops`` and ``SimResult.drops``:
+#: over ``max_num_tokens_per_sample`` in a mandatory group (``>=``) or another group (``>``); discarded by the
+#: official flush (fresh from a group with the buffer full, or just popped from the buffer).
+DROP_REASONS = ("overlength_mandatory", "overlength", "flush_drop", "flush_drop_buffered")
+
+
+@dataclass(frozen=True)
+class PackBudgets:
+    """The five length knobs of the loop (tokens; buffer in samples), as in ``PackerConfig``."""
+
+    expected_num_tokens: int
+    max_num_tokens: int
+    max_num_tokens_per_sample: int
+    prefer_buffer_before: int
+    max_buffer_size: int
+
+    @classmethod
+    def of(cls, config: Any) -> "PackBudgets":
+        """The budgets of ``config`` (a ``PackerConfig`` or anything with these attributes)."""
+        return cls(*(int(getattr(config, f.name)) for f in fields(cls)))
+
+
+def step(budgets: PackBudgets, curr: int, est: int, *, from_buffer: bool, buffer_len: int) -> str:
+    """The fate of one non-mandatory candidate estimated at ``est`` tokens for a pack of ``curr`` tokens (spec
+    §5 steps 2.3-2.5): ``"overlength"`` (drop, ``est > max_num_tokens_per_sample``), ``BUFFER`` (it overflows
+    ``max_num_tokens`` and fits the buffer; never for a sample just popped from it), ``"flush_drop"`` /
+    ``"flush_drop_buffered"`` (it overflows: the pack ends and the candidate is discarded, official quirk
+    §13.2) or ``ADD``. ``buffer_len``: samples in the buffer now."""
+    if is_overlength(est, budgets.max_num_tokens_per_sample, mandatory=False):
+        return "overlength"
+    if curr + est > budgets.max_num_tokens:
+        if buffer_len < budgets.max_buffer_size and not from_buffer:
+            return BUFFER
+        return "flush_drop_buffered" if from_buffer else "flush_drop"
+    return ADD
+
+
+class GroupDraw:
+    """Official weighted group choice: ``cum_i = sum(w_0..w_i) / sum(w)``; a uniform ``u`` picks the first
+    ``i`` with ``u < cum_i``, else group 0. Raises ValueError unless the weights sum to a positive number."""
+
+    def __init__(self, weights: Sequence[float]) -> None:
+        total = float(sum(weights))
+        if not total > 0:
+            raise ValueError(f"the group weights must sum to a positive number, got {list(weights)}")
+        acc, self.cum = 0.0, []
+        for w in weights:
+            acc += float(w)
+            self.cum.append(acc / total)
+
+    def __call__(self, u: float) -> int:
+        i = bisect.bisect_right(self.cum, u)  # first i with u < cum_i
+        return i if i < len(self.cum) else 0
+
+
+class PackTarget(Protocol[S]):
+    """What :meth:`PackLoop.fill` needs from its caller for one pack (``S``: the caller's sample type)."""
+
+    @property
+    def curr(self) -> int:
+        """Tokens packed so far into the current pack."""
+
+    def random(self) -> float:
+        """One uniform draw in [0, 1) for the group choice (the packer: the global ``random``)."""
+
+    def next_sample(self, group: int) -> S:
+        """The next sample of group ``group`` (may raise StopIteration)."""
+
+    def estimate(self, sample: S) -> int:
+        """The sample's length estimate (:func:`.lengths.estimate`)."""
+
+    def add(self, group: int, sample: S, est: int) -> None:
+        """Pack ``sample`` (``curr`` grows)."""
+
+    def drop(self, reason: str, group: int, sample: S, est: int, curr: int) -> None:
+        """Count ``sample`` as dropped for ``reason`` (one of ``DROP_REASONS``) at a pack of ``curr`` tokens."""
+
+
+class PackLoop(Generic[S]):
+    """The official ``PackedDataset.__iter__`` loop for groups of ``weights`` / ``mandatory`` flags."""
+
+    def __init__(self, budgets: PackBudgets, weights: Sequence[float], mandatory: Sequence[bool]) -> None:
+        if len(weights) != len(mandatory):
+            raise ValueError(f"{len(weights)} group weights but {len(mandatory)} mandatory flags")
+        self.budgets = budgets
+        self.draw_group = GroupDraw(weights)
+        self.mandatory = [bool(m) for m in mandatory]
+
+    def _mandatory_fill(self, target: PackTarget[S]) -> None:
+        """One sample per mandatory group, in group order; samples with ``est >= max_num_tokens_per_sample`` are
+        dropped (strict, quirk §13.1) and none is checked against ``max_num_tokens`` (quirk §13.3)."""
+        limit = self.budgets.max_num_tokens_per_sample
+        for group, mandatory in enumerate(self.mandatory):
+            if not mandatory:
+                continue
+            while True:
+                sample = target.next_sample(group)
+                est = target.estimate(sample)
+                if not is_overlength(est, limit, mandatory=True):
+                    break
+                target.drop("overlength_mandatory", group, sample, est, target.curr)
+            target.add(group, sample, est)
+
+    def fill(self, target: PackTarget[S], buffer: list[tuple[int, S]]) -> str | None:
+        """Fill ``target``'s pack until it ends: returns None when it reached ``expected_num_tokens``, the flush
+        reason (``"flush_drop"`` / ``"flush_drop_buffered"``) when an overflowing candidate ended it.
+
+        ``buffer``: the overflow buffer, (group, sample) pairs oldest first, updated in place (it outlives
+        the pack). Propagates StopIteration from ``target.next_sample``.
+        """
+        b = self.budgets
+        while True:
+            if target.curr == 0:
+                self._mandatory_fill(target)
+            curr = target.curr
+            from_buffer = curr < b.prefer_buffer_before and bool(buffer)
+            if from_buffer:
+                group, sample = buffer.pop(0)
+            else:
+                group = self.draw_group(target.random())
+                sample = target.next_sample(group)
+            est = target.estimate(sample)
+            fate = step(b, curr, est, from_buffer=from_buffer, buffer_len=len(buffer))
+            if fate == ADD:
+                target.add(group, sample, est)
+                if target.curr >= b.expected_num_tokens:
+                    return None
+            elif fate == BUFFER:
+                buffer.append((group, sample))
+            else:
+                target.drop(fate, group, sample, est, curr)
+                if fate != "overlength":
+                    return fate
