@@ -20,7 +20,7 @@ from megatron.energon import (
 from bridge.models.bagel.data.converter.convert import ConvertError, convert_edit, convert_group, convert_t2i, convert_vlm
 from bridge.models.bagel.data.energon.layout import (
     EDIT, META_PART, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, SUBFLAVOR_KEY, T2I, VLM, image_index,
-    load_manifest, sample_key,
+    load_manifest, sample_key, sample_of,
 )
 
 # energon's prepare forks its indexing pool while pyarrow threads exist; harmless here
@@ -90,13 +90,13 @@ def test_t2i_every_row_once_with_exact_bytes(converted):
     assert (s.samples, s.shards, s.skipped) == (21, 6, {})
     tars = read_tars(s.path)
     man = load_manifest(s.path)
-    assert man["num_samples"] == 21 and len(man["samples"]) == 21
+    assert man["num_samples"] == 21 and man["format"] == 2 and sum(f["num_samples"] for f in man["files"]) == 21
     assert [f["file"] for f in man["files"]] == [f"t2i/part-000{i}.parquet" for i in range(4)]  # .crc ignored
     seen = set()
     for i, (key, parts) in enumerate(tars.items()):
         meta = json.loads(parts[META_PART])
         src = meta["source"]
-        assert meta["group"] == T2I and man["samples"][i] == [src["file_index"], src["row_group"], src["row"]]
+        assert meta["group"] == T2I and sample_of(man["files"][src["file_index"]], src["row_group"], src["row"]) == i
         pf = pq.ParquetFile(RAW / src["file"])
         row = pf.read_row_group(src["row_group"]).to_pylist()[src["row"]]
         assert pf.read().to_pylist()[src["file_row"]] == row
@@ -117,21 +117,22 @@ def test_edit_official_rows_only(converted):
     man = load_manifest(s.path)
     assert man["parquet_info"] == {"unified_edit/shard-a.parquet": 2, "unified_edit/shard-b.parquet": 3,
                                    "unified_edit/shard-c.parquet": 2}
-    assert sorted((x["coordinate"], x["reason"]) for x in man["skipped"]) == [
-        ([2, 2, 0], SKIP_ROW_GROUP_BEYOND_INFO), ([3, 0, 0], SKIP_NOT_IN_PARQUET_INFO)]
+    assert sorted((x["file_index"], x["row_group"], x["rows"], x["reason"]) for x in man["skipped"]) == [
+        (2, 2, 1, SKIP_ROW_GROUP_BEYOND_INFO), (3, 0, 1, SKIP_NOT_IN_PARQUET_INFO)]
     assert man["missing_row_groups"] == []
     tars = read_tars(s.path)
     for i, parts in enumerate(tars.values()):
         meta = json.loads(parts[META_PART])
         src = meta["source"]
-        assert man["samples"][i] == [src["file_index"], src["row_group"], src["row"]]
+        assert sample_of(man["files"][src["file_index"]], src["row_group"], src["row"]) == i
         row = pq.ParquetFile(RAW / src["file"]).read_row_group(src["row_group"]).to_pylist()[src["row"]]
         assert meta["instruction_list"] == row["instruction_list"] and meta["num_images"] == len(row["image_list"])
         imgs = {image_index(p): b for p, b in parts.items() if p != META_PART}
         assert imgs == {j: b for j, b in enumerate(row["image_list"]) if b is not None}
         assert meta["null_images"] == [j for j, b in enumerate(row["image_list"]) if b is None]
     # every declared, existing (file, row group) unit is covered
-    units = {(m[0], m[1]) for m in man["samples"]}
+    units = {(f["file_index"], g) for f in man["files"] for g in range(len(f["row_groups"]))
+             if f["num_samples"] and g < f["declared_row_groups"]}
     assert units == {(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1)}
 
 
@@ -140,7 +141,7 @@ def test_vlm_every_line_once(converted):
     assert s.samples == 25 and s.skipped == {}
     assert any("missing/none.png" in w for w in s.warnings)
     man = load_manifest(s.path)
-    assert man["samples"] == [[i] for i in range(25)] and man["num_lines"] == 25
+    assert man["files"][0]["first_sample"] == 0 and man["files"][0]["num_samples"] == man["num_lines"] == 25
     lines = (RAW / "vlm" / "vlm_sft.jsonl").open(encoding="utf-8").readlines()
     for i, parts in enumerate(read_tars(s.path).values()):
         meta = json.loads(parts[META_PART])

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from .formats import ConvertError, EditReader, RawSample, ScanLog, T2IReader, VlmReader, record_problem
 from ..energon.layout import (
     DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, MANIFEST_NAME, META_PART, SHARDS_DIR, T2I, VLM,
-    crude_dataset_yaml, dataset_dir, image_part, sample_key, shard_relpath,
+    crude_dataset_yaml, dataset_dir, image_part, sample_key, shard_relpath, upgrade_manifest_v1,
 )
 
 logger = logging.getLogger(__name__)
@@ -158,9 +158,10 @@ def _write_dataset(group: str, dataset_name: str, out_dir: str, reader: Iterable
                                f"{dict(Counter(x['reason'] for x in log.skipped))})")
         _check_usable(group, dataset_name, len(coords), problems, example, log)
         _energon_prepare(staging, [sh["path"] for sh in writer.shards], group)
-        manifest = {"format": MANIFEST_FORMAT, "group": group, "dataset_name": dataset_name,
+        manifest = {"format": 1, "group": group, "dataset_name": dataset_name,
                     "source_root": source_root, "num_samples": len(coords), "samples_per_shard": samples_per_shard,
                     "shards": writer.shards, "samples": coords, "skipped": log.skipped, **log.manifest}
+        manifest = upgrade_manifest_v1(manifest, os.path.join(ds_dir, MANIFEST_NAME))  # format MANIFEST_FORMAT
         with open(os.path.join(staging, MANIFEST_NAME), "wb") as f:
             f.write(dumps_json(manifest) + b"\n")
     except BaseException:
