@@ -108,10 +108,10 @@ def _manifest_error(path: str, cause: str, group: str | None = None) -> Manifest
     name, group = os.path.basename(root), group or os.path.basename(os.path.dirname(root))
     cmd = _CONVERT_CMD.get(group, "config")
     cause = " ".join(str(cause).split())
-    if len(cause) > 90:
-        cause = cause[:87] + "..."
-    return ManifestError(f"{path}: manifest of dataset {group}/{name} is unusable ({cause}); convert it again with "
-                         f"`bagel-data convert {cmd} ... --overwrite` (this version writes format {MANIFEST_FORMAT})")
+    if len(cause) > 80:
+        cause = cause[:77] + "..."
+    return ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); convert it again: "
+                         f"`bagel-data convert {cmd} ... --overwrite`")
 
 
 def stored_row_groups(group: str, entry: Mapping[str, Any]) -> int:
@@ -224,6 +224,8 @@ def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
             man = json.load(f)
     except FileNotFoundError:
         raise _manifest_error(path, "no such file") from None
+    except json.JSONDecodeError as e:
+        raise _manifest_error(path, f"invalid JSON: {e}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise _manifest_error(path, f"{type(e).__name__}: {e}") from None
     fmt = man.get("format") if isinstance(man, dict) else None
