@@ -205,7 +205,8 @@ def _selection_peak(tmp_path: Path, files: int, rows_per_file: int) -> tuple[int
         for group, d in paths.items():
             man = load_manifest(d)
             rows += man["num_samples"]
-            for n in (None, 3 * files // 2 if group != VLM else 1000, 10 * files if group != VLM else man["num_samples"]):
+            used = (3 * files // 2, 10 * files) if group != VLM else (1000, man["num_samples"])
+            for n in (None, *used):
                 runs = manifest_runs(man, n, shuffle_lines=group == VLM and n != 1000, shuffle_seed=3)
                 assert sum((e - s) * r for s, e, r in runs) > 0
             if group != VLM:
