@@ -262,7 +262,7 @@ def main() -> int:
               f"s per rank and dataset (linear from {ra:,} -> {rb:,} rows: {per_row_s * 1e9:.1f} ns/row)")
         ok = all(v <= TARGET for k, v in g.items() if k.startswith(("build_growth", "rss_growth")))
         print("bench_scale: " + " ".join(f"{k}={v:.2f}" for k, v in g.items())
-              + f" rows={scaled[0]}..{scaled[-1]} dp={dps[0]}..{max(res_dp)} target={TARGET} ok={ok}")
+              + f" rows={scaled[0]}..{scaled[-1]} dp={dps[0]}..{max(res_dp)} target={TARGET} ok={ok} quick={int(args.quick)}")
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
