@@ -178,7 +178,8 @@ def _case(tok, dataset: str, dp: int, workers: int = 0) -> dict:
     loader.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"select_s": select_s, "build_s": t1 - t0, "first_batch_s": t2 - t1, "rss_mb": rss / 1024, "rss_build_mb": (rss - rss0) / 1024, "rss_now_mb": rss_now,
+    return {"select_s": select_s, "build_s": t1 - t0, "first_batch_s": t2 - t1, "rss_mb": rss / 1024,
+            "rss_build_mb": (rss - rss0) / 1024, "rss_now_mb": rss_now,
             "procs": procs, "state_bytes": state, "pss_self_mb": pss_self, "pss_workers_mb": pss_kids}
 
 
@@ -193,7 +194,8 @@ def measure(cases: list[tuple], workers: int = 0) -> list[dict]:
 
 
 def _row(kind: str, rows: int, dp: int, m: dict, extra: str = "") -> None:
-    print(f"{kind:7s} {rows:>10,d} {dp:>5d} {m['select_s']:8.3f} {m['build_s']:8.2f} {m['first_batch_s']:8.2f} {m['rss_mb']:8.0f} "
+    print(f"{kind:7s} {rows:>10,d} {dp:>5d} {m['select_s']:8.3f} {m['build_s']:8.2f} {m['first_batch_s']:8.2f} "
+          f"{m['rss_mb']:8.0f} "
           f"{m['rss_build_mb']:8.0f} {m['rss_now_mb']:8.0f} {m['procs']:5d} {m['state_bytes']:8d} {extra}", flush=True)
 
 
@@ -217,7 +219,8 @@ def main() -> int:
         [10**3, 10**4] if args.quick else [10**4, 10**5, 10**6, 10**7])
     dps = args.dp if args.dp is not None else ([1, 8192] if args.quick else [1, 64, 1024, 8192])
     work = args.work or tempfile.mkdtemp(prefix="bench-scale-")
-    print(f"{'corpus':7s} {'rows':>10s} {'DP':>5s} {'select_s':>8s} {'build_s':>8s} {'batch1_s':>8s} {'rss_MB':>8s} {'dRSS_MB':>8s} {'RSSnow':>8s} "
+    print(f"{'corpus':7s} {'rows':>10s} {'DP':>5s} {'select_s':>8s} {'build_s':>8s} {'batch1_s':>8s} {'rss_MB':>8s} "
+          f"{'dRSS_MB':>8s} {'RSSnow':>8s} "
           f"{'procs':>5s} "
           f"{'state_B':>8s}")
     try:
@@ -252,7 +255,8 @@ def main() -> int:
                  f"workers {m['pss_workers_mb']:.0f} MB")
         r0, r1 = res_rows[scaled[0]], res_rows[scaled[-1]]
         d0, d1 = res_dp[dps[0]], res_dp[max(res_dp)]
-        g = {"select_growth_rows": r1["select_s"] / r0["select_s"], "build_growth_rows": r1["build_s"] / r0["build_s"], "rss_growth_rows": r1["rss_mb"] / r0["rss_mb"],
+        g = {"select_growth_rows": r1["select_s"] / r0["select_s"], "build_growth_rows": r1["build_s"] / r0["build_s"],
+             "rss_growth_rows": r1["rss_mb"] / r0["rss_mb"],
              "build_growth_dp": d1["build_s"] / d0["build_s"], "rss_growth_dp": d1["rss_mb"] / d0["rss_mb"],
              "first_batch_growth_rows": r1["first_batch_s"] / r0["first_batch_s"],
              "state_growth_dp": d1["state_bytes"] / d0["state_bytes"]}
@@ -262,7 +266,8 @@ def main() -> int:
               f"s per rank and dataset (linear from {ra:,} -> {rb:,} rows: {per_row_s * 1e9:.1f} ns/row)")
         ok = all(v <= TARGET for k, v in g.items() if k.startswith(("build_growth", "rss_growth")))
         print("bench_scale: " + " ".join(f"{k}={v:.2f}" for k, v in g.items())
-              + f" rows={scaled[0]}..{scaled[-1]} dp={dps[0]}..{max(res_dp)} target={TARGET} ok={ok} quick={int(args.quick)}")
+              + f" rows={scaled[0]}..{scaled[-1]} dp={dps[0]}..{max(res_dp)} target={TARGET} ok={ok}"
+              f" quick={int(args.quick)}")
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
