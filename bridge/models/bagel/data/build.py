@@ -21,6 +21,7 @@ from typing import Any
 
 from .config import BagelDataConfig, ConfigError, ResolvedGroup
 from .energon.reader import BagelGroupReader
+from .energon.layout import ManifestError
 from .pipeline.loader import BagelExternalLoader
 from .pipeline.official_mode import OfficialWorkers
 from .packing import BagelPacker
@@ -84,6 +85,8 @@ def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_ra
                                 dp_size=dp_size, num_workers=config.num_workers, seed=config.effective_data_seed,
                                 group=g.name, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
                                 shuffle_seed=g.shuffle_seed)
+    except ManifestError:  # names the manifest and the remedy itself: the groups YAML is not at fault
+        raise
     except ValueError as exc:
         raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
 
@@ -119,6 +122,8 @@ def _official_chain(groups: list[ResolvedGroup], tokenizer: Any, special: dict[s
                 paths, ctx, g.num_used_data, seed=config.effective_data_seed, rank=dp_rank,
                 world_size=dp_size, num_workers=config.num_workers, worker_id=worker, shuffle_lines=g.shuffle_lines,
                 shuffle_seed=g.shuffle_seed, repeat=True)
+        except ManifestError:
+            raise
         except ValueError as exc:
             raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
 

@@ -5,12 +5,20 @@ One Energon crude WebDataset per group and sub-dataset: ``<out>/<group>/<dataset
 ``bagel_group: <group>``) and ``manifest.json``. Sample keys are ``%08d`` of the sample index; every
 sample has a ``meta.json`` part (group, official source coordinate, group fields) and image parts
 ``img0``, ``img1``, ... holding the original encoded bytes.
+
+Manifest format 2 (``MANIFEST_FORMAT``) is O(files + shards + row groups), never O(rows): a sample's
+official coordinate is arithmetic on the ``files`` entries (``first_sample`` / ``num_samples`` per file;
+:func:`file_sample_range`, :func:`sample_of`). vlm_sft: sample index == line number. ``skipped`` is
+aggregated per (file, row group, reason). Format 1 (one ``samples`` coordinate per row) is still read:
+:func:`load_manifest` upgrades it in memory (:func:`upgrade_manifest_v1`), at O(rows) cost, with a warning.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -18,8 +26,11 @@ __all__ = [
     "SUBFLAVOR_KEY", "DEFAULT_SAMPLES_PER_SHARD", "SKIP_NOT_IN_PARQUET_INFO", "SKIP_ROW_GROUP_BEYOND_INFO",
     "VIDEO_ERROR_KEY", "VIDEO_UNSUPPORTED",
     "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
-    "crude_dataset_yaml",
+    "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "file_sample_range",
+    "stored_row_groups", "sample_of", "aggregate_skipped",
 ]
+
+logger = logging.getLogger(__name__)
 
 T2I = "t2i_pretrain"
 EDIT = "unified_edit"
@@ -28,7 +39,9 @@ VLM = "vlm_sft"
 GROUPS: tuple[str, ...] = (T2I, EDIT, VLM)
 
 #: Version of manifest.json (bumped on incompatible layout changes).
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+#: Formats :func:`load_manifest` reads (1 is upgraded in memory).
+READ_FORMATS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"
 #: Tar member suffix of the per-sample metadata (the crude sample dict key).
@@ -79,14 +92,152 @@ def dataset_dir(out_root: str | os.PathLike, group: str, dataset_name: str) -> s
     return os.path.join(os.fspath(out_root), group, dataset_name)
 
 
-def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
-    """Read ``manifest.json`` of a converted dataset, checking its format version."""
-    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
-    with open(path, encoding="utf-8") as f:
-        man = json.load(f)
-    if man.get("format") != MANIFEST_FORMAT:
-        raise ValueError(f"{path}: unsupported manifest format {man.get('format')!r} (expected {MANIFEST_FORMAT})")
+class ManifestError(ValueError):
+    """A converted dataset's ``manifest.json`` is missing, damaged or of an unreadable format.
+
+    The message is one line: the manifest path, the dataset, the cause and the remedy (convert again).
+    """
+
+
+_CONVERT_CMD = {T2I: "t2i", EDIT: "edit", VLM: "vlm"}
+_REQUIRED = ("format", "group", "dataset_name", "num_samples", "shards", "files")
+
+
+def _manifest_error(path: str, cause: str, group: str | None = None) -> ManifestError:
+    root = os.path.dirname(path)
+    name, group = os.path.basename(root), group or os.path.basename(os.path.dirname(root))
+    cmd = _CONVERT_CMD.get(group, "config")
+    cause = " ".join(str(cause).split())
+    if len(cause) > 80:
+        cause = cause[:77] + "..."
+    return ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); convert it again: "
+                         f"`bagel-data convert {cmd} ... --overwrite`")
+
+
+def stored_row_groups(group: str, entry: Mapping[str, Any]) -> int:
+    """How many leading row groups of a t2i/edit ``files`` entry the converter stores (t2i: all; edit:
+    ``min(declared, present)``, none when the file is not in parquet_info)."""
+    rgs = entry["row_groups"]
+    if group == EDIT:
+        declared = entry.get("declared_row_groups")
+        return 0 if declared is None else min(int(declared), len(rgs))
+    return len(rgs)
+
+
+def file_sample_range(entry: Mapping[str, Any]) -> tuple[int, int]:
+    """``(first_sample, end)``: the sample indices of a format-2 ``files`` entry's stored rows."""
+    first = int(entry["first_sample"])
+    return first, first + int(entry["num_samples"])
+
+
+def sample_of(entry: Mapping[str, Any], row_group: int, row: int) -> int:
+    """Sample index of (row group, row) of a stored t2i/edit file: ``first_sample + sum(row_groups[:g]) + r``."""
+    return int(entry["first_sample"]) + sum(entry["row_groups"][:row_group]) + row
+
+
+def aggregate_skipped(skipped: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Format-1 per-row ``skipped`` (``{"coordinate": [fi, g, r], "reason"}``) as format-2 entries
+    ``{"file_index", "row_group", "rows", "reason"}``, one per (file, row group, reason), in first-seen order
+    (a file-level entry ``[fi, None, None]`` of an unreadable file counts 0 rows)."""
+    out: dict[tuple, dict[str, Any]] = {}
+    for x in skipped:
+        fi, g = x["coordinate"][0], x["coordinate"][1]
+        e = out.setdefault((fi, g, x["reason"]), {"file_index": fi, "row_group": g, "rows": 0, "reason": x["reason"]})
+        e["rows"] += 0 if g is None else 1
+    return list(out.values())
+
+
+def upgrade_manifest_v1(man: Mapping[str, Any], path: str = MANIFEST_NAME) -> dict[str, Any]:
+    """A format-1 manifest as format 2: ``samples`` checked against the per-file arithmetic and dropped,
+    ``first_sample`` / ``num_samples`` added per file, ``skipped`` aggregated. O(rows).
+
+    Raises ManifestError when the samples do not follow the stored-rows order of format 2 (then only
+    converting again helps).
+    """
+    out = {k: v for k, v in man.items() if k != "samples"}
+    group, samples = man["group"], man["samples"]
+    if group == VLM:
+        if any(len(c) != 1 or c[0] != i for i, c in enumerate(samples)):
+            raise _manifest_error(path, "format 1 samples are not every line once in order", group)
+        out["files"] = [dict(f, first_sample=0, num_samples=len(samples)) if i == 0 else dict(f)
+                        for i, f in enumerate(man["files"])]
+    else:
+        files, pos = [], 0
+        for f in man["files"]:  # a file's samples: consecutive, its leading (row group, row) pairs in order
+            fi, rgs, n = f["file_index"], f["row_groups"], 0
+            while pos + n < len(samples) and samples[pos + n][0] == fi:
+                n += 1
+            want = ([fi, g, r] for g in range(len(rgs)) for r in range(rgs[g]))
+            if any(list(c) != w for c, w in zip(samples[pos:pos + n], want)) or n > sum(rgs):
+                raise _manifest_error(path, f"format 1 samples of file {f['file']!r} are not its rows in order",
+                                      group)
+            files.append(dict(f, first_sample=pos, num_samples=n))
+            pos += n
+        if pos != len(samples):
+            raise _manifest_error(path, f"format 1 holds {len(samples)} samples, its files {pos}", group)
+        out["files"] = files
+    out["skipped"] = aggregate_skipped(man.get("skipped", []))
+    out["format"] = MANIFEST_FORMAT
+    return out
+
+
+def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
+    """Validate a format-2 manifest in O(files): required keys, per-file ranges consecutive from 0 and
+    summing to ``num_samples`` (vlm: ``num_samples == num_lines``). Raises ManifestError (one line)."""
+    if not isinstance(man, dict):
+        raise _manifest_error(path, f"a JSON {type(man).__name__}, not an object")
+    missing = [k for k in _REQUIRED if k not in man]
+    if missing:
+        raise _manifest_error(path, f"missing key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}",
+                              man.get("group"))
+    group = man["group"]
+    if group not in GROUPS:
+        raise _manifest_error(path, f"unknown group {group!r}")
+    try:
+        files = man["files"] if group != VLM else man["files"][:1]
+        pos = 0
+        for f in files:
+            if group != VLM and sum(f["row_groups"][:stored_row_groups(group, f)]) != int(f["num_samples"]):
+                raise ValueError(f"file {f.get('file')!r}: num_samples {f['num_samples']} is not its stored rows")
+            first, end = file_sample_range(f)
+            if first != pos or end < first:
+                raise ValueError(f"file {f.get('file')!r}: first_sample {first}, expected {pos}")
+            pos = end
+        if pos != int(man["num_samples"]) or (group == VLM and int(man.get("num_lines", pos)) != pos):
+            raise ValueError(f"files hold {pos} samples, num_samples is {man['num_samples']}")
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        cause = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise _manifest_error(path, cause, group) from None
     return man
+
+
+def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
+    """Read and check ``manifest.json`` of a converted dataset; always returns format 2.
+
+    Cost O(files + shards + row groups) for format 2. Format 1 is upgraded in memory (O(rows), logged as a
+    warning). Raises ManifestError (a ValueError; one line naming the file, the dataset, the cause and
+    ``bagel-data convert ...`` as remedy) when the file is missing, not JSON, lacks keys or has another format.
+    """
+    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            man = json.load(f)
+    except FileNotFoundError:
+        raise _manifest_error(path, "no such file") from None
+    except json.JSONDecodeError as e:
+        raise _manifest_error(path, f"invalid JSON: {e}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _manifest_error(path, f"{type(e).__name__}: {e}") from None
+    fmt = man.get("format") if isinstance(man, dict) else None
+    if isinstance(man, dict) and fmt not in READ_FORMATS and "format" in man:
+        raise _manifest_error(path, f"unsupported format {fmt!r}, this version reads {READ_FORMATS}", man.get("group"))
+    if fmt == 1:
+        if "samples" not in man or "group" not in man or "files" not in man:
+            raise _manifest_error(path, "format 1 without 'samples'/'group'/'files'", man.get("group"))
+        logger.warning("%s: format 1 manifest (one entry per sample) upgraded in memory at O(rows) cost; convert "
+                       "the dataset again (bagel-data convert) to get format %d", path, MANIFEST_FORMAT)
+        man = upgrade_manifest_v1(man, path)
+    return check_manifest(man, path)
 
 
 def crude_dataset_yaml(group: str) -> str:

@@ -19,11 +19,13 @@ replaying its recorded draws (no RNG is touched).
 
 from __future__ import annotations
 
+import json
 import logging
-import random
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
@@ -32,13 +34,61 @@ from ..state import Savable, StateError
 from ..stats import DataStallError, DropCounter
 from .cook_common import CookContext, Draws, cook_with, global_random
 from .cookers import CORES
-from .layout import SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
+from .layout import META_PART, SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
 from .sample import BagelSample
-from .selection import select_files
+from .selection import select_files, shuffled_range, vlm_lines
 
-__all__ = ["OfficialOrderReader", "Unit", "official_units", "select_files", "shard_units"]
+__all__ = ["OfficialOrderReader", "Rows", "Unit", "official_units", "select_files", "shard_units"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rows(Sequence):
+    """The rows of one unit as ``(row id suffix, dataset, key index)``, computed on access (no per-row object).
+
+    ``first`` is the sample index of row 0; rows are ``first .. first + count - 1``. ``row_group`` None: a vlm
+    line (suffix ``()``); else the suffix is ``(row_group, r)`` (t2i, ``with_group``) or ``(r,)`` (edit).
+    """
+
+    ds: int
+    first: int
+    count: int
+    row_group: int | None = None
+    with_group: bool = False
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, r: int) -> tuple[tuple, int, int]:  # type: ignore[override]
+        if isinstance(r, slice):
+            return tuple(self[i] for i in range(*r.indices(self.count)))  # type: ignore[return-value]
+        if r < 0:
+            r += self.count
+        if not 0 <= r < self.count:
+            raise IndexError(r)
+        suffix = () if self.row_group is None else ((self.row_group, r) if self.with_group else (r,))
+        return suffix, self.ds, self.first + r
+
+
+@dataclass(frozen=True)
+class _T2IRows(Rows):
+    """A t2i file: rows over several row groups, suffix ``(row_group, row)``; ``row_groups`` = rows per group."""
+
+    row_groups: tuple[int, ...] = ()
+
+    def __getitem__(self, k: int) -> tuple[tuple, int, int]:  # type: ignore[override]
+        if isinstance(k, slice):
+            return tuple(self[i] for i in range(*k.indices(self.count)))  # type: ignore[return-value]
+        if k < 0:
+            k += self.count
+        if not 0 <= k < self.count:
+            raise IndexError(k)
+        g, r = 0, k
+        while r >= self.row_groups[g]:
+            r -= self.row_groups[g]
+            g += 1
+        return (g, r), self.ds, self.first + k
 
 
 @dataclass(frozen=True)
@@ -46,82 +96,116 @@ class Unit:
     """One official sharding unit: its sort key and the rows it holds as ``(row id suffix, dataset, key index)``.
 
     ``sort_key`` is what the official ``sort`` compares (t2i: the file path; edit: (path, row group);
-    vlm: (raw line, image dir)). ``rows`` is None for a unit the official reader fails to read (a
-    row group declared in parquet_info but absent from the file).
+    vlm: (raw line, image dir)). ``rows`` (a :class:`Rows` sequence) is None for a unit the official reader
+    fails to read (a row group declared in parquet_info but absent from the file).
     """
 
     sort_key: Any
-    rows: tuple[tuple[tuple, int, int], ...] | None
+    rows: Rows | None
     label: str
 
 
-def _coord_index(manifest: Mapping[str, Any]) -> dict[tuple, int]:
-    return {tuple(c): i for i, c in enumerate(manifest["samples"])}
-
-
 def _file_units(ds: int, manifest: Mapping[str, Any], n: int, group: str) -> list[Unit]:
-    """t2i / edit units of one converted dataset (``n`` = the group's ``num_used_data`` entry)."""
-    where = _coord_index(manifest)
+    """t2i / edit units of one converted dataset (``n`` = the group's ``num_used_data`` entry); O(selected
+    files x row groups), sample indices by the format-2 arithmetic (``first_sample + sum(row_groups[:g]) + r``)."""
     units: list[Unit] = []
     for f in select_files(manifest["files"], n):
-        fi, path, rgs = f["file_index"], f["file"], f["row_groups"]
+        path, rgs, first = f["file"], f["row_groups"], int(f["first_sample"])
         if group == T2I:
-            rows = tuple(((g, r), ds, where[(fi, g, r)]) for g in range(len(rgs)) for r in range(rgs[g]))
-            units.append(Unit(path, rows, path))
+            units.append(Unit(path, _T2IRows(ds, first, sum(rgs), row_groups=tuple(rgs)), path))
             continue
         declared = f.get("declared_row_groups")
         if declared is None:  # not in parquet_info: the official reader never opens it
             continue
         for g in range(declared):
-            rows = None if g >= len(rgs) else tuple(((r,), ds, where[(fi, g, r)]) for r in range(rgs[g]))
+            rows = None if g >= len(rgs) else Rows(ds, first + sum(rgs[:g]), rgs[g], row_group=g)
             units.append(Unit((path, g), rows, f"{path} row group {g}"))
     return units
 
 
+def _vlm_selected(manifest: Mapping[str, Any], n: int, shuffle_lines: bool, shuffle_seed: int) -> np.ndarray:
+    """Line numbers (= sample indices) of the official ``lines[:n]`` after the optional shuffle, in that order."""
+    lines = vlm_lines(manifest, n, shuffle_lines, shuffle_seed)
+    if lines is None:
+        return np.arange(min(max(n, 0), int(manifest["num_lines"])), dtype=np.int64)
+    return lines
+
+
+def _raw_lines(reader: SqliteITarEntryReader, idx: np.ndarray) -> list[str]:
+    """The raw jsonl text of the given samples (their meta.json ``raw_line``): one key lookup each."""
+    return [json.loads(reader[sample_key(int(i))][META_PART])["raw_line"] for i in idx.tolist()]
+
+
 def _vlm_units(ds: int, manifest: Mapping[str, Any], reader: SqliteITarEntryReader, n: int,
                shuffle_lines: bool, shuffle_seed: int) -> list[Unit]:
-    """vlm units: every line (raw text from meta.json), optionally shuffled, first ``n`` kept."""
-    import json
-
+    """vlm units: the first ``n`` lines after the optional shuffle (only those lines' meta.json are read)."""
     image_dir = manifest.get("image_dir", "")
-    lines = []
-    for idx, (line_no,) in enumerate(manifest["samples"]):
-        meta = json.loads(reader[sample_key(idx)]["meta.json"])
-        lines.append((meta["raw_line"], line_no, idx))
-    lines.sort(key=lambda x: x[1])
-    if shuffle_lines:
-        random.Random(shuffle_seed).shuffle(lines)
-    return [Unit((raw, image_dir), (((), ds, idx),), f"{manifest['files'][0]['file']} line {no}")
-            for raw, no, idx in lines[:n]]
+    sel = _vlm_selected(manifest, n, shuffle_lines, shuffle_seed)
+    name = manifest["files"][0]["file"]
+    return [Unit((raw, image_dir), Rows(ds, idx, 1), f"{name} line {idx}")
+            for raw, idx in zip(_raw_lines(reader, sel), sel.tolist())]
 
 
-def shard_units(units: list[Unit], *, seed: int, rank: int, world_size: int, num_workers: int,
-                worker_id: int) -> list[Unit]:
-    """``set_epoch`` + the per-worker split: sort, ``Random(seed).shuffle``, rank slice, worker slice reversed."""
-    units = sorted(units, key=lambda u: u.sort_key)  # stable: equal units keep their (equivalent) order
-    random.Random(seed).shuffle(units)
-    per_rank = len(units) // world_size
-    mine = units[rank * per_rank:(rank + 1) * per_rank]
+def _slice(n: int, *, seed: int, rank: int, world_size: int, num_workers: int, worker_id: int) -> np.ndarray:
+    """Positions (into the sorted unit list of length ``n``) of this worker's units, in reading order:
+    ``Random(seed).shuffle``, rank slice, worker slice reversed (exact, see :func:`shuffled_range`)."""
+    perm = shuffled_range(n, seed)
+    per_rank = n // world_size
+    mine = perm[rank * per_rank:(rank + 1) * per_rank]
     if num_workers > 0:
         per_worker = per_rank // num_workers
         mine = mine[worker_id * per_worker:(worker_id + 1) * per_worker][::-1]
     return mine
 
 
+def shard_units(units: list[Unit], *, seed: int, rank: int, world_size: int, num_workers: int,
+                worker_id: int) -> list[Unit]:
+    """``set_epoch`` + the per-worker split: sort, ``Random(seed).shuffle``, rank slice, worker slice reversed."""
+    units = sorted(units, key=lambda u: u.sort_key)  # stable: equal units keep their (equivalent) order
+    return [units[i] for i in _slice(len(units), seed=seed, rank=rank, world_size=world_size,
+                                     num_workers=num_workers, worker_id=worker_id).tolist()]
+
+
+def _vlm_shard(manifests: Sequence[Mapping[str, Any]], readers: Sequence[SqliteITarEntryReader],
+               num_used_data: Sequence[int], *, seed: int, rank: int, world_size: int, num_workers: int,
+               worker_id: int, shuffle_lines: bool, shuffle_seed: int) -> tuple[list[Unit], int]:
+    """``shard_units(official_units(vlm ...))`` with ``Unit`` objects only for this worker's units: the selected
+    lines' texts (the official sort key) are read and sorted stably once, kept as a numpy order, and only the
+    worker's slice becomes ``Unit``s. Returns ``(units, total units of the group)``."""
+    sels = [_vlm_selected(m, n, shuffle_lines, shuffle_seed) for m, n in zip(manifests, num_used_data)]
+    keys: list[tuple[str, str]] = []
+    for m, r, sel in zip(manifests, readers, sels):  # texts are transient: ranked, then dropped
+        image_dir = m.get("image_dir", "")
+        keys += [(raw, image_dir) for raw in _raw_lines(r, sel)]
+    order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)  # stable, as official
+    ds_of = np.concatenate([np.full(len(s), d, dtype=np.int64) for d, s in enumerate(sels)])
+    idx_of = np.concatenate(sels).astype(np.int64, copy=False)
+    mine = order[_slice(len(keys), seed=seed, rank=rank, world_size=world_size, num_workers=num_workers,
+                        worker_id=worker_id)]
+    units = [Unit(keys[p], Rows(int(ds_of[p]), int(idx_of[p]), 1),
+                  f"{manifests[int(ds_of[p])]['files'][0]['file']} line {int(idx_of[p])}") for p in mine.tolist()]
+    return units, len(keys)
+
+
 def official_units(group: str, manifests: Sequence[Mapping[str, Any]], readers: Sequence[SqliteITarEntryReader],
                    num_used_data: Sequence[int], *, shuffle_lines: bool = False, shuffle_seed: int = 0) -> list[Unit]:
     """All units of a group over its converted datasets, before sorting/shuffling."""
-    if len(num_used_data) != len(manifests):
-        raise ValueError(f"{group}: num_used_data has {len(num_used_data)} entries for {len(manifests)} datasets")
+    _check_group(group, manifests, num_used_data)
     units: list[Unit] = []
     for ds, (man, n) in enumerate(zip(manifests, num_used_data)):
-        if man["group"] != group:
-            raise ValueError(f"dataset {man.get('dataset_name')!r} is group {man['group']!r}, expected {group!r}")
         if group == VLM:
             units += _vlm_units(ds, man, readers[ds], n, shuffle_lines, shuffle_seed)
         else:
             units += _file_units(ds, man, n, group)
     return units
+
+
+def _check_group(group: str, manifests: Sequence[Mapping[str, Any]], num_used_data: Sequence[int]) -> None:
+    if len(num_used_data) != len(manifests):
+        raise ValueError(f"{group}: num_used_data has {len(num_used_data)} entries for {len(manifests)} datasets")
+    for man in manifests:
+        if man["group"] != group:
+            raise ValueError(f"dataset {man.get('dataset_name')!r} is group {man['group']!r}, expected {group!r}")
 
 
 _MAX_SKIPPED = 1000
@@ -153,13 +237,17 @@ class OfficialOrderReader(Savable):
         self.paths = [str(p) for p in paths]
         self.readers = [SqliteITarEntryReader(EPath(p)) for p in self.paths]
         manifests = [load_manifest(p) for p in self.paths]
-        units = official_units(self.group, manifests, self.readers, num_used_data,
-                               shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed)
-        self.units = shard_units(units, seed=seed, rank=rank, world_size=world_size, num_workers=num_workers,
-                                 worker_id=worker_id)
+        split = dict(seed=seed, rank=rank, world_size=world_size, num_workers=num_workers, worker_id=worker_id)
+        if self.group == VLM:
+            _check_group(self.group, manifests, num_used_data)
+            self.units, total = _vlm_shard(manifests, self.readers, num_used_data, shuffle_lines=shuffle_lines,
+                                           shuffle_seed=shuffle_seed, **split)
+        else:
+            units = official_units(self.group, manifests, self.readers, num_used_data)
+            self.units, total = shard_units(units, **split), len(units)
         if not self.units:
             raise ValueError(f"{self.group}: no units for rank {rank}/{world_size} worker {worker_id}/{num_workers} "
-                             f"({len(units)} units in {self.paths}); the official reader would hang here")
+                             f"({total} units in {self.paths}); the official reader would hang here")
         self._identity = {"group": self.group, "seed": seed, "rank": rank, "world_size": world_size,
                           "num_workers": num_workers, "worker_id": self.worker_id, "num_used_data": list(num_used_data),
                           "shuffle_lines": shuffle_lines, "shuffle_seed": shuffle_seed if shuffle_lines else None,

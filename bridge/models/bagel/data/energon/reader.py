@@ -35,7 +35,7 @@ from .cook_common import replaying
 from .cookers import BagelTaskEncoder
 from .layout import MANIFEST_NAME, load_manifest
 from .sample import BagelSample
-from .selection import selection_counts, selection_runs
+from .selection import manifest_runs
 
 __all__ = ["BagelGroupReader", "DataReadError", "dataset_num_samples", "strip_paths"]
 
@@ -189,8 +189,7 @@ class BagelGroupReader(Savable):
                 continue
             if not os.path.isfile(os.path.join(p, MANIFEST_NAME)):
                 raise ValueError(f"{p}: num_used_data / shuffle_lines need the converter's {MANIFEST_NAME}")
-            runs.append(selection_runs(selection_counts(load_manifest(p), used, shuffle_lines=shuffle_lines,
-                                                        shuffle_seed=shuffle_seed)))
+            runs.append(manifest_runs(load_manifest(p), used, shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed))
         total = sum((e - s) * r for ds in runs for s, e, r in ds)
         if total < self._min_samples:
             raise ValueError(f"{', '.join(self.paths)}: {total} samples, fewer than dp_size x max(num_workers, 1) = "
