@@ -20,6 +20,7 @@ from importlib import metadata
 from collections.abc import Callable
 from typing import Any
 
+from . import shm
 from .config import BagelDataConfig, ConfigError, ResolvedGroup
 from .energon.reader import BagelGroupReader
 from .external import BagelExternalLoader, BagelRNGIterator
@@ -90,7 +91,8 @@ def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_ra
                                 vit_image_transform_args=g.vit_image_transform_args, dp_rank=dp_rank,
                                 dp_size=dp_size, num_workers=config.num_workers, seed=config.effective_data_seed,
                                 group=g.name, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
-                                shuffle_seed=g.shuffle_seed)
+                                shuffle_seed=g.shuffle_seed, stall_warn_s=config.stall_warn_s,
+                                timeout_s=config.timeout_s)
     except ValueError as exc:
         raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
 
@@ -128,7 +130,8 @@ def _official_chain(groups: list[ResolvedGroup], tokenizer: Any, special: dict[s
             return OfficialOrderReader(
                 paths, ctx, g.num_used_data, seed=config.effective_data_seed, rank=dp_rank,
                 world_size=dp_size, num_workers=config.num_workers, worker_id=worker, shuffle_lines=g.shuffle_lines,
-                shuffle_seed=g.shuffle_seed, repeat=True)
+                shuffle_seed=g.shuffle_seed, repeat=True, stall_warn_s=config.stall_warn_s,
+                timeout_s=config.timeout_s)
         except ValueError as exc:
             raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
 
@@ -193,6 +196,7 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
     Megatron) defaults to the context's ``train_samples``, or 1.
     """
     config.validate()
+    shm.reclaim_stale()  # shared memory of killed prefetch jobs on this machine, prefetch on or off
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
@@ -206,7 +210,8 @@ def build_bagel_train_loader(config: BagelDataConfig, tokenizer: Any, context_or
     if config.prefetch:
         rebuild = (functools.partial(build_upstream, config, tokenizer, dp_rank, dp_size, groups)
                    if config.prefetch_start != "fork" else None)
-        upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild)
+        upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild,
+                                 timeout_s=config.timeout_s)
     return BagelExternalLoader(upstream, length=length,
                                fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))
 

@@ -224,6 +224,8 @@ class BagelDataConfig:
                                         # "forkserver" (clean process, rebuilds the pipeline, torch uses threads)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
+    stall_warn_s: float = 120.0         # data watchdog: one warning line per rank after this long without a read
+    timeout_s: float = 480.0            # ... and DataTimeoutError after this long (0 disables; see watchdog.py)
 
     def validate(self) -> None:
         """Raise ConfigError for invalid values (names the key)."""
@@ -244,6 +246,10 @@ class BagelDataConfig:
             raise ConfigError(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
         if self.prefetch_start not in PREFETCH_STARTS:
             raise ConfigError(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
+        for key in ("stall_warn_s", "timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{key}: must be a number of seconds >= 0 (0 disables), got {value!r}")
 
     @property
     def effective_data_seed(self) -> int:

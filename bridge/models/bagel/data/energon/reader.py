@@ -30,6 +30,7 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from ..state import Savable, StateError
 from ..stats import DataStallError, DropCounter, StallWatch
+from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, DataTimeoutError, ReadWatch
 from . import compact_state
 from .cook_common import replaying
 from .cookers import BagelTaskEncoder
@@ -123,7 +124,8 @@ class BagelGroupReader(Savable):
                  num_workers: int = 0, seed: int = 0, max_samples_per_sequence: int | None = 100,
                  checkpoint_every_sec: float = 60, group: str | None = None,
                  num_used_data: Sequence[int] | None = None, shuffle_lines: bool = False,
-                 shuffle_seed: int = 0) -> None:
+                 shuffle_seed: int = 0, stall_warn_s: float = DEFAULT_STALL_WARN_S,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         if not self.paths:
             raise ValueError("BagelGroupReader needs at least one dataset path")
@@ -156,6 +158,9 @@ class BagelGroupReader(Savable):
                               for p, n in zip(self.paths, self._counts)}
         self._it: Iterator[BagelSample] | None = None
         self._closed = False
+        self._watch = ReadWatch(f"reader {self.group_name!r} (DP rank {dp_rank}/{dp_size}, {num_workers} Energon "
+                                "workers)", self.group_name, self.paths, stall_warn_s=stall_warn_s,
+                                timeout_s=timeout_s, workers=num_workers > 0)
         self._identity = self._compute_identity()
 
     # -- construction helpers -------------------------------------------------------------------
@@ -241,8 +246,8 @@ class BagelGroupReader(Savable):
                 self._it = iter(self.loader)
             while True:
                 try:
-                    sample = next(self._it)
-                except (StopIteration, DataStallError):
+                    sample = self._watch.call(next, self._it)  # on the reader thread, under the watchdog
+                except (StopIteration, DataStallError, DataTimeoutError):
                     raise
                 except Exception as exc:  # name the group, datasets and rank, whatever layer raised it
                     raise DataReadError(f"reader {self.group_name!r} (DP rank {self.dp_rank}/{self.dp_size}, "
@@ -320,8 +325,15 @@ class BagelGroupReader(Savable):
         """
         self._closed = True
         it, self._it = getattr(self, "_it", None), None
-        if it is not None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None and watch.busy:  # timed out: end the stuck workers, then the loader can close
+            workers = bool(watch.stuck_pids)
+            watch.kill_stuck()
+            watch.stop(wait_s=15.0 if workers else 0.0)  # torch notices a dead worker within 5 s
+        if it is not None and not (watch is not None and watch.busy):
             it.close()
+        if watch is not None:
+            watch.stop()
         if getattr(self, "_tmpdir", None) is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
