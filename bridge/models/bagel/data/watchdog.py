@@ -14,8 +14,8 @@ with that content. 0 disables either. Which shard is found from the stuck thread
 reader's ``tar_file_id`` / sample pointer), so a healthy read costs nothing but the thread hand-over.
 
 Energon worker processes are asked through *agents*: every process forked after ``enable_agents()`` (the
-Energon workers, the prefetch producer and its workers) gets a daemon thread that sleeps on a shared event and,
-when the watchdog sets it, writes what its threads are doing to a report file (``collect_reports``).
+Energon workers, the prefetch producer and its workers) gets a daemon thread that polls a shared counter (4 times a second,
+lock-free) and, when the watchdog bumps it, writes what its threads are doing to a report file (``collect_reports``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_STALL_WARN_S = 120.0
 DEFAULT_TIMEOUT_S = 480.0
 _REPORT_WAIT_S = 1.0
+_AGENT_POLL_S = 0.25
 
 
 class DataTimeoutError(RuntimeError):
@@ -105,7 +106,7 @@ def _role() -> str:
         return f"Energon worker {info.id} (pid {os.getpid()})"
     if mp.current_process().name == "bagel-prefetch":
         return f"prefetch producer (pid {os.getpid()})"
-    return f"process {os.getpid()}"
+    return f"the reader thread of process {os.getpid()}"
 
 
 def _thread_reports(skip: set[int]) -> list[dict[str, Any]]:
@@ -124,7 +125,9 @@ def _thread_reports(skip: set[int]) -> list[dict[str, Any]]:
 class _Agents:
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="bagel-watch-")
-        self.request = mp.get_context("fork").Event()
+        # A lock-free shared counter (no multiprocessing lock a killed process could leave held): the watchdog
+        # bumps it, each agent notices within _AGENT_POLL_S and reports once per bump.
+        self.request = mp.get_context("fork").RawValue("q", 0)
         self.owner = os.getpid()
 
 
@@ -134,8 +137,12 @@ _hook_installed = False
 
 def _agent_loop(agents: _Agents) -> None:
     me = threading.get_ident()
+    seen = agents.request.value
     while True:
-        agents.request.wait()
+        time.sleep(_AGENT_POLL_S)
+        if agents.request.value == seen:
+            continue
+        seen = agents.request.value
         try:
             reps = _thread_reports({me})
             best = reps[0] if reps else {"dataset": None, "shard": None, "group": None, "stack": ""}
@@ -146,8 +153,6 @@ def _agent_loop(agents: _Agents) -> None:
             os.replace(path + ".tmp", path)
         except Exception:  # noqa: BLE001 - a report is best effort; never disturb the process
             pass
-        while agents.request.is_set():
-            time.sleep(0.05)
 
 
 def _start_agent() -> None:
@@ -171,11 +176,8 @@ def collect_reports(wait_s: float = _REPORT_WAIT_S) -> list[dict[str, Any]]:
     if agents is None:
         return []
     t0 = time.time()
-    agents.request.set()
-    try:
-        time.sleep(wait_s)
-    finally:
-        agents.request.clear()
+    agents.request.value += 1
+    time.sleep(wait_s)
     reports = []
     for name in os.listdir(agents.dir):
         if not name.endswith(".json"):
