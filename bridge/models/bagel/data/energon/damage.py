@@ -30,7 +30,7 @@ _NV_META = ".nv-meta"
 _NEEDED = ("dataset.yaml", ".info.json")
 _SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # Energon's base-name / extension split
 _DIAGNOSE_BUDGET_S = 60.0
-_CONVERT = "convert the dataset again (bagel-data convert) or restore the file"
+_CONVERT = "convert it again (bagel-data convert) or restore the file"
 
 
 def check_prepared(path: str) -> None:
@@ -40,9 +40,9 @@ def check_prepared(path: str) -> None:
         raise ValueError(f"dataset directory {path} does not exist: fix energon_path in the dataset_info registry")
     missing = [n for n in _NEEDED if not os.path.isfile(os.path.join(meta, n))]
     if missing:
-        what = "is missing" if not os.path.isdir(meta) else f"lacks {', '.join(missing)}"
-        raise ValueError(f"damaged dataset {path}: its {_NV_META}/ (Energon's index) {what}: convert it again "
-                         "(bagel-data convert) or re-index it (`energon prepare <that dir>`)")
+        what = f"no {_NV_META}/" if not os.path.isdir(meta) else f"{_NV_META}/ lacks {', '.join(missing)}"
+        raise ValueError(f"damaged dataset {path}: {what} (its index): convert it again (bagel-data convert) "
+                         "or `energon prepare` it")
     try:
         with open(os.path.join(meta, ".info.json"), encoding="utf-8") as fh:
             counts = json.load(fh)["shard_counts"]
@@ -72,7 +72,7 @@ def _scan(tar: str, size: int) -> tuple[list[int], int, str | None]:
             fh.seek(pos)
             buf = fh.read(512)
             if len(buf) < 512:
-                return starts, end, f"cut at byte {size} inside the tar header after member {last_name}"
+                return starts, end, f"cut at byte {size} in the tar header after {last_name}"
             if buf == b"\0" * 512:
                 break
             try:
@@ -111,7 +111,7 @@ def _check_shard(dataset: str, tar: str) -> str | None:
     starts, end, problem = _scan(tar, size)
     if problem is not None:
         return f"damaged shard {tar}: {problem}: {_CONVERT}"
-    remedy = "re-index the dataset (`energon prepare <dataset dir>`) or convert it again"
+    remedy = "re-index (`energon prepare` the dataset) or convert again"
     if not os.path.isfile(idx_path):
         return f"shard index {idx_path} is missing: {remedy}"
     raw = open(idx_path, "rb").read()
@@ -125,8 +125,7 @@ def _check_shard(dataset: str, tar: str) -> str | None:
         k = next((i for i, (a, b) in enumerate(zip(idx, expected)) if a != b), min(len(idx), len(expected)))
         got = idx[k] if k < len(idx) else "nothing"
         want = expected[k] if k < len(expected) else "nothing"
-        return (f"damaged shard index {idx_path}: entry {k} says byte {got}, the shard has {want} "
-                f"({len(idx)} entries, {len(starts)} samples): {remedy}")
+        return f"damaged shard index {idx_path}: entry {k} is {got}, the shard has {want}: {remedy}"
     return None
 
 
