@@ -19,6 +19,7 @@ from importlib import metadata
 from collections.abc import Callable
 from typing import Any
 
+from .pipeline import shm
 from .config import BagelDataConfig, ConfigError, ResolvedGroup
 from .energon.reader import BagelGroupReader
 from .energon.layout import ManifestError
@@ -84,7 +85,8 @@ def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_ra
                                 vit_image_transform_args=g.vit_image_transform_args, dp_rank=dp_rank,
                                 dp_size=dp_size, num_workers=config.num_workers, seed=config.effective_data_seed,
                                 group=g.name, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
-                                shuffle_seed=g.shuffle_seed)
+                                shuffle_seed=g.shuffle_seed, stall_warn_s=config.stall_warn_s,
+                                timeout_s=config.timeout_s)
     except ManifestError:  # names the manifest and the remedy itself: the groups YAML is not at fault
         raise
     except ValueError as exc:
@@ -121,7 +123,8 @@ def _official_chain(groups: list[ResolvedGroup], tokenizer: Any, special: dict[s
             return OfficialOrderReader(
                 paths, ctx, g.num_used_data, seed=config.effective_data_seed, rank=dp_rank,
                 world_size=dp_size, num_workers=config.num_workers, worker_id=worker, shuffle_lines=g.shuffle_lines,
-                shuffle_seed=g.shuffle_seed, repeat=True)
+                shuffle_seed=g.shuffle_seed, repeat=True, stall_warn_s=config.stall_warn_s,
+                timeout_s=config.timeout_s)
         except ManifestError:
             raise
         except ValueError as exc:
@@ -191,6 +194,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     """
     data = config if isinstance(config, ValidatedData) else validate_data(config)
     config, groups = data.config, data.groups
+    shm.reclaim_stale()  # shared memory of killed prefetch jobs on this machine, prefetch on or off
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
@@ -203,6 +207,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     if config.prefetch:
         rebuild = (functools.partial(build_upstream, data, tokenizer, dp_rank, dp_size)
                    if config.prefetch_start != "fork" else None)
-        upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild)
+        upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild,
+                                 timeout_s=config.timeout_s)
     return BagelExternalLoader(upstream, length=length,
                                fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))

@@ -267,6 +267,8 @@ class BagelDataConfig:
                                         # "forkserver" (clean process, rebuilds the pipeline, torch uses threads)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
+    stall_warn_s: float = 120.0         # data watchdog: one warning line per rank after this long without a read
+    timeout_s: float = 480.0            # ... and DataTimeoutError after this long (0 disables; see watchdog.py)
 
     def problems(self) -> list[str]:
         """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""
@@ -287,6 +289,10 @@ class BagelDataConfig:
             out.append(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
         if self.prefetch_start not in PREFETCH_STARTS:
             out.append(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
+        for key in ("stall_warn_s", "timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                out.append(f"{key}: must be a number of seconds >= 0 (0 disables), got {value!r}")
         return out
 
     def validate(self) -> None:

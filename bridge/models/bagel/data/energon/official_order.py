@@ -32,6 +32,7 @@ from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReade
 
 from ..state import Savable, StateError
 from ..stats import DataStallError, DropCounter
+from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, ReadWatch
 from .cook_common import CookContext, Draws, cook_with, global_random
 from .cookers import CORES
 from .layout import META_PART, SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
@@ -211,6 +212,10 @@ def _check_group(group: str, manifests: Sequence[Mapping[str, Any]], num_used_da
 _MAX_SKIPPED = 1000
 
 
+def _read(reader: SqliteITarEntryReader, key: str) -> dict[str, Any]:
+    return dict(reader[key])
+
+
 class OfficialOrderReader(Savable):
     """Cooked samples of converted datasets in the official order, with the official ``data_indexes``.
 
@@ -226,7 +231,8 @@ class OfficialOrderReader(Savable):
 
     def __init__(self, paths: Sequence[str], ctx: CookContext, num_used_data: Sequence[int], *, seed: int = 42,
                  rank: int = 0, world_size: int = 1, num_workers: int = 0, worker_id: int = 0,
-                 shuffle_lines: bool = False, shuffle_seed: int = 0, repeat: bool = False) -> None:
+                 shuffle_lines: bool = False, shuffle_seed: int = 0, repeat: bool = False,
+                 stall_warn_s: float = DEFAULT_STALL_WARN_S, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if isinstance(paths, str):
             paths = [paths]
         self.ctx = ctx
@@ -257,6 +263,9 @@ class OfficialOrderReader(Savable):
         self.unused = DropCounter(f"official-order reader {self.group} worker {self.worker_id}", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
         self.skipped: list[dict[str, Any]] = []
+        self._watch = ReadWatch(f"official-order reader {self.group!r} (rank {rank}/{world_size}, worker "
+                                f"{self.worker_id})", self.group, self.paths, stall_warn_s=stall_warn_s,
+                                timeout_s=timeout_s)
         self.reset_state()
 
     # -- state -------------------------------------------------------------------------------
@@ -287,15 +296,19 @@ class OfficialOrderReader(Savable):
         return {"drops": dict(self.drops.counts), "unused": dict(self.unused.counts)}
 
     def close(self) -> None:
-        for r in self.readers:
-            r.close()
+        watch = getattr(self, "_watch", None)
+        if watch is not None:
+            watch.stop(wait_s=1.0)
+        if watch is None or not watch.busy:  # a reader stuck in a read keeps its files
+            for r in self.readers:
+                r.close()
 
     # -- reading -----------------------------------------------------------------------------
     def _row_id(self, pos: int, suffix: tuple) -> Any:
         return pos if self.group == VLM else [pos, *suffix]
 
     def _cook(self, ds: int, idx: int, draws: Draws) -> BagelSample:
-        crude = dict(self.readers[ds][sample_key(idx)])
+        crude = self._watch.call(_read, self.readers[ds], sample_key(idx))  # reader thread, under the watchdog
         crude["__subflavors__"] = {SUBFLAVOR_KEY: self.group}
         return cook_with(self.core, crude, self.ctx, draws, self.worker_id)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -30,7 +31,8 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 
 from ..state import Savable, StateError
 from ..stats import DataStallError, DropCounter, StallWatch
-from . import compact_state
+from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, DataTimeoutError, ReadWatch, describe_frame
+from . import compact_state, damage
 from .cook_common import replaying
 from .cookers import BagelTaskEncoder
 from .layout import MANIFEST_NAME, load_manifest
@@ -49,7 +51,50 @@ _STALL_HINT = ("Fix or remove the dataset's unusable rows (see the reason), or g
 
 
 class DataReadError(RuntimeError):
-    """Reading a converted dataset failed; the message names the group, datasets, rank (and shard/key if known)."""
+    """Reading a converted dataset failed: one line naming the damaged file and the remedy when one is found
+    (``damage.diagnose``), else the group, datasets, rank and the cause (shard/key if known). ``brief``: a short
+    form for the other ranks' line."""
+
+    def __init__(self, message: str, brief: str = "") -> None:
+        super().__init__(message)
+        self.brief = brief or message[:160]
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.brief))
+
+
+_WORKER_ERROR = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.")
+#: Exception kinds a damaged file raises while Energon reads it (a cooking error names its row already).
+_READ_KINDS = {"ValueError", "ReadError", "EOFError", "OSError", "error", "KeyError", "IndexError",
+               "UnicodeDecodeError", "HeaderError", "StreamError", "AssertionError", "DatabaseError"}
+
+
+def read_error(exc: BaseException, group: str, rank: str, workers: str, paths: Sequence[str]) -> DataReadError:
+    """One line for a failed read: the damaged file (diagnosed) with its remedy, or the reader, cause and where.
+
+    ``rank`` reads ``"DP rank r/s"``; a torch worker's flattened traceback goes to the debug log and is replaced
+    by its last line (the original exception) and the worker's number.
+    """
+    who = f"reader {group!r} ({rank}"
+    text = str(exc)
+    kind, where = type(exc).__name__, ""
+    m = _WORKER_ERROR.search(text)
+    if m:
+        logger.debug("%s: traceback in Energon worker %s:\n%s", who, m.group(2), text)
+        kind, where = m.group(1), f", Energon worker {m.group(2)}"
+        last = [x for x in text.strip().splitlines() if x.strip()][-1].strip()
+        text = last.split(": ", 1)[1] if last.startswith(f"{kind}:") or ": " in last[:60] else last
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    shard = describe_frame(tb.tb_frame)["shard"] if tb is not None else None
+    if kind in _READ_KINDS:
+        found = damage.diagnose(paths, f"{text} {shard or ''}")
+        if found is not None:
+            return DataReadError(f"{found} (group {group!r}, {rank}{where})", brief=found[:200])
+    at = f" while reading shard {shard}" if shard else ""
+    message = f"{who}, {workers}, datasets {list(paths)}){where}: {kind}: {' '.join(text.split())}{at}"
+    return DataReadError(message, brief=f"{who}){where}: {kind}: {' '.join(text.split())[:120]}")
 
 
 def _dataset_of(sample: Any, default: str) -> str:
@@ -123,7 +168,8 @@ class BagelGroupReader(Savable):
                  num_workers: int = 0, seed: int = 0, max_samples_per_sequence: int | None = 100,
                  checkpoint_every_sec: float = 60, group: str | None = None,
                  num_used_data: Sequence[int] | None = None, shuffle_lines: bool = False,
-                 shuffle_seed: int = 0) -> None:
+                 shuffle_seed: int = 0, stall_warn_s: float = DEFAULT_STALL_WARN_S,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         if not self.paths:
             raise ValueError("BagelGroupReader needs at least one dataset path")
@@ -131,6 +177,8 @@ class BagelGroupReader(Savable):
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         if num_used_data is not None and len(num_used_data) != len(self.paths):
             raise ValueError(f"num_used_data has {len(num_used_data)} entries for {len(self.paths)} datasets")
+        for p in self.paths:
+            damage.check_prepared(p)  # Energon would only say "Invalid dataset at <dir>"
         self.group_name = self._check_sizes(group, dp_size * max(num_workers, 1))
         self.runs = self._selection(num_used_data, shuffle_lines, shuffle_seed)
         self.transform_args = {"image_transform_args": dict(image_transform_args),
@@ -156,6 +204,9 @@ class BagelGroupReader(Savable):
                               for p, n in zip(self.paths, self._counts)}
         self._it: Iterator[BagelSample] | None = None
         self._closed = False
+        self._watch = ReadWatch(f"reader {self.group_name!r} (DP rank {dp_rank}/{dp_size}, {num_workers} Energon "
+                                "workers)", self.group_name, self.paths, stall_warn_s=stall_warn_s,
+                                timeout_s=timeout_s, workers=num_workers > 0)
         self._identity = self._compute_identity()
 
     # -- construction helpers -------------------------------------------------------------------
@@ -240,13 +291,12 @@ class BagelGroupReader(Savable):
                 self._it = iter(self.loader)
             while True:
                 try:
-                    sample = next(self._it)
-                except (StopIteration, DataStallError):
+                    sample = self._watch.call(next, self._it)  # on the reader thread, under the watchdog
+                except (StopIteration, DataStallError, DataTimeoutError):
                     raise
-                except Exception as exc:  # name the group, datasets and rank, whatever layer raised it
-                    raise DataReadError(f"reader {self.group_name!r} (DP rank {self.dp_rank}/{self.dp_size}, "
-                                        f"{self.num_workers} Energon workers, datasets {self.paths}): "
-                                        f"{type(exc).__name__}: {exc}") from exc
+                except Exception as exc:  # name the damaged file, else the group, datasets and rank
+                    raise read_error(exc, self.group_name, f"DP rank {self.dp_rank}/{self.dp_size}",
+                                     f"{self.num_workers} Energon workers", self.paths) from exc
                 dataset = _dataset_of(sample, self.paths[0])
                 if sample.drop_reason is None:
                     self._stall.ok(dataset)
@@ -319,8 +369,15 @@ class BagelGroupReader(Savable):
         """
         self._closed = True
         it, self._it = getattr(self, "_it", None), None
-        if it is not None:
+        watch = getattr(self, "_watch", None)
+        if watch is not None and watch.busy:  # timed out: end the stuck workers, then the loader can close
+            workers = bool(watch.stuck_pids)
+            watch.kill_stuck()
+            watch.stop(wait_s=15.0 if workers else 0.0)  # torch notices a dead worker within 5 s
+        if it is not None and not (watch is not None and watch.busy):
             it.close()
+        if watch is not None:
+            watch.stop()
         if getattr(self, "_tmpdir", None) is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None

@@ -98,9 +98,11 @@ def rank_state_file(state_dir: str, step: int, dp_rank: int) -> str:
 
 def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
     detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    return ConfigError(f"train.load: this rank's loader state file {path} (dp rank {dp_rank}) cannot be read: "
-                       f"truncated, corrupt or refused by Bridge's restricted loader ({detail}); resume from an "
-                       "earlier checkpoint or restore the file")
+    error = ConfigError(f"train.load: this rank's loader state file {path} (dp rank {dp_rank}) cannot be read: "
+                        f"truncated, corrupt or refused by Bridge's restricted loader ({detail}); resume from an "
+                        "earlier checkpoint or restore the file")
+    error.brief = f"its loader state file {os.path.basename(path)} cannot be read"  # the other ranks' line
+    return error
 
 
 def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> None:

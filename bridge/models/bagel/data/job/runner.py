@@ -112,7 +112,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
     except Exception as exc:  # agree across ranks before raising, so no rank waits forever in a collective
         error = exc
     try:
-        agree(error, "building/restoring the loader")
+        agree(error, "while building/restoring the loader")
     except BaseException:
         if loader is not None:
             loader.close()
@@ -151,7 +151,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
             except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
                 step_error = exc
             # Every rank learns of a failing rank's data error at the same step, so none waits in a collective.
-            agree(step_error, f"step {step}")
+            agree(step_error, f"at step {step}")
             if step % train.log_interval == 0 or step == train.train_iters:
                 tokens = torch.tensor([tele.interval["tokens"]], dtype=torch.int64)
                 dist.all_reduce(tokens, group=pg_collection.dp)  # TP/PP/CP peers hold copies of the same batches

@@ -28,9 +28,10 @@ logger = logging.getLogger(__name__)
 
 
 class AgreedError(RuntimeError):
-    """A failure every rank raises together (after ``agree``), carrying the first failing rank's message.
+    """A failure every rank raises together (after ``agree``): a failing rank's own message, or on the other
+    ranks a line naming the failing rank (``source_rank``).
 
-    ``kind`` is that rank's exception class name; ``all_ranks`` tells launchers that every rank is failing
+    ``kind`` is the failing exception's class name; ``all_ranks`` tells launchers that every rank is failing
     at the same point, so a final barrier before exiting is safe.
     """
 
@@ -43,22 +44,32 @@ class AgreedError(RuntimeError):
 
 
 def agree(error: BaseException | None, what: str = "setup") -> None:
-    """Collective over the world: return iff no rank failed, else raise the lowest failing rank's error.
+    """Collective over the world: return iff no rank failed, else raise ``AgreedError`` on every rank.
 
-    Every rank must call this at the same point. Ranks that did not fail raise ``AgreedError`` too, so no
-    rank is left waiting in a later collective; every rank raises the same kind and message, so a failure
-    reads as one line however many ranks print it. The local exception (if any) is chained as the cause.
+    Every rank must call this at the same point, so no rank is left waiting in a later collective. A rank that
+    failed raises its own message (its own file, its own shard); a rank that did not fail says so in its own
+    words and names the lowest failing rank, its error kind and a short form of what failed (the error's
+    ``brief`` if it has one): ``another rank failed <what>: rank R (Kind: …); this rank was fine``. The local
+    exception (if any) is chained as the cause.
     """
-    mine = None if error is None else (type(error).__name__, " ".join(str(error).split()))
+    mine = None
+    if error is not None:
+        message = " ".join(str(error).split())
+        brief = " ".join(str(getattr(error, "brief", "") or "").split()) or message[:120]
+        mine = (type(error).__name__, message, brief)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
     if not failed:
         return
-    rank, (kind, message) = failed[0]
     if len(failed) > 1:
         logger.debug("%s failed on ranks %s", what, [r for r, _ in failed])
-    raise AgreedError(kind, message, rank) from error
+    if mine is not None:
+        raise AgreedError(mine[0], mine[1], dist.get_rank()) from error
+    rank, (kind, _message, brief) = failed[0]
+    others = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    raise AgreedError(kind, f"another rank failed {what}: rank {rank}{others} ({kind}: {brief}); this rank was "
+                            f"fine, see rank {rank}'s error line", rank)
 
 
 def init_model_parallel(train: TrainConfig) -> Any:

@@ -33,6 +33,7 @@ import os
 import pickle
 import queue
 import signal
+import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
@@ -42,6 +43,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from . import shm
+from .. import watchdog
 from ..config.schema import PREFETCH_STARTS
 from ..packing.memory import release_shared, use_shared_memory
 from ..state import Savable, StateError, load_tagged, tagged_state
@@ -248,7 +250,8 @@ class PrefetchStage(Savable):
     _transparent = True  # does not change the stream: a state saved with prefetch restores without, and back
 
     def __init__(self, upstream: Iterator[Any], *, depth: int, start_method: str = "fork",
-                 rebuild: Callable[[], Iterator[Any]] | None = None, threads: int | None = None) -> None:
+                 rebuild: Callable[[], Iterator[Any]] | None = None, threads: int | None = None,
+                 timeout_s: float = 0.0) -> None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
             raise ValueError(f"PrefetchStage: depth must be an int >= 1, got {depth!r}")
         if start_method not in START_METHODS:
@@ -261,6 +264,10 @@ class PrefetchStage(Savable):
         self.start_method = start_method
         self.rebuild = rebuild
         self.threads = _default_threads() if threads is None else max(1, int(threads))
+        # The producer's readers time out by themselves (data.timeout_s); this later deadline catches a producer
+        # stuck anywhere else, so the trainer never waits forever either (0 = never).
+        self.timeout_s = float(timeout_s or 0)
+        self._deadline_s = self.timeout_s + max(30.0, 0.5 * self.timeout_s) if self.timeout_s > 0 else 0.0
         self._snapshot: dict[str, Any] | None = None  # tagged upstream state for the trainer's next batch
         self._restore: dict[str, Any] | None = None
         self._stats: dict[str, Any] | None = None
@@ -309,6 +316,8 @@ class PrefetchStage(Savable):
         if self._snapshot is None:
             self._snapshot = tagged_state(self.upstream)
         shm.reclaim_stale()  # segments of killed jobs (owner dead) go before ours are made
+        if self.timeout_s > 0:
+            watchdog.enable_agents()  # the producer and its workers can say what they wait on
         shm_job = shm.register_job()  # locked owner file, inherited by the producer
         clean = self.start_method != "fork"
         if clean:
@@ -348,11 +357,15 @@ class PrefetchStage(Savable):
             raise RuntimeError("PrefetchStage: next() after close()")
         if self._proc is None:
             self._start()
+        t0 = time.monotonic()
         while True:
             try:
                 kind, payload, extra, stats = self._out.get(timeout=_POLL_S)
                 break
             except queue.Empty:
+                if self._deadline_s and time.monotonic() - t0 >= self._deadline_s:
+                    self._failed = self._time_out(time.monotonic() - t0)
+                    raise self._failed
                 if not self._proc.is_alive():
                     self._failed = PrefetchError(
                         f"the prefetch producer (pid {self._proc.pid}) died with exit code {self._proc.exitcode} "
@@ -365,6 +378,19 @@ class PrefetchStage(Savable):
         self._snapshot = _from_wire(extra)
         self._stats = stats
         return _from_wire(payload)
+
+    def _time_out(self, waited: float) -> watchdog.DataTimeoutError:
+        reports = watchdog.collect_reports()
+        for rep in reports:
+            logger.debug("data watchdog: stack of %s:\n%s", rep.get("role"), rep.get("stack"))
+        s = watchdog.summarize(reports, None, [])
+        where = (f"group {s['group']!r}, dataset {s['dataset']!r}, shard file {s['shard']}, in {s['process']}"
+                 if s["shard"] else f"{s['process']}" if reports else f"the producer (pid {self._proc.pid})")
+        return watchdog.DataTimeoutError(
+            f"data time-out: the prefetch producer handed no batch for {waited:.0f}s (data.timeout_s="
+            f"{self.timeout_s:g} plus a margin for its own readers' time-out) waiting on {where}; see the debug log "
+            "for its stack. Check the storage of the datasets, or raise data.timeout_s",
+            brief=f"data time-out in the prefetch producer, waiting on {where}")
 
     @property
     def running(self) -> bool:

@@ -1,0 +1,155 @@
+"""Name the damaged file behind a read error: ``.nv-meta``, a shard's ``.tar.idx``, a shard cut short.
+
+Energon's own errors name the wrong thing or nothing (``Invalid dataset at <dir>`` for a missing ``.nv-meta``,
+``Inconsistent sample base name`` for a stale index, tarfile's ``ReadError: unexpected end of data`` for a cut
+shard; through worker processes a flattened worker traceback). Here:
+
+- ``check_prepared(path)`` (at reader build) refuses a dataset without a complete ``.nv-meta``;
+- ``diagnose(paths, hint)`` (only after a read failed) walks the shards' tar headers (no member data is read)
+  and compares them with each ``.tar.idx``: the first damaged file with where and why, or None.
+
+Every message is one line: what, which file, what to do.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import tarfile
+import time
+from collections.abc import Sequence
+
+__all__ = ["check_prepared", "diagnose", "shard_files"]
+
+logger = logging.getLogger(__name__)
+
+_NV_META = ".nv-meta"
+_NEEDED = ("dataset.yaml", ".info.json")
+_SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # Energon's base-name / extension split
+_DIAGNOSE_BUDGET_S = 60.0
+_CONVERT = "convert it again (bagel-data convert) or restore the file"
+
+
+def check_prepared(path: str) -> None:
+    """Raise ValueError (one line) if ``path`` has no usable ``.nv-meta`` (Energon: ``Invalid dataset at``)."""
+    meta = os.path.join(path, _NV_META)
+    if not os.path.isdir(path):
+        raise ValueError(f"dataset directory {path} does not exist: fix energon_path in the dataset_info registry")
+    missing = [n for n in _NEEDED if not os.path.isfile(os.path.join(meta, n))]
+    if missing:
+        what = f"no {_NV_META}/" if not os.path.isdir(meta) else f"{_NV_META}/ lacks {', '.join(missing)}"
+        raise ValueError(f"damaged dataset {path}: {what} (its index): convert it again (bagel-data convert) "
+                         "or `energon prepare` it")
+    try:
+        with open(os.path.join(meta, ".info.json"), encoding="utf-8") as fh:
+            counts = json.load(fh)["shard_counts"]
+        assert isinstance(counts, dict)
+    except (OSError, ValueError, KeyError, AssertionError) as exc:
+        raise ValueError(f"damaged dataset {path}: its {_NV_META}/.info.json is unreadable ({type(exc).__name__}): "
+                         "re-index it (`energon prepare <that dir>`) or convert it again") from None
+
+
+def shard_files(path: str) -> list[str]:
+    """The shard paths a prepared dataset lists in ``.nv-meta/.info.json``."""
+    with open(os.path.join(path, _NV_META, ".info.json"), encoding="utf-8") as fh:
+        return [os.path.join(path, name) for name in json.load(fh)["shard_counts"]]
+
+
+def _scan(tar: str, size: int) -> tuple[list[int], int, str | None]:
+    """Sample start offsets and the end of the last sample from the tar headers; a cut/corruption found, or None."""
+    starts: list[int] = []
+    pos = end = 0
+    last_base = None
+    last_name = "(none: the first header)"
+    pending = None  # offset of a pax / long-name header that belongs to the next member
+    with open(tar, "rb") as fh:
+        while True:
+            if pos >= size:
+                break  # no end-of-archive blocks: Energon reads such a shard fine
+            fh.seek(pos)
+            buf = fh.read(512)
+            if len(buf) < 512:
+                return starts, end, f"cut at byte {size} in the tar header after {last_name}"
+            if buf == b"\0" * 512:
+                break
+            try:
+                info = tarfile.TarInfo.frombuf(buf, "utf-8", "surrogateescape")
+            except tarfile.HeaderError as exc:
+                return starts, end, f"corrupt tar header at byte {pos} after member {last_name} ({exc})"
+            padded = pos + 512 + -(-info.size // 512) * 512
+            if pos + 512 + info.size > size:
+                return starts, end, f"cut at byte {size} inside member {info.name} (sample {_base(info.name)})"
+            if padded > size:
+                return starts, end, f"cut at byte {size} in the padding after member {info.name}"
+            if info.type in (tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.XGLTYPE):
+                pending = pos if pending is None else pending
+            elif info.isfile():
+                base = _base(info.name)
+                if base != last_base:
+                    starts.append(pos if pending is None else pending)
+                    last_base = base
+                last_name = info.name
+                pending = None
+                end = padded
+            pos = padded
+    return starts, end, None
+
+
+def _base(name: str) -> str:
+    m = _SPLIT_NAME.match(name)
+    return m.group(1) if m else name
+
+
+def _check_shard(dataset: str, tar: str) -> str | None:
+    if not os.path.isfile(tar):
+        return f"shard {tar} of dataset {dataset} is missing: {_CONVERT}"
+    size = os.path.getsize(tar)
+    idx_path = tar + ".idx"
+    starts, end, problem = _scan(tar, size)
+    if problem is not None:
+        return f"damaged shard {tar}: {problem}: {_CONVERT}"
+    remedy = "re-index (`energon prepare` the dataset) or convert again"
+    if not os.path.isfile(idx_path):
+        return f"shard index {idx_path} is missing: {remedy}"
+    raw = open(idx_path, "rb").read()
+    if len(raw) % 8:
+        return f"damaged shard index {idx_path}: {len(raw)} bytes, not a list of 8-byte offsets: {remedy}"
+    if not raw:
+        return f"damaged shard index {idx_path}: empty: {remedy}"
+    idx = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
+    expected = starts + [end]
+    if idx != expected:
+        k = next((i for i, (a, b) in enumerate(zip(idx, expected)) if a != b), min(len(idx), len(expected)))
+        got = idx[k] if k < len(idx) else "nothing"
+        want = expected[k] if k < len(expected) else "nothing"
+        return f"damaged shard index {idx_path}: entry {k} is {got}, the shard has {want}: {remedy}"
+    return None
+
+
+def diagnose(paths: Sequence[str], hint: str = "") -> str | None:
+    """The first damaged file among the datasets ``paths`` (one line with the remedy), or None.
+
+    ``hint`` (the error text) puts a shard it names first. Stops after ~60 s of scanning (huge datasets).
+    """
+    t0 = time.monotonic()
+    for dataset in paths:
+        try:
+            check_prepared(dataset)
+            shards = shard_files(dataset)
+        except ValueError as exc:
+            return str(exc)
+        shards.sort(key=lambda s: os.path.relpath(s, dataset) not in hint)
+        for tar in shards:
+            if time.monotonic() - t0 > _DIAGNOSE_BUDGET_S:
+                logger.warning("diagnosis of the read error stopped after %.0fs of scanning shards", _DIAGNOSE_BUDGET_S)
+                return None
+            try:
+                problem = _check_shard(dataset, tar)
+            except OSError as exc:
+                problem = f"shard {tar} cannot be read ({type(exc).__name__}: {exc}): check its storage"
+            if problem is not None:
+                return problem
+    return None

@@ -1,0 +1,82 @@
+"""Every damaged file is named in one line with its cause and the remedy: a missing .nv-meta, a garbage or stale
+.tar.idx, a shard cut inside a member, on a header or in the padding; with and without Energon workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tarfile
+
+import pytest
+
+from bridge.models.bagel.data.build import build_bagel_train_loader
+from bridge.models.bagel.data.config import ConfigError
+from bridge.models.bagel.data.energon.reader import DataReadError
+from test_liveness import T2I_ARGS, _config, _png, _t2i
+
+pytestmark = [pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
+
+    return build_qwen2_tokenizer()
+
+
+def _members(tar: str) -> list[tarfile.TarInfo]:
+    with tarfile.open(tar) as t:
+        return t.getmembers()
+
+
+def _damage(path: str, kind: str) -> tuple[str, str]:
+    """Damage the dataset; returns (the file the line must name, a word of the remedy)."""
+    tar = os.path.join(path, "shards", "shard-000000.tar")
+    if kind == "nv-meta":
+        shutil.rmtree(os.path.join(path, ".nv-meta"))
+        return os.path.join(path), "energon prepare"
+    if kind == "idx-garbage":
+        n = os.path.getsize(tar + ".idx")
+        open(tar + ".idx", "wb").write(os.urandom(n))
+        return tar + ".idx", "energon prepare"
+    if kind == "idx-stale":  # every sample start moved one sample on: "Inconsistent sample base name"
+        raw = open(tar + ".idx", "rb").read()
+        idx = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
+        open(tar + ".idx", "wb").write(struct.pack(f"<{len(idx)}Q", *([0] + [v + 2048 for v in idx[1:-1]] + idx[-1:])))
+        return tar + ".idx", "energon prepare"
+    m = _members(tar)
+    cut = {"cut-in-member": m[-1].offset_data + 10, "cut-in-member-early": m[5].offset_data + 3,
+           "cut-on-header": m[-1].offset + 100, "cut-in-padding": m[1].offset_data + m[1].size + 5}[kind]
+    with open(tar, "rb") as fh:
+        data = fh.read(cut)
+    with open(tar, "wb") as fh:
+        fh.write(data)
+    return tar, "convert it again"
+
+
+KINDS = ["nv-meta", "idx-garbage", "idx-stale", "cut-in-member", "cut-in-member-early", "cut-on-header",
+         "cut-in-padding"]
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_damaged_file_is_named_with_the_remedy(tmp_path, tok, kind, workers):
+    rows = [{"image": _png(24, 16, i), "captions": json.dumps({"c": f"photo {i}"})} for i in range(8)]
+    path = _t2i(tmp_path, rows)
+    named, remedy = _damage(path, kind)
+    cfg = _config(tmp_path, "t2i_pretrain", path, T2I_ARGS, workers=workers)
+    with pytest.raises((DataReadError, ConfigError)) as err:
+        with build_bagel_train_loader(cfg, tok, (0, 1), length=4) as loader:
+            for _ in range(40):  # more than one pass over the 8 samples: every damaged part is reached
+                next(loader)
+    first = str(err.value).splitlines()[0]
+    assert named in first and remedy in first, first
+    assert len(first) < 300, (len(first), first)
+    assert "Traceback" not in str(err.value) and "Caught" not in str(err.value), str(err.value)
+    if kind.startswith("cut"):
+        assert "cut at byte" in first and ("inside member" in first or "header" in first or "padding" in first)
+    if kind.startswith("cut-in-member"):
+        assert "(sample 0000000" in first, first

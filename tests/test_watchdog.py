@@ -1,0 +1,175 @@
+"""Never a hang on bad storage: a shard read that never returns (a FIFO nobody writes, as a mount that stopped
+answering) ends in one warning and then a DataTimeoutError naming group, dataset and shard, inline, through
+Energon workers, through the prefetch producer and under a 2-rank torchrun job; a slow but healthy source is
+never cut off; a killed prefetch job's shared memory is reclaimed by the next loader build, prefetch on or off."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bridge.models.bagel.data.pipeline import shm
+from bridge.models.bagel.data.build import build_bagel_train_loader
+from bridge.models.bagel.data.watchdog import DataTimeoutError, ReadWatch
+from test_liveness import SMALL, T2I_ARGS, _config, _png, _t2i
+from test_shm import _descendants, _kill_like_a_preemption, _ours, _owner_files_of, _start_job
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+WARN_S, TIMEOUT_S = 1.5, 4.0
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
+
+    return build_qwen2_tokenizer()
+
+
+def _dataset(root: Path) -> str:
+    rows = [{"image": _png(24, 16, i), "captions": json.dumps({"c": f"photo {i}"})} for i in range(8)]
+    return _t2i(root, rows)
+
+
+def _stuck_mount(path: str) -> str:
+    """Replace the dataset's shard by a FIFO nobody writes: opening it blocks forever, like a dead mount."""
+    shard = os.path.join(path, "shards", "shard-000000.tar")
+    os.unlink(shard)
+    os.mkfifo(shard)
+    return shard
+
+
+def _release(shard: str) -> None:
+    """Unblock readers still stuck in open() on the FIFO (a writer opens and closes it: they read EOF)."""
+    try:
+        os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+
+
+def _others(before: set[int]) -> list[str]:
+    left = []
+    for pid in set(_descendants(os.getpid())) - before - {os.getpid()}:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if "torch_shm" not in name and Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] != "Z":
+            left.append(f"{pid} {name}")
+    return left
+
+
+@pytest.mark.parametrize("workers,prefetch", [(0, 0), pytest.param(2, 0, marks=pytest.mark.slow),
+                                              pytest.param(0, 2, marks=pytest.mark.slow),
+                                              pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, prefetch):
+    path = _dataset(tmp_path)
+    shard = _stuck_mount(path)
+    log = tmp_path / "watch.log"
+    handler = logging.FileHandler(log)  # inherited by the producer and the workers: their lines land here too
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("bridge.models.bagel.data").addHandler(handler)
+    before = set(_descendants(os.getpid()))
+    cfg = _config(tmp_path, "t2i_pretrain", path, T2I_ARGS, workers=workers, prefetch=prefetch)
+    cfg.stall_warn_s, cfg.timeout_s = WARN_S, TIMEOUT_S
+    try:
+        loader = build_bagel_train_loader(cfg, tok, (0, 1), length=4)
+        t0 = time.monotonic()
+        with pytest.raises(DataTimeoutError) as err:
+            next(loader)
+        took = time.monotonic() - t0
+        loader.close()
+    finally:
+        logging.getLogger("bridge.models.bagel.data").removeHandler(handler)
+        handler.close()
+        _release(shard)
+    msg = str(err.value)
+    assert "group 't2i_pretrain'" in msg and "dataset 't2i'" in msg and f"shard file {shard}" in msg, msg
+    assert ("in Energon worker" in msg) == (workers > 0), msg
+    assert ("in prefetch producer" in msg) == (prefetch > 0 and workers == 0), msg
+    assert TIMEOUT_S <= took < TIMEOUT_S + 8, took  # within the bound (plus the agents' report time)
+    warnings = [x for x in log.read_text().splitlines() if "has waited" in x]
+    assert len(warnings) == 1 and "group 't2i_pretrain'" in warnings[0], log.read_text()
+    deadline = time.time() + 10
+    while _others(before) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _others(before), "a process of the stuck loader was left behind"
+
+
+def test_a_slow_but_healthy_source_is_not_cut_off(caplog):
+    """First item takes 2x the warning time, the time-out is above that: the read completes, nothing raised."""
+    def source():
+        time.sleep(2 * WARN_S)
+        yield from range(5)
+
+    watch = ReadWatch("reader 'slow'", "slow", ["/data/slow"], stall_warn_s=WARN_S, timeout_s=3 * WARN_S)
+    it = source()
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.watchdog"):
+        got = [watch.call(next, it) for _ in range(5)]
+    assert got == [0, 1, 2, 3, 4] and watch.stuck is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("has waited" in x for x in lines) == 1 and any("returned after" in x for x in lines), lines
+    assert watch.stop()
+
+
+def test_disabled_watch_calls_directly():
+    watch = ReadWatch("r", "g", [], stall_warn_s=0, timeout_s=0)
+    assert not watch.enabled and watch.call(sum, [1, 2]) == 3 and watch._thread is None
+
+
+@pytest.mark.slow
+def test_two_rank_job_every_rank_ends_with_the_time_out(tmp_path):
+    path = _dataset(tmp_path)
+    shard = _stuck_mount(path)
+    cfg = _config(tmp_path, "t2i_pretrain", path, T2I_ARGS)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29617")
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29617",
+             "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
+             "data.prefetch=2", f"data.stall_warn_s={WARN_S}", f"data.timeout_s={TIMEOUT_S}",
+             *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3", "train.progress=false",
+             "demo_data=null", "train.save=null"],
+            cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        _release(shard)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error [rank")]
+    assert sorted(x.split("]")[0] for x in lines) == ["error [rank 0", "error [rank 1"], proc.stderr[-3000:]
+    for line in lines:
+        assert "DataTimeoutError" in line and "'t2i_pretrain'" in line and "shard-000000.tar" in line, line
+    assert sum("has waited" in x for x in proc.stderr.splitlines()) >= 1, proc.stderr[-3000:]
+    assert took < 90, took
+    time.sleep(1)
+    left = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)]
+    assert not left, f"processes of the job left behind: {left}"
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@pytest.mark.slow
+def test_a_killed_prefetch_jobs_shared_memory_is_reclaimed_by_a_loader_build_without_prefetch(tmp_path, tok):
+    killed, info = _start_job()
+    _kill_like_a_preemption(killed)
+    debris = _ours(info)
+    cfg = _config(tmp_path, "t2i_pretrain", _dataset(tmp_path), T2I_ARGS, prefetch=0)
+    with build_bagel_train_loader(cfg, tok, (0, 1), length=4) as loader:  # building it reclaims
+        assert not [s for s in debris if os.path.exists(s)], "the killed job's segments survived the build"
+        assert not _owner_files_of(info)
+        next(loader)
+    assert not shm.segments_of(info["trainer"])
