@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .pipeline import shm
-from .config import BagelDataConfig, ConfigError, ResolvedGroup
+from .config import BagelDataConfig, ConfigError, ResolvedGroup, ValidatedData, validate_data
 from .energon.reader import BagelGroupReader
 from .energon.layout import ManifestError
 from .pipeline.loader import BagelExternalLoader
@@ -29,7 +29,6 @@ from .packing import BagelPacker
 from .pipeline.prefetch import PrefetchStage
 from .pipeline.rng import BagelRNGIterator
 from .tokenizer import add_special_tokens
-from .config import ValidatedData, validate_data
 
 __all__ = ["build_bagel_train_loader", "build_upstream", "dp_rank_size", "package_version", "rank_seed"]
 

@@ -68,6 +68,10 @@ class Rows(Sequence):
             r += self.count
         if not 0 <= r < self.count:
             raise IndexError(r)
+        return self._row(r)
+
+    def _row(self, r: int) -> tuple[tuple, int, int]:
+        """Row ``r`` (``0 <= r < count``): ``(coordinate suffix, dataset, sample index)``."""
         suffix = () if self.row_group is None else ((self.row_group, r) if self.with_group else (r,))
         return suffix, self.ds, self.first + r
 
@@ -78,13 +82,7 @@ class _T2IRows(Rows):
 
     row_groups: tuple[int, ...] = ()
 
-    def __getitem__(self, k: int) -> tuple[tuple, int, int]:  # type: ignore[override]
-        if isinstance(k, slice):
-            return tuple(self[i] for i in range(*k.indices(self.count)))  # type: ignore[return-value]
-        if k < 0:
-            k += self.count
-        if not 0 <= k < self.count:
-            raise IndexError(k)
+    def _row(self, k: int) -> tuple[tuple, int, int]:
         g, r = 0, k
         while r >= self.row_groups[g]:
             r -= self.row_groups[g]
