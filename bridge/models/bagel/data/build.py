@@ -21,13 +21,15 @@ from typing import Any
 
 from .pipeline import shm
 from .config import BagelDataConfig, ConfigError, ResolvedGroup, ValidatedData, validate_data
+from .energon.elastic_reader import ElasticGroupReader
 from .energon.reader import BagelGroupReader
 from .energon.layout import ManifestError
+from .pipeline.elastic import ELASTIC_TOPOLOGY_KEYS
 from .pipeline.loader import BagelExternalLoader
 from .pipeline.official_mode import OfficialWorkers
 from .packing import BagelPacker
 from .pipeline.prefetch import PrefetchStage
-from .pipeline.rng import BagelRNGIterator
+from .pipeline.rng import BagelRNGIterator, elastic_rank_seed
 from .tokenizer import add_special_tokens
 
 __all__ = ["build_bagel_train_loader", "build_upstream", "dp_rank_size", "package_version", "rank_seed"]
@@ -76,16 +78,18 @@ def _paths(group: ResolvedGroup) -> list[str]:
 
 
 def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_rank: int, dp_size: int
-            ) -> BagelGroupReader:
+            ) -> BagelGroupReader | ElasticGroupReader:
     g = group.group
     paths = _paths(group)
+    elastic = {"partitions": config.partitions} if config.order == "elastic" else {}
+    cls = ElasticGroupReader if elastic else BagelGroupReader
     try:
-        return BagelGroupReader(paths, tokenizer=tokenizer, image_transform_args=g.image_transform_args,
+        return cls(paths, tokenizer=tokenizer, image_transform_args=g.image_transform_args,
                                 vit_image_transform_args=g.vit_image_transform_args, dp_rank=dp_rank,
                                 dp_size=dp_size, num_workers=config.num_workers, seed=config.effective_data_seed,
                                 group=g.name, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
                                 shuffle_seed=g.shuffle_seed, stall_warn_s=config.stall_warn_s,
-                                timeout_s=config.timeout_s)
+                                timeout_s=config.timeout_s, **elastic)
     except ManifestError:  # names the manifest and the remedy itself: the groups YAML is not at fault
         raise
     except ValueError as exc:
@@ -152,6 +156,7 @@ def _fingerprint(config: BagelDataConfig, groups: list[ResolvedGroup], special: 
                     "shuffle_seed": r.group.shuffle_seed if r.group.shuffle_lines else None,
                     "image_transform_args": r.group.image_transform_args,
                     "vit_image_transform_args": r.group.vit_image_transform_args} for r in groups],
+        **({"partitions": config.partitions} if config.order == "elastic" else {}),
     }
 
 
@@ -172,14 +177,20 @@ def _upstream(config: BagelDataConfig, groups: list, tokenizer: Any, special: di
     return BagelRNGIterator(packer, seed)
 
 
+def _rank_seed(config: BagelDataConfig, dp_rank: int, dp_size: int) -> int:
+    """The rank's packer RNG seed: official ``seed * W + rank``; the elastic order's does not depend on W."""
+    if config.order == "elastic":
+        return elastic_rank_seed(config.seed, dp_rank)
+    return rank_seed(config.seed, dp_rank, dp_size)
+
+
 def build_upstream(data: ValidatedData, tokenizer: Any, dp_rank: int, dp_size: int) -> Any:
     """The same upstream chain ``build_bagel_train_loader`` builds, from the same validated config: the recipe
     a ``forkserver`` prefetch producer calls to rebuild it in its own process (picklable with
     ``functools.partial``; the producer neither re-reads the files nor re-warns)."""
     config = data.config
     tokenizer, special, _ = add_special_tokens(tokenizer)
-    return _upstream(config, data.groups, tokenizer, special, dp_rank, dp_size,
-                     rank_seed(config.seed, dp_rank, dp_size))
+    return _upstream(config, data.groups, tokenizer, special, dp_rank, dp_size, _rank_seed(config, dp_rank, dp_size))
 
 
 def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer: Any, context_or_dp: Any = (0, 1),
@@ -198,7 +209,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
     tokenizer, special, _ = add_special_tokens(tokenizer)
-    seed = rank_seed(config.seed, dp_rank, dp_size)
+    seed = _rank_seed(config, dp_rank, dp_size)
     logger.info("BAGEL loader: order %s, DP rank %d/%d, groups %s, rank seed %d, data seed %d, %d workers, "
                 "prefetch %d", config.order, dp_rank, dp_size, [g.group.name for g in groups], seed,
                 config.effective_data_seed, config.num_workers, config.prefetch)
@@ -209,4 +220,5 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
         upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild,
                                  timeout_s=config.timeout_s)
     return BagelExternalLoader(upstream, length=length,
-                               fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size))
+                               fingerprint=_fingerprint(config, groups, special, dp_rank, dp_size),
+                               topology_keys=ELASTIC_TOPOLOGY_KEYS if config.order == "elastic" else ())

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-__all__ = ["STATE_PROTOCOLS", "Savable", "Stage", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
+__all__ = ["RESIZABLE", "ResizeContext", "STATE_PROTOCOLS", "Savable", "register_resizable", "Stage", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
            "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "walk_stages"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, range)
@@ -286,3 +286,39 @@ class Stage(Savable):
             close = getattr(stage, "close", None)
             if callable(close):
                 close()
+
+
+# -- elastic resize: turning every old rank's saved state into one new rank's (pure data) ---------------------
+
+#: Stage class name -> class with a ``resize_state(olds, ctx, **kw) -> state`` classmethod (``register_resizable``).
+RESIZABLE: dict[str, type] = {}
+
+
+def register_resizable(cls: type) -> type:
+    """Declare that ``cls``'s saved state can be resized to another DP size (``cls.resize_state``)."""
+    if not callable(getattr(cls, "resize_state", None)):
+        raise TypeError(f"{cls.__name__} has no resize_state classmethod")
+    RESIZABLE[cls.__name__] = cls
+    return cls
+
+
+class ResizeContext:
+    """The new rank a resize builds a state for: ``dp_rank`` of ``dp_size``, resize ``generation`` (the old one
+    + 1), the run's ``seed``. ``resize(tagged_olds, **kw)`` resizes one nested stage's saved forms (one per old
+    rank, ``{"stage", "state"}``) through that stage class's own ``resize_state``."""
+
+    def __init__(self, dp_rank: int, dp_size: int, generation: int, seed: int) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"resize: DP rank {dp_rank} out of range for DP size {dp_size}")
+        self.dp_rank, self.dp_size, self.generation, self.seed = int(dp_rank), int(dp_size), int(generation), int(seed)
+
+    def resize(self, tagged_olds: list[Any], **kw: Any) -> dict[str, Any]:
+        names = {t.get("stage") if isinstance(t, dict) else None for t in tagged_olds}
+        if len(names) != 1 or None in names:
+            raise StateError(f"resize: the old ranks' states hold different stages here ({sorted(map(str, names))})")
+        name = names.pop()
+        cls = RESIZABLE.get(name)
+        if cls is None:
+            raise StateError(f"resize: a {name} stage cannot be resized to another DP size (its stream depends on "
+                             "the DP size); restarts on another DP size need data.order: elastic")
+        return {"stage": name, "state": cls.resize_state([t["state"] for t in tagged_olds], self, **kw)}

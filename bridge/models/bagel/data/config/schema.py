@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 #: Values ``BagelDataConfig.prefetch_start`` accepts (``prefetch.START_METHODS``; kept here, prefetch is downstream).
 PREFETCH_STARTS: tuple[str, ...] = ("fork", "forkserver")
 #: Values ``BagelDataConfig.order`` accepts.
-ORDERS: tuple[str, ...] = ("energon", "official")
+ORDERS: tuple[str, ...] = ("energon", "official", "elastic")
 #: Keys of the official ``PackedDataset(data_config, **packed_dataset_args)`` call that are not packer knobs
 #: (the dataset's place in the world and its resume status): pass as ``PackerConfig.from_mapping(ignore=...)``
 #: when reading an official config.
@@ -260,7 +260,10 @@ class BagelDataConfig:
     seed: int = 42                      # data seed: packer RNG streams (rank seed) and, unless data_seed is set,
                                         # the unit / sample order
     data_seed: int | None = None        # official set_epoch(data_seed) (unit order; Energon seed_offset); None = seed
-    order: str = "energon"              # "energon" (Energon reader order) or "official" (the official loader's stream)
+    order: str = "energon"              # "energon" (Energon reader order), "official" (the official loader's stream)
+                                        # or "elastic" (resumable on another DP size / num_workers; energon/elastic_order.py)
+    partitions: int = 1024              # elastic order: canonical partitions per group, fixed for the life of a run
+                                        # (>= the largest DP size it will use; a group uses min(partitions, its samples))
     num_workers: int = 0                # Energon workers ("energon") / emulated DataLoader workers ("official", >= 1)
     prefetch: int = 0                   # packed batches produced ahead in a background process (0 = synchronous)
     prefetch_start: str = "fork"        # how that process starts: "fork" (fast start, torch single-threaded) or
@@ -277,6 +280,8 @@ class BagelDataConfig:
             out.append(f"seed: must be a non-negative integer, got {self.seed!r}")
         if not is_int(self.num_workers) or self.num_workers < 0:
             out.append(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
+        if not is_int(self.partitions) or self.partitions < 1:
+            out.append(f"partitions: must be a positive integer, got {self.partitions!r}")
         if self.data_seed is not None and (not is_int(self.data_seed) or self.data_seed < 0):
             out.append(f"data_seed: must be a non-negative integer or null, got {self.data_seed!r}")
         if self.order not in ORDERS:

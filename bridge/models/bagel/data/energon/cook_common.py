@@ -28,7 +28,7 @@ from .sample import BagelSample
 
 __all__ = [
     "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "current_replay", "replaying",
-    "cook_with", "decode_image", "global_random", "load_meta", "plan_item", "source_coordinate",
+    "cook_with", "current_draw", "decode_image", "drawing", "global_random", "load_meta", "plan_item", "source_coordinate",
     "transform_image", "DROP_REASONS",
 ]
 
@@ -134,6 +134,26 @@ def replaying(choices: tuple | list) -> Iterator[None]:
 def current_replay() -> tuple | None:
     """The choices to replay, or None when cookers should draw."""
     return _REPLAY.get()
+
+
+_DRAW: contextvars.ContextVar[Any] = contextvars.ContextVar("bagel_cook_draw", default=None)
+
+
+@contextlib.contextmanager
+def drawing(rng: Any) -> Iterator[None]:
+    """Within this block, cookers draw from ``rng`` (a ``random.Random``) instead of the generator seeded by the
+    Energon worker context: the elastic reader seeds one per (group, seed, selection position, epoch), so a
+    sample's choices do not depend on which rank or worker cooks it."""
+    token = _DRAW.set(rng)
+    try:
+        yield
+    finally:
+        _DRAW.reset(token)
+
+
+def current_draw() -> Any:
+    """The generator set by :func:`drawing`, or None."""
+    return _DRAW.get()
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig
 
 from ..transforms import ImageTransform
-from .cook_common import CookContext, Draws, cook_with, current_replay
+from .cook_common import CookContext, Draws, cook_with, current_draw, current_replay
 from .cook_edit import cook_edit_core
 from .cook_t2i import cook_t2i_core
 from .cook_vlm import cook_vlm_core
@@ -73,6 +73,8 @@ class GroupCooker:
         replay = current_replay()
         if replay is not None:
             draws = Draws(replay=replay)
+        elif current_draw() is not None:  # the elastic reader's per-position generator
+            draws = Draws(rng=current_draw())
         elif wc is None:
             raise RuntimeError(f"{self.__qualname__} called outside an Energon worker context without replay; "
                                "use cook_with(...) with explicit Draws instead")

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 
-__all__ = ["TRACKER", "check_resume_dp", "loader_state_files", "rank_state_file", "read_step", "restore_loader",
-           "save_checkpoint"]
+__all__ = ["TRACKER", "check_resume_dp", "loader_state_files", "rank_state_file", "read_loader_states", "read_step",
+           "resize_checkpoint", "restore_loader", "save_checkpoint"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # What reading a damaged torch.save zip raises inside Bridge's loader (energon_torch_load parses the zip itself).
@@ -46,8 +46,9 @@ def loader_state_files(root: str, step: int) -> list[str]:
     return sorted(n for n in os.listdir(iter_dir) if re.fullmatch(r"train_dataloader_dprank\d{3,}\.pt", n))
 
 
-def check_resume_dp(root: str, step: int, dp_size: int) -> None:
-    """Refuse to resume under a different data-parallel size (``ConfigError``, the same line on every rank).
+def check_resume_dp(root: str, step: int, dp_size: int, order: str = "energon") -> int:
+    """Refuse to resume under a different data-parallel size unless ``order`` is ``"elastic"`` (``ConfigError``,
+    the same line on every rank); returns the checkpoint's DP size.
 
     Bridge writes one state file per DP replica, so the checkpoint's DP size is the number of files.
     Bridge itself would refuse too, but differently per rank (a missing file on the new DP ranks, a
@@ -58,10 +59,12 @@ def check_resume_dp(root: str, step: int, dp_size: int) -> None:
     if not files:
         raise ConfigError(f"train.load: {root} has no loader state for step {step} "
                           f"({os.path.join(root, 'energon', f'iter_{step:07d}')} is missing or empty)")
-    if len(files) != dp_size:
+    if len(files) != dp_size and order != "elastic":
         raise ConfigError(f"train.load: the checkpoint at step {step} was written with data-parallel size "
                           f"{len(files)} ({len(files)} loader state files), this run has DP {dp_size}; "
-                          f"resuming under a different DP size is refused (change TP/PP/CP, keep DP)")
+                          f"data.order {order!r} is a stream of the DP size, so resuming under another DP size is "
+                          "refused (keep DP, or use data.order: elastic for restarts on another number of nodes)")
+    return len(files)
 
 
 def _bridge_ckpt() -> Any:
@@ -105,10 +108,54 @@ def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigErro
     return error
 
 
+def read_loader_states(root: str, step: int) -> list[dict[str, Any]]:
+    """Every DP rank's loader state at ``step`` (rank order), read through Bridge's restricted unpickler."""
+    api = _bridge_ckpt()
+    iter_dir = os.path.dirname(rank_state_file(os.path.join(root, "energon"), step, 0))
+    states = []
+    for name in loader_state_files(root, step):
+        path = os.path.join(iter_dir, name)
+        try:
+            states.append(api.energon_torch_load(path)["dataloader_state_dict"])
+        except (*_UNREADABLE, KeyError, OSError) as exc:
+            raise _unreadable(path, int(name[len("train_dataloader_dprank"):-3]), exc) from exc
+    return states
+
+
+def resize_checkpoint(root: str, step: int, dp_size: int) -> list[str]:
+    """Rewrite ``step``'s loader state files for ``dp_size`` DP ranks (elastic order), for Bridge's ``pretrain()``
+    (which opens only its own rank's file): the old files move to ``iter_N/resized_from_dpW/``; returns the new
+    paths. Idempotent on a checkpoint already of that size (nothing is written)."""
+    import shutil
+
+    import torch
+
+    from ..pipeline.elastic import resize_loader_states
+
+    olds = read_loader_states(root, step)
+    if len(olds) == dp_size:
+        return []
+    new = [resize_loader_states(olds, r, dp_size) for r in range(dp_size)]
+    iter_dir = os.path.dirname(rank_state_file(os.path.join(root, "energon"), step, 0))
+    backup = os.path.join(iter_dir, f"resized_from_dp{len(olds)}")
+    os.makedirs(backup, exist_ok=False)
+    for name in loader_state_files(root, step):
+        shutil.move(os.path.join(iter_dir, name), os.path.join(backup, name))
+    paths = []
+    for r, state in enumerate(new):
+        path = os.path.join(iter_dir, f"train_dataloader_dprank{r:03d}.pt")
+        torch.save({"dataloader_state_dict": state}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        paths.append(path)
+    return paths
+
+
 def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> None:
     """Restore this rank's loader from its DP replica's file at ``step`` through Bridge (every rank restores).
 
-    Refuses a changed DP size first (``check_resume_dp``), then defers to Bridge's
+    Refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then every
+    old rank's file is read and resized for this rank (``pipeline.elastic.resize_loader_states``). Otherwise
+    defers to Bridge's
     ``maybe_load_dataloader_state`` (file ``train_dataloader_dprank{dp:03d}.pt``, ``dp`` = rank in
     ``pg_collection.dp``). A truncated or corrupt state file is reported with its own path (Bridge's loader
     would only say ``BadZipFile: File is not a zip file``, and its log line names rank 0's file).
@@ -117,8 +164,15 @@ def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> N
     state_dir = os.path.join(root, "energon")
     if not os.path.isdir(state_dir):
         raise ConfigError(f"train.load: {root} has no loader state directory ({state_dir})")
-    check_resume_dp(root, step, pg_collection.dp.size())
+    loader = iterator.iterable
+    order = str(loader.fingerprint.get("loader", {}).get("order", "energon"))
+    old_size = check_resume_dp(root, step, pg_collection.dp.size(), order)
     dp_rank = pg_collection.dp.rank()
+    if old_size != pg_collection.dp.size():  # elastic order: every old rank's state, resized for this rank
+        from ..pipeline.elastic import resize_loader_states
+
+        loader.restore_state(resize_loader_states(read_loader_states(root, step), dp_rank, pg_collection.dp.size()))
+        return
     path = rank_state_file(state_dir, step, dp_rank)
     if os.path.isfile(path):  # a missing file (changed DP size) is Bridge's own, clear error
         try:

@@ -104,7 +104,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         data = validate_data(cfg.data)  # the one validation pass of this job
         if train.load:
             start_step = read_step(train.load)
-            check_resume_dp(train.load, start_step, dp_size)
+            check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
         iterator, loader = build_iterator(cfg, pg_collection, tokenizer, data)
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
@@ -145,8 +145,12 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
                         raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
                     tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)
                     if digest_fh is not None:
-                        digest_fh.write(json.dumps({**coords, "step": step, "micro": micro,
-                                                    "digest": batch_digest(batch)}) + "\n")
+                        row = {**coords, "step": step, "micro": micro, "digest": batch_digest(batch)}
+                        reads = [[d["dataset_name"], d["position"], d["epoch"]]
+                                 for d in batch.get("batch_data_indexes", ()) if "position" in d]
+                        if reads:  # elastic order: the ledger's identity of every packed sample
+                            row["reads"] = reads
+                        digest_fh.write(json.dumps(row) + "\n")
                         digest_fh.flush()
             except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
                 step_error = exc

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..config.schema import PackerConfig
-from ..state import Savable, StateError
+from ..state import Savable, StateError, register_resizable
 from ..stats import DropCounter, StallWatch, merge_counts
 from .lengths import estimate
 from .sequence import PackLayout, SequenceBuilder, sample_field
@@ -58,6 +58,7 @@ def _estimate(sample: Any) -> int:
     return estimate(sample_field(sample, "num_tokens"), len(sample_field(sample, "sequence_plan")))
 
 
+@register_resizable
 class BagelPacker(Savable):
     """Packs samples from weighted groups into official BAGEL batches (``next(packer)``).
 
@@ -158,6 +159,24 @@ class BagelPacker(Savable):
             raise StateError(f"BagelPacker.load_state_dict: state has consumption counts for {n} groups, "
                              f"this packer has {len(self.sources)} groups")
         self._consumed = [int(c) for c in counts]
+
+    @classmethod
+    def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
+        """New rank ``ctx.dp_rank``'s packer state from every old rank's: an empty buffer (each old buffer's keys
+        are handed to their group's source, which reads them first), counters carried by new rank 0."""
+        groups = {len(o["sources"]) for o in olds}
+        if len(groups) != 1:
+            raise StateError(f"elastic resize: the old packers have different group counts {sorted(groups)}")
+        n = groups.pop()
+        first = ctx.dp_rank == 0
+        sources = [ctx.resize([o["sources"][g] for o in olds],
+                              handover=[key for o in olds for group, key in o["buffer_keys"] if group == g])
+                   for g in range(n)]
+        buffered = [sum(1 for o in olds for group, _ in o["buffer_keys"] if group == g) for g in range(n)]
+        consumed = ([sum(int(o["consumed"][g]) for o in olds) - buffered[g] for g in range(n)] if first else [0] * n)
+        drops = merge_counts(o["drops"]["state"]["counts"] for o in olds) if first else {}
+        return {"sources": sources, "buffer_keys": [], "drops": {"stage": "DropCounter", "state": {"counts": drops}},
+                "num_batches": sum(int(o["num_batches"]) for o in olds) if first else 0, "consumed": consumed}
 
     @property
     def seq_length(self) -> int:

@@ -61,12 +61,13 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Every key (dotted path) whose value differs between two fingerprints, as ``key: saved=… current=…``."""
+def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any], ignore: Iterable[str] = ()) -> list[str]:
+    """Every key (dotted path) whose value differs between two fingerprints, as ``key: saved=… current=…``;
+    keys in ``ignore`` (exact dotted paths) are not compared."""
     a, b = _flatten(saved, "", {}), _flatten(current, "", {})
-    absent = "<absent>"
+    absent, skip = "<absent>", set(ignore)
     return [f"{k}: saved={a.get(k, absent)!r} current={b.get(k, absent)!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
+            for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
 
 
 class BagelExternalLoader(Stage):
@@ -84,6 +85,9 @@ class BagelExternalLoader(Stage):
     ``fingerprint`` (checked on restore: a different configuration is refused naming every differing key),
     ``position`` (batches handed out), ``upstream`` (the chain's nested states) and ``stateful_loaders``.
 
+    ``topology_keys``: fingerprint keys (dotted paths) that may differ on restore because the stream does not
+    depend on them (the elastic order's DP rank/size and workers: its readers check their own world instead).
+
     ``__len__`` is only a positive hint (Megatron's MIMO setup calls ``len``); iteration is not bounded by it
     and it is not part of the state, so a run may resume with a different ``train_iters``.
     """
@@ -91,7 +95,7 @@ class BagelExternalLoader(Stage):
     _savable_fields = ("version", "fingerprint", "position", "upstream", "stateful_loaders")
 
     def __init__(self, batches: Iterator[dict[str, Any]], *, length: int, stateful_loaders: Iterable[Any] = (),
-                 fingerprint: Mapping[str, Any] | None = None) -> None:
+                 fingerprint: Mapping[str, Any] | None = None, topology_keys: Iterable[str] = ()) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
         self.upstream = batches
@@ -107,6 +111,7 @@ class BagelExternalLoader(Stage):
                                 "restore_state_rank()")
             self.stateful_loaders.append(source)
         self._config_fingerprint = dict(fingerprint or {})
+        self.topology_keys = tuple(topology_keys)
         check_restricted(self._config_fingerprint, "fingerprint")
         self._closed = False
         self.reset_state()
@@ -136,7 +141,7 @@ class BagelExternalLoader(Stage):
     def fingerprint(self, saved: Any) -> None:
         if not isinstance(saved, dict):
             raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
-        diff = fingerprint_diff(saved, self.fingerprint)
+        diff = fingerprint_diff(saved, self.fingerprint, self.topology_keys)
         if diff:
             raise ResumeMismatchError("BagelExternalLoader.restore_state: the saved loader state belongs to a "
                                       "different data configuration; differing keys:\n  " + "\n  ".join(diff))

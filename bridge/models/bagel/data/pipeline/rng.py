@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..state import Stage, StateError
+from ..state import Stage, StateError, register_resizable
 
-__all__ = ["BagelRNGIterator", "initial_worker_rng_states"]
+__all__ = ["BagelRNGIterator", "elastic_rank_seed", "initial_worker_rng_states"]
 
 # -- RNG state conversion (live form <-> plain restricted form) ----------------------------------------
 
@@ -76,6 +76,13 @@ def initial_worker_rng_states(rank_seed: int, worker_id: int = 0) -> tuple[tuple
     return py_state, np_state, torch_gen.get_state()
 
 
+def elastic_rank_seed(seed: int, dp_rank: int, generation: int = 0) -> int:
+    """Seed of DP rank ``dp_rank``'s data RNG in the elastic order, resize ``generation`` (0: the first run):
+    independent of the DP size, different for every (rank, generation)."""
+    return int(np.random.SeedSequence([int(seed) & (2**63 - 1), int(dp_rank), int(generation)]).generate_state(
+        1, dtype=np.uint64)[0] >> 1)
+
+
 @contextlib.contextmanager
 def _process_rng_kept() -> Iterator[None]:
     """Whatever runs inside leaves the process-global Python / NumPy / torch-CPU RNG as it found it."""
@@ -88,6 +95,7 @@ def _process_rng_kept() -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
+@register_resizable
 class BagelRNGIterator(Stage):
     """Runs the wrapped iterator (the packer) with private, saved Python/NumPy/torch-CPU RNG streams.
 
@@ -137,6 +145,14 @@ class BagelRNGIterator(Stage):
     @torch_rng.setter
     def torch_rng(self, value: Any) -> None:
         self._torch = _torch_from_plain(value)
+
+    @classmethod
+    def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
+        """A new rank's state after a resize: fresh streams seeded ``elastic_rank_seed(ctx.seed, ctx.dp_rank,
+        ctx.generation)`` (never reusing an old rank's), and the resized inner state."""
+        python, numpy_, torch_ = initial_worker_rng_states(elastic_rank_seed(ctx.seed, ctx.dp_rank, ctx.generation))
+        return {"python_rng": _python_to_plain(python), "numpy_rng": _numpy_to_plain(numpy_), "torch_rng": torch_,
+                "inner": ctx.resize([old["inner"] for old in olds])}
 
     def _state_context(self) -> contextlib.AbstractContextManager:
         # Saving / restoring the inner stages must neither use nor disturb any RNG stream.
