@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -124,6 +125,12 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--histogram", default="bagel-data-stats.png", help="PNG to write ('' = none)")
     stats.add_argument("--no-progress", action="store_true")
 
+    rs = sub.add_parser("resize-state", help="rewrite a checkpoint's loader state files for another DP size "
+                        "(data.order: elastic), for Megatron-Bridge's pretrain(), which reads only its own rank's file")
+    rs.add_argument("root", help="the checkpoint root (train.save / checkpoint.save: holds energon/iter_N/)")
+    rs.add_argument("--dp-size", type=int, required=True, help="the DP size of the run that will resume")
+    rs.add_argument("--step", type=int, help="the checkpoint step (default: latest_checkpointed_iteration.txt)")
+
     demo = sub.add_parser("demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out")
     demo.add_argument("--seed", type=int, default=0)
@@ -146,6 +153,26 @@ def _stats(args: argparse.Namespace) -> int:
     return 3 if report.impossible else 0
 
 
+def _resize_state(args: argparse.Namespace) -> int:
+    """``bagel-data resize-state``: every new rank's loader state from all old ranks' (``job.checkpoint``)."""
+    from ..config import ConfigError
+    from ..job.checkpoint import read_step, resize_checkpoint
+    from ..state import StateError
+
+    try:
+        step = args.step if args.step is not None else read_step(args.root)
+        paths = resize_checkpoint(args.root, step, args.dp_size)
+    except (ConfigError, StateError, FileExistsError) as e:
+        logger.error("%s", e)
+        return 2
+    if not paths:
+        print(f"{args.root} step {step}: already {args.dp_size} loader state files, nothing to do")
+    else:
+        print(f"{args.root} step {step}: wrote {len(paths)} loader state files for DP {args.dp_size} "
+              f"(old files kept in {os.path.dirname(paths[0])}/resized_from_dp*/)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -154,6 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_inspect(args)
     if args.cmd == "stats":
         return _stats(args)
+    if args.cmd == "resize-state":
+        return _resize_state(args)
     try:
         if args.cmd == "demo-data":
             from ..converter.demo import make_demo_data
