@@ -319,6 +319,6 @@ class ResizeContext:
         name = names.pop()
         cls = RESIZABLE.get(name)
         if cls is None:
-            raise StateError(f"resize: a {name} stage cannot be resized to another DP size (its stream depends on "
+            raise StateError(f"resize: the {name} stage cannot be resized to another DP size (its stream depends on "
                              "the DP size); restarts on another DP size need data.order: elastic")
         return {"stage": name, "state": cls.resize_state([t["state"] for t in tagged_olds], self, **kw)}

@@ -196,6 +196,7 @@ class BagelPacker(Savable):
             "unused": merge_counts(st.get("unused", {}) for st in sources.values()),
             "packer_drops": dict(self.drops.counts),
             "source_drops": {name: st.get("drops", {}) for name, st in sources.items()},
+            "sources": sources,  # each group source's own counters (the elastic readers' ledger and cursors)
         }
 
     def close(self) -> None:

@@ -17,7 +17,10 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..energon import elastic_reader  # noqa: F401 - registers ElasticGroupReader.resize_state
+from ..packing import packer  # noqa: F401 - registers BagelPacker.resize_state
 from ..state import ResizeContext, StateError
+from . import rng  # noqa: F401 - registers BagelRNGIterator.resize_state
 from .loader import STATE_VERSION, fingerprint_diff
 
 __all__ = ["ELASTIC_TOPOLOGY_KEYS", "resize_loader_states", "saved_world"]
