@@ -30,7 +30,6 @@ from ..stats import DropCounter, StallWatch, merge_counts
 from .lengths import estimate
 from .sequence import PackLayout, SequenceBuilder, sample_field
 from .step import PackBudgets, PackLoop
-from . import resize
 
 __all__ = ["BagelPacker", "END_OF_STREAM", "SPECIAL_TOKEN_KEYS", "ledger_errors", "restore_key_of"]
 
@@ -62,6 +61,65 @@ def ledger_errors(ledger: Mapping[str, Mapping[str, Any]]) -> list[str]:
             out.append(f"group {name!r}: consumed {g['consumed']} != packed {g['packed']} + dropped {dropped} "
                        f"{dict(g['dropped'])} + buffered {g['buffered']}")
     return out
+
+
+# -- elastic resize (pure data; BagelPacker.resize_state) ------------------------------------------------
+
+def _resize_packer_state(fields: Sequence[str], olds: Any, ctx: Any) -> dict[str, Any]:
+    """``BagelPacker.resize_state``'s rule on saved states ``olds`` (fields ``fields``), for new rank ``ctx``."""
+    where = "BagelPacker.resize_state"
+    if not isinstance(olds, (list, tuple)) or not olds:
+        raise StateError(f"{where}: needs the packer states of all old ranks (a non-empty list), got {olds!r:.80}")
+    for i, old in enumerate(olds):
+        if not isinstance(old, dict) or set(old) != set(fields):
+            got = sorted(old) if isinstance(old, dict) else type(old).__name__
+            raise StateError(f"{where}: old rank {i}'s state has fields {got}, a BagelPacker state has "
+                             f"{list(fields)} (saved by another version, or not a packer state)")
+    names, n = list(olds[0]["groups"]), len(olds[0]["groups"])
+    tags = [s.get("stage") if isinstance(s, dict) else None for s in olds[0]["sources"]]
+    for i, old in enumerate(olds):
+        if list(old["groups"]) != names:
+            raise StateError(f"{where}: old rank {i} has groups {list(old['groups'])}, old rank 0 has {names}: "
+                             "the old ranks ran different configs; resume with the config they were saved with")
+        for field in ("sources", "consumed", "packed", "group_drops"):
+            if not isinstance(old[field], list) or len(old[field]) != n:
+                got = len(old[field]) if isinstance(old[field], list) else type(old[field]).__name__
+                raise StateError(f"{where}: old rank {i} has {got} {field} entries for {n} groups {names}")
+        if [s.get("stage") if isinstance(s, dict) else None for s in old["sources"]] != tags:
+            raise StateError(f"{where}: old rank {i}'s group sources differ from old rank 0's {tags}")
+        bad = [e for f in ("buffer_keys", "carry_keys") for e in old[f]
+               if not (isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int) and 0 <= e[0] < n)]
+        drops = old["drops"]
+        if bad or not (isinstance(drops, dict) and drops.get("stage") == "DropCounter"):
+            raise StateError(f"{where}: old rank {i}'s buffer/carry entries {bad[:3]} or drops {drops!r:.60} are "
+                             f"malformed for groups {names}")
+    rank, size = int(ctx.dp_rank), int(ctx.dp_size)
+    if not 0 <= rank < size:
+        raise StateError(f"{where}: new dp_rank {rank} is out of range for dp_size {size}")
+    first = rank == 0
+    # old-rank order; within a rank buffer order, carry last
+    waiting = [[key for old in olds for f in ("buffer_keys", "carry_keys") for gg, key in old[f] if gg == g]
+               for g in range(n)]
+
+    def summed(field: str, minus: Sequence[list] = ()) -> list[int]:
+        return [sum(int(old[field][g]) for old in olds) - len(minus[g] if minus else ()) if first else 0
+                for g in range(n)]
+
+    state: dict[str, Any] = {
+        "groups": names,
+        "sources": [ctx.resize([old["sources"][g] for old in olds], handover=waiting[g]) for g in range(n)],
+        "buffer_keys": [],
+        "carry_keys": [],
+        "drops": {"stage": "DropCounter", "state": {"counts": merge_counts(
+            old["drops"]["state"].get("counts", {}) for old in olds) if first else {}}},
+        "num_batches": sum(int(old["num_batches"]) for old in olds) if first else 0,
+        "consumed": summed("consumed", waiting),  # the handed-over samples are consumed again by their new owner
+        "packed": summed("packed"),
+        "group_drops": [merge_counts(old["group_drops"][g] for old in olds) if first else {} for g in range(n)],
+    }
+    if set(state) != set(fields):  # a new declared field needs a rule here
+        raise StateError(f"{where}: no resize rule for packer state fields {sorted(set(fields) - set(state))}")
+    return state
 
 
 def _dataset_part(sample: Any) -> str:
@@ -235,9 +293,15 @@ class BagelPacker(Savable):
     @classmethod
     def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
         """The packer state of new rank ``ctx.dp_rank`` of ``ctx.dp_size`` from the packer states of ALL old
-        ranks (``olds``, old-rank order; pure data, elastic resize). See :func:`.resize.resize_packer_state`
-        for the rule; raises ``StateError`` when the olds disagree on their groups."""
-        return resize.resize_packer_state(cls._savable_fields, olds, ctx)
+        ranks (``olds``, old-rank order; pure data, elastic resize; docs/packing_ledger.md).
+
+        The new buffer and carry are empty: group ``g``'s waiting samples are handed to its source,
+        ``ctx.resize([old["sources"][g] for old in olds], handover=keys)`` (``keys``: old-rank order, buffer
+        order, carry last). New rank 0 carries the sums of the old counters, with ``consumed`` less the
+        handed-over samples (their new owner consumes them again); other new ranks start at zero, so the world's
+        ledger still balances. Raises ``StateError`` (one line) when the olds disagree on groups or sources.
+        """
+        return _resize_packer_state(cls._savable_fields, olds, ctx)
 
     def ledger(self) -> dict[str, dict[str, Any]]:
         """Per group: ``consumed`` (taken from its source), ``packed`` (into yielded batches), ``dropped`` (by the
