@@ -218,7 +218,7 @@ def test_packer_defaults_and_from_mapping():
         "prefer_buffer_before": 16384, "max_buffer_size": 50, "interpolate_pos": False, "use_flex": False,
         "text_cond_dropout_prob": 0.1, "vit_cond_dropout_prob": 0.4, "vae_cond_dropout_prob": 0.1,
         "vae_image_downsample": 16, "max_latent_size": 32, "vit_patch_size": 14, "max_num_patch_per_side": 70,
-        "max_consecutive_drops": 100,
+        "max_consecutive_drops": 100, "lossless": False,
     }
     assert PackerConfig.from_mapping({"use_flex": True}) == PackerConfig(use_flex=True)
     with pytest.raises(ConfigError, match=r"unknown packer key\(s\) \['seed'\]"):

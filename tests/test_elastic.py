@@ -98,7 +98,9 @@ def test_stream_does_not_depend_on_workers_and_resumes_exactly(small) -> None:
 
 
 def test_resize_2_4_3_is_exactly_once_and_deterministic(small) -> None:
+    """In lossless packing (``test_elastic_job`` runs the official flush): no flush drop at all either."""
     cfg, tok = small
+    cfg = dataclasses.replace(cfg, packer=dataclasses.replace(cfg.packer, lossless=True))
     reads: list[dict] = []
     _, s2 = _run(_world(cfg, tok, 2, num_workers=2), 3, reads)
     _, s4 = _run(_world(cfg, tok, 4, s2), 2, reads)
@@ -106,10 +108,26 @@ def test_resize_2_4_3_is_exactly_once_and_deterministic(small) -> None:
     report = check_exactly_once(reads, s3)
     assert report.ok and report.epoch_complete, report
     assert all(len(pickle.dumps(s)) <= 64 * 1024 for s in s3)
+    drops = [r for st in s3 for r in _nodes_counts(st)]
+    assert drops and not any(r.startswith("flush_drop") for r in drops), drops
     twice, _ = _run(_world(cfg, tok, 3, s4), 8)  # the same restart again, without workers: the same batches
     for a, b in zip(batches, twice):
         for x, y in zip(a, b):
             assert_same(x, y)
+
+
+def _nodes_counts(state) -> list[str]:
+    """Every drop reason counted anywhere in a saved loader state."""
+    out: list[str] = []
+    if isinstance(state, dict):
+        if state.get("stage") == "DropCounter":
+            out += list(state["state"]["counts"])
+        for v in state.values():
+            out += _nodes_counts(v)
+    elif isinstance(state, list):
+        for v in state:
+            out += _nodes_counts(v)
+    return out
 
 
 def test_refusals(small, tmp_path) -> None:

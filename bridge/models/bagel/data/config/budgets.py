@@ -21,7 +21,8 @@ after the group's :class:`~.transforms.ImageTransform`. Everything here derives 
   - every sample a group can produce over ``max_num_tokens_per_sample`` (error), or its largest image
     over it (warning: case B3, a mandatory group whose data are all large never yields a batch);
   - ``mandatory groups x (max_num_tokens_per_sample - 1) > max_num_tokens``: mandatory samples are never
-    checked against ``max_num_tokens`` (official quirk), so one pack can exceed it (case B6);
+    checked against ``max_num_tokens`` (official quirk), so one pack can exceed it (case B6; an error also
+    in the official order when ``packer.lossless`` is on);
   - ``max_num_tokens`` not a multiple of 128 with flex attention (warning).
 
 Units: "tokens" are packed sequence positions; sides are in pixels (``*_px``) or patches/latents.
@@ -367,8 +368,10 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
     if len(mandatory) > 1 and worst > p.max_num_tokens:
         fit = p.max_num_tokens // len(mandatory) + 1
         # data.order: official reproduces the official stream, whose configs may carry this risk (it only bites
-        # when large mandatory samples meet): a warning there, an error for the default order.
-        issues.append(BudgetIssue("warning" if official else "error", f"{pw}.max_num_tokens_per_sample", (
+        # when large mandatory samples meet): a warning there, an error for the default order and with
+        # packer.lossless (which promises that every pack obeys max_num_tokens).
+        issues.append(BudgetIssue("warning" if official and not p.lossless else "error",
+                                  f"{pw}.max_num_tokens_per_sample", (
             f"{source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
             f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "
             f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "

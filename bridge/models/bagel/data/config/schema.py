@@ -86,6 +86,10 @@ class PackerConfig:
     #: Not an official knob: a group whose samples are dropped as over-length this many times in a row, with
     #: none packed, raises ``DataStallError`` (the official loop would spin forever).
     max_consecutive_drops: int = 100
+    #: Not an official knob (default off = the official loop): keep the sample an official flush discards
+    #: (``flush_drop`` / ``flush_drop_buffered``) for the next pack, and never let mandatory samples overflow
+    #: ``max_num_tokens`` (``packing.step``; docs/packing_ledger.md).
+    lossless: bool = False
 
     def problems(self, where: str = "packer") -> list[str]:
         """Every value the packer cannot work with, one message per key (empty when valid)."""
@@ -98,7 +102,7 @@ class PackerConfig:
                 out.append(f"{where}.{name}: must be a positive integer, got {v!r}")
         if not is_int(self.max_buffer_size) or self.max_buffer_size < 0:
             out.append(f"{where}.max_buffer_size: must be a non-negative integer, got {self.max_buffer_size!r}")
-        for name in ("interpolate_pos", "use_flex"):
+        for name in ("interpolate_pos", "use_flex", "lossless"):
             if not isinstance(getattr(self, name), bool):
                 out.append(f"{where}.{name}: must be a bool, got {getattr(self, name)!r}")
         for name in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):

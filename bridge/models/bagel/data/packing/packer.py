@@ -6,9 +6,14 @@ kept (flush drop, ``<`` vs ``>`` length checks, uncapped mandatory samples) but 
 dropped sample is counted by reason in ``packer.drops``. The loop's decisions live in ``step.PackLoop`` (shared
 with the ``bagel-data stats`` simulator); this class supplies the samples and lays them out.
 
-State (taken between batches) is small: the group sources' own states, the overflow buffer as
-(group, restore key) pairs, the drop counts, the batch count and per-group consumption. Buffered samples
-are rebuilt on load through their group source's ``restore_sample(key)``.
+State (taken between batches) is small: the group names, the group sources' own states, the overflow buffer
+and the lossless carry as (group, restore key) pairs, the drop counts, the batch count and the per-group ledger
+(consumed, packed, dropped by reason). Buffered and carried samples are rebuilt on load through their group
+source's ``restore_sample(key)``.
+
+The ledger (``stats()["ledger"]``) accounts for every sample taken from a group's source: per group
+``consumed == packed + sum(dropped.values()) + buffered`` at every batch boundary (:func:`ledger_errors`).
+``resize_state`` turns the packer states of all old ranks into one new rank's (elastic resize, pure data).
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from .lengths import estimate
 from .sequence import PackLayout, SequenceBuilder, sample_field
 from .step import PackBudgets, PackLoop
 
-__all__ = ["BagelPacker", "SPECIAL_TOKEN_KEYS", "restore_key_of"]
+__all__ = ["BagelPacker", "END_OF_STREAM", "SPECIAL_TOKEN_KEYS", "ledger_errors", "restore_key_of"]
 
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "start_of_image", "end_of_image")
+#: Drop reason of the samples of a pack left unfinished because a group source ended (StopIteration).
+END_OF_STREAM = "end_of_stream"
 
 _STALL_HINT = ("Raise packer.max_num_tokens_per_sample (at most max_num_tokens) or shrink the group's "
                "image_transform_args (max_image_size / max_pixels) so its samples fit; `bagel-data stats` shows "
@@ -42,6 +49,77 @@ def restore_key_of(sample: Any) -> Any:
     if isinstance(sample, dict):
         return sample.get("restore_key")
     return getattr(sample, "restore_key", None)
+
+
+def ledger_errors(ledger: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """One message per group of ``stats()["ledger"]`` (or a sum of several) whose counts do not balance:
+    ``consumed == packed + sum(dropped.values()) + buffered``; empty when every group balances."""
+    out = []
+    for name, g in ledger.items():
+        dropped = sum(int(v) for v in g["dropped"].values())
+        if int(g["consumed"]) != int(g["packed"]) + dropped + int(g["buffered"]):
+            out.append(f"group {name!r}: consumed {g['consumed']} != packed {g['packed']} + dropped {dropped} "
+                       f"{dict(g['dropped'])} + buffered {g['buffered']}")
+    return out
+
+
+# -- elastic resize (pure data; BagelPacker.resize_state) ------------------------------------------------
+
+def _resize_packer_state(fields: Sequence[str], olds: Any, ctx: Any) -> dict[str, Any]:
+    """``BagelPacker.resize_state``'s rule on saved states ``olds`` (fields ``fields``), for new rank ``ctx``."""
+    where = "BagelPacker.resize_state"
+    if not isinstance(olds, (list, tuple)) or not olds:
+        raise StateError(f"{where}: needs the packer states of all old ranks (a non-empty list), got {olds!r:.80}")
+    for i, old in enumerate(olds):
+        if not isinstance(old, dict) or set(old) != set(fields):
+            got = sorted(old) if isinstance(old, dict) else type(old).__name__
+            raise StateError(f"{where}: old rank {i}'s state has fields {got}, a BagelPacker state has "
+                             f"{list(fields)} (saved by another version, or not a packer state)")
+    names, n = list(olds[0]["groups"]), len(olds[0]["groups"])
+    tags = [s.get("stage") if isinstance(s, dict) else None for s in olds[0]["sources"]]
+    for i, old in enumerate(olds):
+        if list(old["groups"]) != names:
+            raise StateError(f"{where}: old rank {i} has groups {list(old['groups'])}, old rank 0 has {names}: "
+                             "the old ranks ran different configs; resume with the config they were saved with")
+        for field in ("sources", "consumed", "packed", "group_drops"):
+            if not isinstance(old[field], list) or len(old[field]) != n:
+                got = len(old[field]) if isinstance(old[field], list) else type(old[field]).__name__
+                raise StateError(f"{where}: old rank {i} has {got} {field} entries for {n} groups {names}")
+        if [s.get("stage") if isinstance(s, dict) else None for s in old["sources"]] != tags:
+            raise StateError(f"{where}: old rank {i}'s group sources differ from old rank 0's {tags}")
+        bad = [e for f in ("buffer_keys", "carry_keys") for e in old[f]
+               if not (isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int) and 0 <= e[0] < n)]
+        drops = old["drops"]
+        if bad or not (isinstance(drops, dict) and drops.get("stage") == "DropCounter"):
+            raise StateError(f"{where}: old rank {i}'s buffer/carry entries {bad[:3]} or drops {drops!r:.60} are "
+                             f"malformed for groups {names}")
+    rank, size = int(ctx.dp_rank), int(ctx.dp_size)
+    if not 0 <= rank < size:
+        raise StateError(f"{where}: new dp_rank {rank} is out of range for dp_size {size}")
+    first = rank == 0
+    # old-rank order; within a rank buffer order, carry last
+    waiting = [[key for old in olds for f in ("buffer_keys", "carry_keys") for gg, key in old[f] if gg == g]
+               for g in range(n)]
+
+    def summed(field: str, minus: Sequence[list] = ()) -> list[int]:
+        return [sum(int(old[field][g]) for old in olds) - len(minus[g] if minus else ()) if first else 0
+                for g in range(n)]
+
+    state: dict[str, Any] = {
+        "groups": names,
+        "sources": [ctx.resize([old["sources"][g] for old in olds], handover=waiting[g]) for g in range(n)],
+        "buffer_keys": [],
+        "carry_keys": [],
+        "drops": {"stage": "DropCounter", "state": {"counts": merge_counts(
+            old["drops"]["state"].get("counts", {}) for old in olds) if first else {}}},
+        "num_batches": sum(int(old["num_batches"]) for old in olds) if first else 0,
+        "consumed": summed("consumed", waiting),  # the handed-over samples are consumed again by their new owner
+        "packed": summed("packed"),
+        "group_drops": [merge_counts(old["group_drops"][g] for old in olds) if first else {} for g in range(n)],
+    }
+    if set(state) != set(fields):  # a new declared field needs a rule here
+        raise StateError(f"{where}: no resize rule for packer state fields {sorted(set(fields) - set(state))}")
+    return state
 
 
 def _dataset_part(sample: Any) -> str:
@@ -64,10 +142,12 @@ class BagelPacker(Savable):
 
     ``sources`` are the per-group sample streams (one per group, in group order); the packer owns them and
     saves/restores them as part of its own state. ``config`` holds every packing knob (``PackerConfig``,
-    official defaults); ``special_tokens`` the four ids of ``SPECIAL_TOKEN_KEYS``.
+    official defaults; ``config.lossless`` keeps the flush's candidate in ``carry`` for the next pack instead of
+    dropping it, see ``step``); ``special_tokens`` the four ids of ``SPECIAL_TOKEN_KEYS``.
     """
 
-    _savable_fields = ("sources", "buffer_keys", "drops", "num_batches", "consumed")
+    _savable_fields = ("groups", "sources", "buffer_keys", "carry_keys", "drops", "num_batches", "consumed",
+                       "packed", "group_drops")
 
     def __init__(
         self,
@@ -98,7 +178,8 @@ class BagelPacker(Savable):
         self.group_names = list(group_names) if group_names is not None else [f"group{i}" for i in range(n)]
         self.group_weights = [float(w) for w in group_weights]
         self.is_mandatory = [bool(m) for m in is_mandatory]
-        self._loop: PackLoop[Any] = PackLoop(PackBudgets.of(self.config), list(group_weights), self.is_mandatory)
+        self._loop: PackLoop[Any] = PackLoop(PackBudgets.of(self.config), list(group_weights), self.is_mandatory,
+                                             lossless=self.config.lossless)
         self.layout = PackLayout(self.config, **{k: int(special_tokens[k]) for k in SPECIAL_TOKEN_KEYS})
         self.drops = DropCounter("BagelPacker", logger)
         self._stall = StallWatch("BagelPacker:", _STALL_HINT)
@@ -107,8 +188,11 @@ class BagelPacker(Savable):
     # -- declared state -----------------------------------------------------------------------------
     def reset_state(self) -> None:
         self.buffer: list[tuple[int, Any]] = []  # (group index, sample), oldest first
+        self.carry: list[tuple[int, Any]] = []  # lossless: flushed candidates for the next pack, oldest first
         self.num_batches = 0
         self.consumed = [0] * len(self.sources)
+        self.packed = [0] * len(self.sources)
+        self.group_drops = [{} for _ in self.sources]
         self.drops.reset_state()
 
     def identity(self) -> dict[str, Any]:
@@ -119,33 +203,84 @@ class BagelPacker(Savable):
                                    self.layout.end_of_image]}
 
     @property
-    def buffer_keys(self) -> list[list[Any]]:
-        """The overflow buffer as ``[group index, restore key]`` pairs (samples are rebuilt, never stored)."""
-        entries = []
-        for group, sample in self.buffer:
+    def groups(self) -> list[str]:
+        """The group names (checked on load: a state applies only to a packer of the same groups)."""
+        return list(self.group_names)
+
+    @groups.setter
+    def groups(self, names: Any) -> None:
+        if list(names) != self.group_names:
+            raise StateError(f"BagelPacker.load_state_dict: the state is for groups {list(names)}, this packer has "
+                             f"groups {self.group_names}")
+
+    def _keys_of(self, entries: list[tuple[int, Any]], what: str) -> list[list[Any]]:
+        out = []
+        for group, sample in entries:
             key = restore_key_of(sample)
             if key is None:
                 raise StateError(
-                    f"BagelPacker.state_dict: a buffered sample of group {self.group_names[group]!r} "
-                    f"({sample_field(sample, 'data_indexes')}) has no restore_key, so the buffer cannot be saved"
+                    f"BagelPacker.state_dict: a {what} sample of group {self.group_names[group]!r} "
+                    f"({sample_field(sample, 'data_indexes')}) has no restore_key, so the {what} cannot be saved"
                 )
-            entries.append([group, key])
-        return entries
+            out.append([group, key])
+        return out
 
-    @buffer_keys.setter
-    def buffer_keys(self, entries: list[list[Any]]) -> None:
-        buffer = []
+    def _rebuild(self, entries: list[list[Any]], what: str) -> list[tuple[int, Any]]:
+        out = []
         for group, key in entries:
             if not 0 <= group < len(self.sources):
-                raise StateError(f"BagelPacker.load_state_dict: buffer entry for unknown group index {group}")
+                raise StateError(f"BagelPacker.load_state_dict: {what} entry for unknown group index {group}")
             restore = getattr(self.sources[group], "restore_sample", None)
             if restore is None:
                 raise StateError(
                     f"BagelPacker.load_state_dict: group {self.group_names[group]!r} has no restore_sample(key), "
-                    "so its buffered samples cannot be rebuilt"
+                    f"so its {what} samples cannot be rebuilt"
                 )
-            buffer.append((group, restore(key)))
-        self.buffer = buffer
+            out.append((group, restore(key)))
+        return out
+
+    @property
+    def buffer_keys(self) -> list[list[Any]]:
+        """The overflow buffer as ``[group index, restore key]`` pairs (samples are rebuilt, never stored)."""
+        return self._keys_of(self.buffer, "buffered")
+
+    @buffer_keys.setter
+    def buffer_keys(self, entries: list[list[Any]]) -> None:
+        self.buffer = self._rebuild(entries, "buffer")
+
+    @property
+    def carry_keys(self) -> list[list[Any]]:
+        """The lossless carry as ``[group index, restore key]`` pairs (always empty with lossless off)."""
+        return self._keys_of(self.carry, "carried")
+
+    @carry_keys.setter
+    def carry_keys(self, entries: list[list[Any]]) -> None:
+        self.carry = self._rebuild(entries, "carry")
+
+    def _per_group(self, counts: Any, field: str) -> list[Any]:
+        if not isinstance(counts, (list, tuple)) or len(counts) != len(self.sources):
+            n = len(counts) if isinstance(counts, (list, tuple)) else type(counts).__name__
+            raise StateError(f"BagelPacker.load_state_dict: state has {field} counts for {n} groups, "
+                             f"this packer has {len(self.sources)} groups")
+        return list(counts)
+
+    @property
+    def packed(self) -> list[int]:
+        """Samples of each group packed into yielded batches (group order)."""
+        return list(self._packed)
+
+    @packed.setter
+    def packed(self, counts: list[int]) -> None:
+        self._packed = [int(c) for c in self._per_group(counts, "packed")]
+
+    @property
+    def group_drops(self) -> list[dict[str, int]]:
+        """Samples of each group dropped by the packer, by reason (group order; sums to ``drops.counts``)."""
+        return [dict(d) for d in self._group_drops]
+
+    @group_drops.setter
+    def group_drops(self, counts: list[dict[str, int]]) -> None:
+        self._group_drops = [{str(k): int(v) for k, v in dict(d).items()} for d in self._per_group(counts, "drop")]
 
     @property
     def consumed(self) -> list[int]:
@@ -154,29 +289,31 @@ class BagelPacker(Savable):
 
     @consumed.setter
     def consumed(self, counts: list[int]) -> None:
-        if not isinstance(counts, (list, tuple)) or len(counts) != len(self.sources):
-            n = len(counts) if isinstance(counts, (list, tuple)) else type(counts).__name__
-            raise StateError(f"BagelPacker.load_state_dict: state has consumption counts for {n} groups, "
-                             f"this packer has {len(self.sources)} groups")
-        self._consumed = [int(c) for c in counts]
+        self._consumed = [int(c) for c in self._per_group(counts, "consumption")]
 
     @classmethod
     def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
-        """New rank ``ctx.dp_rank``'s packer state from every old rank's: an empty buffer (each old buffer's keys
-        are handed to their group's source, which reads them first), counters carried by new rank 0."""
-        groups = {len(o["sources"]) for o in olds}
-        if len(groups) != 1:
-            raise StateError(f"elastic resize: the old packers have different group counts {sorted(groups)}")
-        n = groups.pop()
-        first = ctx.dp_rank == 0
-        sources = [ctx.resize([o["sources"][g] for o in olds],
-                              handover=[key for o in olds for group, key in o["buffer_keys"] if group == g])
-                   for g in range(n)]
-        buffered = [sum(1 for o in olds for group, _ in o["buffer_keys"] if group == g) for g in range(n)]
-        consumed = ([sum(int(o["consumed"][g]) for o in olds) - buffered[g] for g in range(n)] if first else [0] * n)
-        drops = merge_counts(o["drops"]["state"]["counts"] for o in olds) if first else {}
-        return {"sources": sources, "buffer_keys": [], "drops": {"stage": "DropCounter", "state": {"counts": drops}},
-                "num_batches": sum(int(o["num_batches"]) for o in olds) if first else 0, "consumed": consumed}
+        """The packer state of new rank ``ctx.dp_rank`` of ``ctx.dp_size`` from the packer states of ALL old
+        ranks (``olds``, old-rank order; pure data, elastic resize; docs/packing_ledger.md).
+
+        The new buffer and carry are empty: group ``g``'s waiting samples are handed to its source,
+        ``ctx.resize([old["sources"][g] for old in olds], handover=keys)`` (``keys``: old-rank order, buffer
+        order, carry last). New rank 0 carries the sums of the old counters, with ``consumed`` less the
+        handed-over samples (their new owner consumes them again); other new ranks start at zero, so the world's
+        ledger still balances. Raises ``StateError`` (one line) when the olds disagree on groups or sources.
+        """
+        return _resize_packer_state(cls._savable_fields, olds, ctx)
+
+    def ledger(self) -> dict[str, dict[str, Any]]:
+        """Per group: ``consumed`` (taken from its source), ``packed`` (into yielded batches), ``dropped`` (by the
+        packer, reason -> count; the source's own drops are in ``source_drops``) and ``buffered`` (waiting in the
+        buffer or the carry); ``consumed == packed + sum(dropped) + buffered`` (``ledger_errors``)."""
+        waiting = [0] * len(self.sources)
+        for group, _ in (*self.buffer, *self.carry):
+            waiting[group] += 1
+        return {name: {"consumed": self._consumed[g], "packed": self._packed[g],
+                       "dropped": dict(sorted(self._group_drops[g].items())), "buffered": waiting[g]}
+                for g, name in enumerate(self.group_names)}
 
     @property
     def seq_length(self) -> int:
@@ -184,19 +321,22 @@ class BagelPacker(Savable):
         return self.config.max_num_tokens
 
     def stats(self) -> dict[str, Any]:
-        """Counters: batches, per-group consumption, buffer occupancy, drops by reason (packer + sources),
-        ``unused`` (parts of kept records the official readers ignore too, from the sources)."""
+        """Counters: batches, per-group consumption, buffer (and lossless carry) occupancy, drops by reason
+        (packer + sources), ``unused`` (parts of kept records the official readers ignore too, from the sources)
+        and the per-group ``ledger`` (:meth:`ledger`)."""
         sources = {name: s.stats() for name, s in zip(self.group_names, self.sources)
                    if callable(getattr(s, "stats", None))}
         return {
             "num_batches": self.num_batches,
             "consumed": dict(zip(self.group_names, self._consumed)),
             "buffer_len": len(self.buffer),
+            "carry_len": len(self.carry),
             "drops": merge_counts([self.drops.counts, *(st.get("drops", {}) for st in sources.values())]),
             "unused": merge_counts(st.get("unused", {}) for st in sources.values()),
             "packer_drops": dict(self.drops.counts),
             "source_drops": {name: st.get("drops", {}) for name, st in sources.items()},
             "sources": sources,  # each group source's own counters (the elastic readers' ledger and cursors)
+            "ledger": self.ledger(),
         }
 
     def close(self) -> None:
@@ -220,6 +360,7 @@ class BagelPacker(Savable):
         """Count a drop of the pack loop; a group that only ever drops over-length samples raises
         ``DataStallError`` (liveness rule)."""
         name = self.group_names[group]
+        self._group_drops[group][reason] = self._group_drops[group].get(reason, 0) + 1
         where = f"group {name!r} sample {sample_field(sample, 'data_indexes')}"
         limit = self.config.max_num_tokens_per_sample
         if reason in ("overlength_mandatory", "overlength"):
@@ -237,9 +378,18 @@ class BagelPacker(Savable):
 
     def __next__(self) -> dict[str, Any]:
         fill = _PackFill(self, SequenceBuilder(self.layout))
-        self._loop.fill(fill, self.buffer)
+        try:
+            self._loop.fill(fill, self.buffer, self.carry)
+        except StopIteration:
+            for group, indexes in zip(fill.groups, fill.data_indexes):  # the unfinished pack is never yielded
+                self._group_drops[group][END_OF_STREAM] = self._group_drops[group].get(END_OF_STREAM, 0) + 1
+                self.drops.drop(END_OF_STREAM, f"group {self.group_names[group]!r} sample {indexes} was in the "
+                                               "unfinished pack when a group source ended")
+            raise
         batch = fill.pack.to_batch()
         batch["batch_data_indexes"] = fill.data_indexes
+        for group in fill.groups:
+            self._packed[group] += 1
         self.num_batches += 1
         return batch
 
@@ -248,12 +398,13 @@ class _PackFill:
     """One pack under construction as the ``PackLoop``'s target: samples from the packer's sources, laid out by a
     ``SequenceBuilder`` (``curr`` is the real packed length), group draws from the global ``random``."""
 
-    __slots__ = ("packer", "pack", "data_indexes")
+    __slots__ = ("packer", "pack", "data_indexes", "groups")
 
     def __init__(self, packer: BagelPacker, pack: SequenceBuilder) -> None:
         self.packer = packer
         self.pack = pack
         self.data_indexes: list[Any] = []
+        self.groups: list[int] = []  # group of each packed sample, in pack order
 
     @property
     def curr(self) -> int:
@@ -271,6 +422,7 @@ class _PackFill:
     def add(self, group: int, sample: Any, est: int) -> None:
         self.pack.pack_sample(sample)
         self.data_indexes.append(sample_field(sample, "data_indexes"))
+        self.groups.append(group)
         self.packer._stall.ok(self.packer.group_names[group])
 
     def drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:

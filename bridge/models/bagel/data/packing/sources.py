@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from ..state import Savable
+from ..state import Savable, StateError
 
 __all__ = ["ListGroupSource"]
 
@@ -22,9 +22,12 @@ class ListGroupSource(Savable):
 
     The restore key is the sample's list index, so ``restore_sample(key)`` rebuilds it exactly; the
     list's per-sample lists are copied so that consumers mutating them cannot corrupt the source.
+
+    State: ``position`` (list entries read) and ``handover`` (restore keys handed over by an elastic resize,
+    yielded first, in order; see ``resize_state``).
     """
 
-    _savable_fields = ("position",)
+    _savable_fields = ("position", "handover")
 
     def __init__(self, samples: Sequence[dict[str, Any]], *, cycle: bool = False, name: str = "list") -> None:
         if cycle and not samples:
@@ -36,6 +39,32 @@ class ListGroupSource(Savable):
 
     def reset_state(self) -> None:
         self.position = 0
+        self.handover: list[int] = []
+
+    @classmethod
+    def resize_state(cls, olds: list[dict[str, Any]], ctx: Any, handover: Sequence[Any] = ()) -> dict[str, Any]:
+        """The state of new rank ``ctx.dp_rank`` of ``ctx.dp_size`` from every old rank's state (old-rank order).
+
+        An in-memory list has no shards: every rank holds its own copy, so new rank ``r`` continues old rank
+        ``r``'s position (0 for a rank the old world did not have; the positions of ranks a shrunk world drops
+        end with them). ``handover`` (restore keys = list indices of samples that were waiting in the old
+        ranks' packers) is dealt round-robin, ``handover[dp_rank::dp_size]``, and yielded first, in order,
+        after any handover the old rank ``r`` had not yielded yet. Raises ``StateError`` for malformed states.
+        """
+        rank, size = int(ctx.dp_rank), int(ctx.dp_size)
+        for i, old in enumerate(olds):
+            if not isinstance(old, dict) or set(old) != set(cls._savable_fields):
+                raise StateError(f"ListGroupSource.resize_state: old rank {i}'s state {old!r:.80} is not a "
+                                 f"ListGroupSource state (fields {list(cls._savable_fields)})")
+        bad = [k for k in handover if not isinstance(k, int) or isinstance(k, bool)]
+        if bad:
+            raise StateError(f"ListGroupSource.resize_state: handover keys must be list indices, got {bad[:3]}")
+        mine = olds[rank] if rank < len(olds) else {"position": 0, "handover": []}
+        pending = [int(k) for k in mine["handover"]] if rank < len(olds) else []
+        # the pending handover of old ranks that the new world lacks is dealt like the fresh one
+        orphaned = [int(k) for old in olds[size:] for k in old["handover"]]
+        return {"position": int(mine["position"]), "handover": pending + [int(k) for k in
+                                                                         [*handover, *orphaned][rank::size]]}
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name, "num_samples": len(self.samples), "cycle": self.cycle}
@@ -44,6 +73,8 @@ class ListGroupSource(Savable):
         return self
 
     def __next__(self) -> dict[str, Any]:
+        if self.handover:
+            return self.restore_sample(self.handover.pop(0))
         if self.position >= len(self.samples):
             if not self.cycle:
                 raise StopIteration

@@ -8,6 +8,13 @@ caller, a :class:`PackTarget`: the packer lays out tensors (its ``curr`` is the 
 than the estimate after CFG dropout), the simulator only adds estimates. Both therefore make the same
 decisions on the same lengths and uniform draws; ``tests/test_pack_step.py`` checks that on real data.
 
+Lossless mode (``PackLoop(..., lossless=True)``, the ``packer.lossless`` knob; off by default, and off the loop is
+the official one unchanged): a candidate the official flush would discard (``flush_drop`` /
+``flush_drop_buffered``) ends the pack and waits in the *carry* (a FIFO the caller keeps next to the buffer) for
+the next pack, which takes it right after its mandatory samples. Mandatory samples cannot overflow
+``max_num_tokens`` there: the constructor refuses budgets where ``mandatory groups x (max_num_tokens_per_sample
+- 1) > max_num_tokens``. Over-length samples are still dropped (they can never fit).
+
 Pure Python, no torch and no imports of config-time modules; units are tokens (packed sequence positions).
 """
 
@@ -18,14 +25,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, Protocol, TypeVar
 
-from .lengths import is_overlength
+from .lengths import is_overlength, mandatory_tokens
 
-__all__ = ["ADD", "BUFFER", "DROP_REASONS", "GroupDraw", "PackBudgets", "PackLoop", "PackTarget", "step"]
+__all__ = ["ADD", "BUFFER", "CARRY", "DROP_REASONS", "GroupDraw", "PackBudgets", "PackLoop", "PackTarget", "step"]
 
 S = TypeVar("S")
 
 #: :func:`step` outcomes that keep the candidate.
 ADD, BUFFER = "add", "buffer"
+#: Lossless mode's outcome where the official loop flushes and discards: the pack ends, the candidate is carried.
+CARRY = "carry"
 #: Every reason the loop drops a sample for, as counted by ``BagelPacker.drops`` and ``SimResult.drops``:
 #: over ``max_num_tokens_per_sample`` in a mandatory group (``>=``) or another group (``>``); discarded by the
 #: official flush (fresh from a group with the buffer full, or just popped from the buffer).
@@ -48,17 +57,21 @@ class PackBudgets:
         return cls(*(int(getattr(config, f.name)) for f in fields(cls)))
 
 
-def step(budgets: PackBudgets, curr: int, est: int, *, from_buffer: bool, buffer_len: int) -> str:
+def step(budgets: PackBudgets, curr: int, est: int, *, from_buffer: bool, buffer_len: int,
+         lossless: bool = False) -> str:
     """The fate of one non-mandatory candidate estimated at ``est`` tokens for a pack of ``curr`` tokens (spec
     §5 steps 2.3-2.5): ``"overlength"`` (drop, ``est > max_num_tokens_per_sample``), ``BUFFER`` (it overflows
     ``max_num_tokens`` and fits the buffer; never for a sample just popped from it), ``"flush_drop"`` /
     ``"flush_drop_buffered"`` (it overflows: the pack ends and the candidate is discarded, official quirk
-    §13.2) or ``ADD``. ``buffer_len``: samples in the buffer now."""
+    §13.2) — ``CARRY`` instead of those two when ``lossless`` (the pack ends, the candidate waits for the next
+    pack) — or ``ADD``. ``buffer_len``: samples in the buffer now."""
     if is_overlength(est, budgets.max_num_tokens_per_sample, mandatory=False):
         return "overlength"
     if curr + est > budgets.max_num_tokens:
         if buffer_len < budgets.max_buffer_size and not from_buffer:
             return BUFFER
+        if lossless:
+            return CARRY
         return "flush_drop_buffered" if from_buffer else "flush_drop"
     return ADD
 
@@ -105,18 +118,36 @@ class PackTarget(Protocol[S]):
 
 
 class PackLoop(Generic[S]):
-    """The official ``PackedDataset.__iter__`` loop for groups of ``weights`` / ``mandatory`` flags."""
+    """The official ``PackedDataset.__iter__`` loop for groups of ``weights`` / ``mandatory`` flags; with
+    ``lossless`` the flush keeps its candidate for the next pack (module docstring).
 
-    def __init__(self, budgets: PackBudgets, weights: Sequence[float], mandatory: Sequence[bool]) -> None:
+    Raises ValueError for mismatched lengths, and in lossless mode when the mandatory samples alone could
+    exceed ``max_num_tokens`` (``mandatory groups x (max_num_tokens_per_sample - 1)``): lossless promises
+    that every pack obeys the cap, and the official loop never checks mandatory samples against it.
+    """
+
+    def __init__(self, budgets: PackBudgets, weights: Sequence[float], mandatory: Sequence[bool], *,
+                 lossless: bool = False) -> None:
         if len(weights) != len(mandatory):
             raise ValueError(f"{len(weights)} group weights but {len(mandatory)} mandatory flags")
         self.budgets = budgets
         self.draw_group = GroupDraw(weights)
         self.mandatory = [bool(m) for m in mandatory]
+        self.lossless = bool(lossless)
+        n_mand = sum(self.mandatory)
+        worst = mandatory_tokens(n_mand, budgets.max_num_tokens_per_sample)
+        if self.lossless and worst > budgets.max_num_tokens:
+            raise ValueError(
+                f"packer.lossless: {n_mand} mandatory groups x (max_num_tokens_per_sample "
+                f"{budgets.max_num_tokens_per_sample} - 1) = {worst} tokens > max_num_tokens "
+                f"{budgets.max_num_tokens}: mandatory samples alone could overflow a pack. Lower "
+                f"max_num_tokens_per_sample to <= {budgets.max_num_tokens // n_mand + 1}, raise max_num_tokens to "
+                f">= {worst}, make fewer groups is_mandatory, or set lossless: false")
 
     def _mandatory_fill(self, target: PackTarget[S]) -> None:
         """One sample per mandatory group, in group order; samples with ``est >= max_num_tokens_per_sample`` are
-        dropped (strict, quirk §13.1) and none is checked against ``max_num_tokens`` (quirk §13.3)."""
+        dropped (strict, quirk §13.1) and none is checked against ``max_num_tokens`` (quirk §13.3; in lossless
+        mode the constructor's budget rule makes an overflow impossible, and it is asserted)."""
         limit = self.budgets.max_num_tokens_per_sample
         for group, mandatory in enumerate(self.mandatory):
             if not mandatory:
@@ -127,19 +158,50 @@ class PackLoop(Generic[S]):
                 if not is_overlength(est, limit, mandatory=True):
                     break
                 target.drop("overlength_mandatory", group, sample, est, target.curr)
+            if self.lossless and target.curr + est > self.budgets.max_num_tokens:
+                raise AssertionError(f"lossless pack loop: mandatory group {group} sample of {est} tokens overflows a "
+                                     f"pack of {target.curr} (the constructor's budget rule should exclude this)")
             target.add(group, sample, est)
 
-    def fill(self, target: PackTarget[S], buffer: list[tuple[int, S]]) -> str | None:
+    def _take_carry(self, target: PackTarget[S], carry: list[tuple[int, S]]) -> bool:
+        """Pack the carried samples that fit (oldest first; one that does not fit stays, in order); True when
+        the pack reached ``expected_num_tokens``."""
+        b = self.budgets
+        kept: list[tuple[int, S]] = []
+        done = False
+        for group, sample in carry:
+            est = target.estimate(sample)
+            if done or target.curr + est > b.max_num_tokens:
+                kept.append((group, sample))
+                continue
+            target.add(group, sample, est)
+            done = target.curr >= b.expected_num_tokens
+        carry[:] = kept
+        return done
+
+    def fill(self, target: PackTarget[S], buffer: list[tuple[int, S]],
+             carry: list[tuple[int, S]] | None = None) -> str | None:
         """Fill ``target``'s pack until it ends: returns None when it reached ``expected_num_tokens``, the flush
-        reason (``"flush_drop"`` / ``"flush_drop_buffered"``) when an overflowing candidate ended it.
+        reason (``"flush_drop"`` / ``"flush_drop_buffered"``) when an overflowing candidate ended it, ``CARRY``
+        when that candidate was carried instead (lossless).
 
         ``buffer``: the overflow buffer, (group, sample) pairs oldest first, updated in place (it outlives
-        the pack). Propagates StopIteration from ``target.next_sample``.
+        the pack). ``carry`` (lossless mode; required there, ignored otherwise): the samples kept from earlier
+        flushes, oldest first, updated in place; they are packed right after the mandatory samples (one that
+        does not fit yet stays, so normally the carry holds at most one sample). Propagates StopIteration
+        from ``target.next_sample``.
         """
         b = self.budgets
+        if self.lossless and carry is None:
+            raise ValueError("PackLoop.fill: lossless mode needs the carry list")
+        carry_open = self.lossless and bool(carry)
         while True:
             if target.curr == 0:
                 self._mandatory_fill(target)
+            if carry_open:
+                carry_open = False
+                if self._take_carry(target, carry):
+                    return None
             curr = target.curr
             from_buffer = curr < b.prefer_buffer_before and bool(buffer)
             if from_buffer:
@@ -148,13 +210,16 @@ class PackLoop(Generic[S]):
                 group = self.draw_group(target.random())
                 sample = target.next_sample(group)
             est = target.estimate(sample)
-            fate = step(b, curr, est, from_buffer=from_buffer, buffer_len=len(buffer))
+            fate = step(b, curr, est, from_buffer=from_buffer, buffer_len=len(buffer), lossless=self.lossless)
             if fate == ADD:
                 target.add(group, sample, est)
                 if target.curr >= b.expected_num_tokens:
                     return None
             elif fate == BUFFER:
                 buffer.append((group, sample))
+            elif fate == CARRY:
+                carry.append((group, sample))
+                return CARRY
             else:
                 target.drop(fate, group, sample, est, curr)
                 if fate != "overlength":

@@ -21,7 +21,7 @@ __all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energ
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 class ResumeMismatchError(StateError):

@@ -101,7 +101,8 @@ def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float],
     first, weighted group draws (``random.Random(seed)``), the overflow buffer, the flush; only lengths are
     packed and CFG dropout is left out (packed length = estimate). A group with an empty stream is never drawn
     (weight 0). A mandatory group with no sample under the limit, or ``max_draws`` samples drawn without the
-    packs, gives ``impossible``.
+    packs, gives ``impossible`` (so do lossless budgets the packer refuses). ``packer.lossless`` is honoured
+    (the flush's candidate is carried, not dropped).
     """
     limit = packer.max_num_tokens_per_sample
     for s, m, n in zip(streams, mandatory, names):
@@ -112,15 +113,19 @@ def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float],
     draw_weights = list(weights) if all(streams) else [w if s else 0 for w, s in zip(weights, streams)]
     if not any(s for s in streams) or not sum(draw_weights) > 0:
         return SimResult(impossible="no usable samples")
-    loop: PackLoop[int] = PackLoop(PackBudgets.of(packer), draw_weights, mandatory)
+    try:
+        loop: PackLoop[int] = PackLoop(PackBudgets.of(packer), draw_weights, mandatory, lossless=packer.lossless)
+    except ValueError as e:  # lossless budgets that let mandatory samples overflow
+        return SimResult(impossible=str(e))
     replay = _Replay(streams, random.Random(seed), max_draws)
     buffer: list[tuple[int, int]] = []
+    carry: list[tuple[int, int]] = []  # packer.lossless: the flushed candidates kept for the next pack
     res = SimResult()
     counts: list[int] = []
     while len(res.pack_lengths) < packs:
         replay.curr = replay.n = 0
         try:
-            loop.fill(replay, buffer)
+            loop.fill(replay, buffer, carry)
         except _NoPack:
             res.impossible = f"no pack after {max_draws} draws"
             break
