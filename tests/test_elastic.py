@@ -81,7 +81,7 @@ def _run(loaders, steps, reads=None):
     for ld in loaders:
         stats = ld.stats()  # the ledger balances on every rank; the readers report their part of it
         assert not ledger_errors(stats["ledger"]), stats["ledger"]
-        assert all(st["taken"] + st["handed_in"] > 0 for st in stats["sources"].values()), stats["sources"]
+        assert sum(st["taken"] + st["handed_in"] for st in stats["sources"].values()) > 0, stats["sources"]
         ld.close()
     return batches, states
 
