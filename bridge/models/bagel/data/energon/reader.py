@@ -132,14 +132,20 @@ IDENTITY_INLINE_ITEMS = 16
 def strip_paths(obj: Any) -> Any:
     """``obj`` without machine-specific values: keys starting with ``_`` (energon's convention for paths)
     and absolute path strings are dropped, so fingerprints compare across mount points."""
-    if isinstance(obj, Mapping):
-        return {k: strip_paths(v) for k, v in obj.items()
+    if isinstance(obj, Mapping):  # leaves are kept without a call (Energon's per-shard dicts: O(shards) of them)
+        return {k: v if type(v) in _SCALARS or (type(v) is str and not os.path.isabs(v)) else strip_paths(v)
+                for k, v in obj.items()
                 if not (isinstance(k, str) and k.startswith("_")) and not (isinstance(v, str) and os.path.isabs(v))}
     if isinstance(obj, (list, tuple)):
         if all(type(v) in _SCALARS for v in obj):  # e.g. Energon's slice offsets: nothing to strip, no recursion
             return list(obj)
         return [strip_paths(v) for v in obj if not (isinstance(v, str) and os.path.isabs(v))]
     return obj
+
+
+def _clocks() -> tuple[float, float]:
+    """(wall clock, this process's CPU time) in seconds."""
+    return time.perf_counter(), time.process_time()
 
 
 def canonical_digest(obj: Any) -> str:
@@ -212,7 +218,7 @@ class BagelGroupReader(Savable):
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         if num_used_data is not None and len(num_used_data) != len(self.paths):
             raise ValueError(f"num_used_data has {len(num_used_data)} entries for {len(self.paths)} datasets")
-        clock = time.perf_counter()
+        clock = _clocks()
         for p in self.paths:
             damage.check_prepared(p)  # Energon would only say "Invalid dataset at <dir>"
         self.group_name = self._check_sizes(group, dp_size * max(num_workers, 1))
@@ -226,7 +232,7 @@ class BagelGroupReader(Savable):
         whole = len(self.paths) == 1 and self.runs == [[(0, self._counts[0], 1)]]
         ds_path = self.paths[0] if whole else self._write_blend()
         self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
-        t_selection = time.perf_counter()
+        t_selection = _clocks()
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                           global_error_handler=reraise_exception)
         ds = get_train_dataset(ds_path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
@@ -234,7 +240,7 @@ class BagelGroupReader(Savable):
                                repeat=True)
         self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
                                          checkpoint_every_sec=checkpoint_every_sec)
-        t_energon = time.perf_counter()
+        t_energon = _clocks()
         self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger)
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
@@ -246,17 +252,19 @@ class BagelGroupReader(Savable):
         self._watch = ReadWatch(f"reader {self.group_name!r} (DP rank {dp_rank}/{dp_size}, {num_workers} Energon "
                                 "workers)", self.group_name, self.paths, stall_warn_s=stall_warn_s,
                                 timeout_s=timeout_s, workers=num_workers > 0)
-        t_identity = time.perf_counter()
+        t_identity = _clocks()
         self._identity = self._compute_identity()
-        t_end = time.perf_counter()
+        t_end = _clocks()
         #: Seconds spent opening this reader: ``selection`` (index checks, manifests, official selection, blend
         #: YAML: ours), ``energon`` (``get_train_dataset`` + ``get_savable_loader``: Energon's own, O(shards)),
         #: ``identity`` (the resume fingerprint, Energon's ``config()`` included), ``other`` (the rest of
-        #: ``__init__``). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP size.
-        self.open_seconds = {"selection": t_selection - clock, "energon": t_energon - t_selection,
-                             "identity": t_end - t_identity, "other": t_identity - t_energon}
+        #: ``__init__``); wall clock, and the same as CPU seconds of this process in ``open_cpu_seconds`` (robust on
+        #: a shared machine). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP size.
+        self.open_seconds, self.open_cpu_seconds = (
+            {"selection": t_selection[i] - clock[i], "energon": t_energon[i] - t_selection[i],
+             "identity": t_end[i] - t_identity[i], "other": t_identity[i] - t_energon[i]} for i in (0, 1))
         logger.debug("reader %s (DP rank %d/%d): opened in %.3f s (%s)", self.group_name, dp_rank, dp_size,
-                     t_end - clock, ", ".join(f"{k} {v:.3f} s" for k, v in self.open_seconds.items()))
+                     t_end[0] - clock[0], ", ".join(f"{k} {v:.3f} s" for k, v in self.open_seconds.items()))
 
     # -- construction helpers -------------------------------------------------------------------
     def _check_sizes(self, group: str | None, min_samples: int) -> str:
