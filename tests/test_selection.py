@@ -163,3 +163,22 @@ def test_reader_identity_is_bounded_and_still_refuses_every_change(converted, to
         assert any(d.startswith("loader.") for d in diff), (change, diff)
     diff = fingerprint_diff(base, ident(max_samples_per_sequence=2)[0])
     assert any(".sha256: saved=" in d for d in diff), diff  # the slice offsets' digest is what names the change
+
+
+def test_loader_identity_digest_of_energon_shard_lists():
+    """A long list of Energon's per-shard dicts is hashed column-wise without its ``_path`` values: the same on
+    another mount point, different when a shard's name or count differs; short lists stay inline."""
+    from bridge.models.bagel.data.energon.reader import loader_identity
+
+    def config(root, counts):
+        return {"shards": [{"name": f"shards/shard-{i:06d}.tar", "count": c, "_path": f"{root}/shards/shard-{i:06d}.tar"}
+                           for i, c in enumerate(counts)], "path": root, "slice_offsets": [[0, 5, 9]]}
+
+    counts = [100] * 40
+    a = loader_identity(config("/mnt/a/t2i", counts))
+    assert a == loader_identity(config("/lustre/b/t2i", counts))            # mount point: not part of it
+    assert set(a) == {"shards", "slice_offsets"} and a["shards"]["items"] == 40 and a["slice_offsets"] == [[0, 5, 9]]
+    assert a != loader_identity(config("/mnt/a/t2i", counts[:-1] + [99]))     # one count changed
+    renamed = config("/mnt/a/t2i", counts)
+    renamed["shards"][3]["name"] = "shards/other.tar"
+    assert a != loader_identity(renamed)
