@@ -14,7 +14,13 @@ Two kinds of corpora, both t2i_pretrain with tiny images (8x8 PNG) so the disk s
 Each case builds the project's loader (``build_bagel_train_loader``, the groups YAML with ``num_used_data`` set as
 the official YAML does, order ``energon``, 0 workers) for the LAST DP rank of W in {1, 64, 1024, 8192}.
 Targets: build time and peak RSS grow <= 1.5x from the smallest to the largest manifest and from DP 1 to 8192.
-Last line: ``bench_scale: build_growth_rows=… rss_growth_rows=… build_growth_dp=… rss_growth_dp=… …``.
+The build is split into Energon's own opening of the datasets (``energon_s``: ``get_train_dataset`` +
+``get_savable_loader``, O(shards) by Energon's design, measured by the readers: ``BagelGroupReader.open_seconds``)
+and ours (``ours_s``: everything else of ``build_bagel_train_loader``), in wall seconds and in CPU seconds of the
+process (``*_cpu``: robust when other jobs share the cores). Each case runs ``--repeat`` times (default 3) in fresh
+processes, every number the minimum. ``ok``: our CPU part and RSS within the target; ``ok_total``: the whole build.
+Last line: ``bench_scale: ours_cpu_growth_rows=… energon_cpu_growth_rows=… … build_growth_rows=… rss_growth_rows=…
+… ok=… ok_wall=… ok_total=… repeat=… quick=…``.
 """
 
 from __future__ import annotations
