@@ -123,3 +123,62 @@ def test_num_used_data_changes_the_reader_identity(converted, tokenizer):
         ids.append(r.identity()["selection"])
         r.close()
     assert ids[0] == [[[0, 21, 1]]] and ids[1] == [[[0, 10, 2], [10, 21, 1]]]
+
+
+def test_reader_identity_is_bounded_and_still_refuses_every_change(converted, tokenizer):
+    """The resume fingerprint keeps Energon's long lists (shards, worker slice offsets: O(shards) and
+    O(samples / max_samples_per_sequence)) as ``{"items", "sha256"}``: bounded in size, deterministic, and a
+    changed slice / worker config / sample count still shows up as a differing key under ``loader``."""
+    import json
+
+    from bridge.models.bagel.data.energon.reader import canonical_digest, loader_identity, strip_paths
+    from bridge.models.bagel.data.pipeline.loader import fingerprint_diff
+
+    path = str(converted / "t2i_pretrain/t2i")
+
+    def ident(**kw):
+        r = BagelGroupReader([path], tokenizer=tokenizer, image_transform_args=VAE, **kw)
+        try:
+            return r.identity(), r.loader.config(), r.open_seconds
+        finally:
+            r.close()
+
+    base, config, opened = ident(max_samples_per_sequence=1)  # 21 samples -> 22 slice offsets: above the limit
+    assert set(opened) == {"selection", "energon", "identity", "other"} and all(v >= 0 for v in opened.values())
+
+    def lists(obj):
+        if isinstance(obj, dict):
+            return [x for v in obj.values() for x in lists(v)]
+        return [obj] + [x for v in obj for x in lists(v)] if isinstance(obj, list) else []
+
+    assert max(map(len, lists(base["loader"]))) <= 16
+    offsets = lists(config)[[len(x) for x in lists(config)].index(22)]
+    text = json.dumps(base)
+    assert canonical_digest(strip_paths(offsets)) in text and '"items": 22' in text  # the digest of the full list
+    assert str(converted) not in text                                               # no absolute path kept
+    assert loader_identity(config) == base["loader"]
+    assert ident(max_samples_per_sequence=1)[0] == base                              # deterministic
+    for change in ({"max_samples_per_sequence": 2}, {"dp_size": 2}, {"num_workers": 2}, {"num_used_data": [2]}):
+        diff = fingerprint_diff(base, ident(**{"max_samples_per_sequence": 1, **change})[0])
+        assert any(d.startswith("loader.") for d in diff), (change, diff)
+    diff = fingerprint_diff(base, ident(max_samples_per_sequence=2)[0])
+    assert any(".sha256: saved=" in d for d in diff), diff  # the slice offsets' digest is what names the change
+
+
+def test_loader_identity_digest_of_energon_shard_lists():
+    """A long list of Energon's per-shard dicts is hashed column-wise without its ``_path`` values: the same on
+    another mount point, different when a shard's name or count differs; short lists stay inline."""
+    from bridge.models.bagel.data.energon.reader import loader_identity
+
+    def config(root, counts):
+        return {"shards": [{"name": f"shards/shard-{i:06d}.tar", "count": c, "_path": f"{root}/shards/shard-{i:06d}.tar"}
+                           for i, c in enumerate(counts)], "path": root, "slice_offsets": [[0, 5, 9]]}
+
+    counts = [100] * 40
+    a = loader_identity(config("/mnt/a/t2i", counts))
+    assert a == loader_identity(config("/lustre/b/t2i", counts))            # mount point: not part of it
+    assert set(a) == {"shards", "slice_offsets"} and a["shards"]["items"] == 40 and a["slice_offsets"] == [[0, 5, 9]]
+    assert a != loader_identity(config("/mnt/a/t2i", counts[:-1] + [99]))     # one count changed
+    renamed = config("/mnt/a/t2i", counts)
+    renamed["shards"][3]["name"] = "shards/other.tar"
+    assert a != loader_identity(renamed)

@@ -21,6 +21,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "GROUPS", "T2I", "EDIT", "VLM", "MANIFEST_FORMAT", "MANIFEST_NAME", "SHARDS_DIR", "META_PART",
     "SUBFLAVOR_KEY", "DEFAULT_SAMPLES_PER_SHARD", "SKIP_NOT_IN_PARQUET_INFO", "SKIP_ROW_GROUP_BEYOND_INFO",
@@ -181,6 +183,31 @@ def upgrade_manifest_v1(man: Mapping[str, Any], path: str = MANIFEST_NAME) -> di
     return out
 
 
+def _files_consistent(group: str, man: Mapping[str, Any]) -> bool:
+    """True when a t2i/edit manifest's ``files`` ranges are consecutive from 0, each its stored rows, summing to
+    ``num_samples`` (all plain ints). Comprehensions + numpy, ~0.5 µs per file; False (also on any malformed
+    entry) sends :func:`check_manifest` to its per-file loop, which names what is wrong."""
+    try:
+        files = man["files"]
+        firsts = [f["first_sample"] for f in files]
+        nums = [f["num_samples"] for f in files]
+        if group == T2I:
+            stored = [sum(f["row_groups"]) for f in files]
+        else:
+            stored = [sum(f["row_groups"][:stored_row_groups(group, f)]) for f in files]
+        total = man["num_samples"]
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError):
+        return False
+    if not set(map(type, firsts)) | set(map(type, nums)) | set(map(type, stored)) | {type(total)} <= {int}:
+        return False
+    if not files:
+        return total == 0
+    first, num = np.array(firsts, dtype=np.int64), np.array(nums, dtype=np.int64)
+    ends = first + num
+    return bool(first[0] == 0 and (num >= 0).all() and (first[1:] == ends[:-1]).all() and ends[-1] == total
+                and (num == np.array(stored, dtype=np.int64)).all())
+
+
 def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
     """Validate a format-2 manifest in O(files): required keys, per-file ranges consecutive from 0 and
     summing to ``num_samples`` (vlm: ``num_samples == num_lines``). Raises ManifestError (one line)."""
@@ -193,7 +220,9 @@ def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
     group = man["group"]
     if group not in GROUPS:
         raise _manifest_error(path, f"unknown group {group!r}")
-    try:
+    if group != VLM and _files_consistent(group, man):
+        return man
+    try:  # the slow path names the first inconsistent entry (or finds none: then the manifest is fine)
         files = man["files"] if group != VLM else man["files"][:1]
         pos = 0
         for f in files:

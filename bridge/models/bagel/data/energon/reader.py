@@ -16,12 +16,14 @@ pass the same DP rank read identical data.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -39,7 +41,8 @@ from .layout import MANIFEST_NAME, load_manifest
 from .sample import BagelSample
 from .selection import manifest_runs
 
-__all__ = ["BagelGroupReader", "DataReadError", "dataset_num_samples", "strip_paths"]
+__all__ = ["BagelGroupReader", "DataReadError", "canonical_digest", "dataset_num_samples", "loader_identity",
+           "strip_paths"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,15 +123,82 @@ def dataset_num_samples(path: str) -> tuple[str, int]:
     return "", int(sum(counts.values()))
 
 
+_SCALARS = (int, float, bool, type(None))
+_SCALAR_TYPES = frozenset(_SCALARS)
+#: Lists longer than this are kept in a reader's identity as ``{"items", "sha256"}`` (Energon's per-shard and
+#: per-slice lists: O(shards) / O(samples / max_samples_per_sequence) entries otherwise, in every checkpoint).
+IDENTITY_INLINE_ITEMS = 16
+
+
+def _is_abs(v: Any) -> bool:
+    return type(v) is str and os.path.isabs(v)
+
+
 def strip_paths(obj: Any) -> Any:
     """``obj`` without machine-specific values: keys starting with ``_`` (energon's convention for paths)
     and absolute path strings are dropped, so fingerprints compare across mount points."""
-    if isinstance(obj, Mapping):
-        return {k: strip_paths(v) for k, v in obj.items()
+    if isinstance(obj, Mapping):  # leaves are kept without a call (Energon's per-shard dicts: O(shards) of them)
+        return {k: v if type(v) in _SCALAR_TYPES or (type(v) is str and not os.path.isabs(v)) else strip_paths(v)
+                for k, v in obj.items()
                 if not (isinstance(k, str) and k.startswith("_")) and not (isinstance(v, str) and os.path.isabs(v))}
     if isinstance(obj, (list, tuple)):
+        if set(map(type, obj)) <= _SCALAR_TYPES:  # e.g. Energon's slice offsets: nothing to strip (a C loop)
+            return list(obj)
         return [strip_paths(v) for v in obj if not (isinstance(v, str) and os.path.isabs(v))]
     return obj
+
+
+def _clocks() -> tuple[float, float]:
+    """(wall clock, this process's CPU time) in seconds."""
+    return time.perf_counter(), time.process_time()
+
+
+def canonical_digest(obj: Any) -> str:
+    """sha256 (hex) of the canonical JSON of ``obj`` (sorted keys, no spaces; non-JSON values as ``str``)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _digest_payload(items: Sequence[Any]) -> Any:
+    """What :func:`loader_identity` hashes for a long list: the list itself when it holds only scalars; a list of
+    dicts with one key set (Energon's shards) column by column, ``_`` keys dropped, absolute paths as None (C-speed
+    comprehensions instead of a walk per entry); anything else :func:`strip_paths`."""
+    if set(map(type, items)) <= _SCALAR_TYPES:
+        return list(items)
+    first = items[0]
+    if type(first) is dict and all(type(d) is dict and d.keys() == first.keys() for d in items):
+        columns = {}
+        for k in first:
+            if isinstance(k, str) and k.startswith("_"):
+                continue
+            col = [d[k] for d in items]
+            types = set(map(type, col))
+            if types <= _SCALAR_TYPES | {str} and os.sep == "/":  # names / counts: no call per entry
+                col = [None if type(v) is str and v.startswith("/") else v for v in col] if str in types else col
+            elif not types <= _SCALAR_TYPES:
+                col = [None if _is_abs(v) else strip_paths(v) for v in col]
+            columns[k] = col
+        return {"columns": columns}
+    return strip_paths(items)
+
+
+def loader_identity(config: Any, inline_items: int = IDENTITY_INLINE_ITEMS) -> Any:
+    """An Energon loader ``config()`` as a resume fingerprint of bounded size: :func:`strip_paths`, with every list
+    longer than ``inline_items`` replaced by ``{"items": len, "sha256": canonical_digest(...)}`` of its path-free
+    content (:func:`_digest_payload`).
+
+    Exactly as refusing as the full config (a changed shard list, count, worker slice or worker config changes a
+    digest, and the fingerprint diff names its key under ``loader``), but O(1) per list in the saved state and the
+    diff, instead of O(shards) and O(samples / max_samples_per_sequence) entries.
+    """
+    if isinstance(config, Mapping):
+        return {k: loader_identity(v, inline_items) for k, v in config.items()
+                if not (isinstance(k, str) and k.startswith("_")) and not _is_abs(v)}
+    if isinstance(config, (list, tuple)):
+        if len(config) > inline_items:
+            return {"items": len(config), "sha256": canonical_digest(_digest_payload(config))}
+        return [loader_identity(v, inline_items) for v in config if not _is_abs(v)]
+    return config
 
 
 def _energon_tar_readers(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
@@ -177,10 +247,12 @@ class BagelGroupReader(Savable):
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
         if num_used_data is not None and len(num_used_data) != len(self.paths):
             raise ValueError(f"num_used_data has {len(num_used_data)} entries for {len(self.paths)} datasets")
+        clock = _clocks()
         for p in self.paths:
             damage.check_prepared(p)  # Energon would only say "Invalid dataset at <dir>"
         self.group_name = self._check_sizes(group, dp_size * max(num_workers, 1))
         self.runs = self._selection(num_used_data, shuffle_lines, shuffle_seed)
+        self._manifests = None  # read once for sizes + selection; not kept (O(files) per dataset)
         self.transform_args = {"image_transform_args": dict(image_transform_args),
                                "vit_image_transform_args": None if vit_image_transform_args is None
                                else dict(vit_image_transform_args)}
@@ -189,6 +261,7 @@ class BagelGroupReader(Savable):
         whole = len(self.paths) == 1 and self.runs == [[(0, self._counts[0], 1)]]
         ds_path = self.paths[0] if whole else self._write_blend()
         self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
+        t_selection = _clocks()
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                           global_error_handler=reraise_exception)
         ds = get_train_dataset(ds_path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
@@ -196,6 +269,7 @@ class BagelGroupReader(Savable):
                                repeat=True)
         self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
                                          checkpoint_every_sec=checkpoint_every_sec)
+        t_energon = _clocks()
         self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger)
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
@@ -207,7 +281,19 @@ class BagelGroupReader(Savable):
         self._watch = ReadWatch(f"reader {self.group_name!r} (DP rank {dp_rank}/{dp_size}, {num_workers} Energon "
                                 "workers)", self.group_name, self.paths, stall_warn_s=stall_warn_s,
                                 timeout_s=timeout_s, workers=num_workers > 0)
+        t_identity = _clocks()
         self._identity = self._compute_identity()
+        t_end = _clocks()
+        #: Seconds spent opening this reader: ``selection`` (index checks, manifests, official selection, blend
+        #: YAML: ours), ``energon`` (``get_train_dataset`` + ``get_savable_loader``: Energon's own, O(shards)),
+        #: ``identity`` (the resume fingerprint, Energon's ``config()`` included), ``other`` (the rest of
+        #: ``__init__``); wall clock, and the same as CPU seconds of this process in ``open_cpu_seconds`` (robust on
+        #: a shared machine). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP size.
+        self.open_seconds, self.open_cpu_seconds = (
+            {"selection": t_selection[i] - clock[i], "energon": t_energon[i] - t_selection[i],
+             "identity": t_end[i] - t_identity[i], "other": t_identity[i] - t_energon[i]} for i in (0, 1))
+        logger.debug("reader %s (DP rank %d/%d): opened in %.3f s (%s)", self.group_name, dp_rank, dp_size,
+                     t_end[0] - clock[0], ", ".join(f"{k} {v:.3f} s" for k, v in self.open_seconds.items()))
 
     # -- construction helpers -------------------------------------------------------------------
     def _check_sizes(self, group: str | None, min_samples: int) -> str:
@@ -216,8 +302,11 @@ class BagelGroupReader(Savable):
         groups = set()
         self._counts = []
         self._min_samples = min_samples
+        self._manifests: list[dict[str, Any]] | None = []  # each read once, also for ``_selection``
         for p in self.paths:
-            g, n = dataset_num_samples(p)
+            man = load_manifest(p) if os.path.isfile(os.path.join(p, MANIFEST_NAME)) else None
+            self._manifests.append(man)
+            g, n = (man["group"], int(man["num_samples"])) if man is not None else dataset_num_samples(p)
             if n == 0:
                 raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
             groups.add(g or group)
@@ -238,9 +327,10 @@ class BagelGroupReader(Savable):
             if used is None and not (shuffle_lines and self.group_name == "vlm_sft"):
                 runs.append([(0, n, 1)] if n else [])
                 continue
-            if not os.path.isfile(os.path.join(p, MANIFEST_NAME)):
+            man = self._manifests[i] if self._manifests is not None else None
+            if man is None:
                 raise ValueError(f"{p}: num_used_data / shuffle_lines need the converter's {MANIFEST_NAME}")
-            runs.append(manifest_runs(load_manifest(p), used, shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed))
+            runs.append(manifest_runs(man, used, shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed))
         total = sum((e - s) * r for ds in runs for s, e, r in ds)
         if total < self._min_samples:
             raise ValueError(f"{', '.join(self.paths)}: {total} samples, fewer than dp_size x max(num_workers, 1) = "
@@ -275,7 +365,7 @@ class BagelGroupReader(Savable):
             "transform_args": self.transform_args,
             "datasets": [{"name": os.path.basename(p), "num_samples": n} for p, n in zip(self.paths, self._counts)],
             "selection": [[list(r) for r in runs] for runs in self.runs],
-            "loader": strip_paths(self.loader.config()),
+            "loader": loader_identity(self.loader.config()),
         }
 
     # -- iteration ---------------------------------------------------------------------------

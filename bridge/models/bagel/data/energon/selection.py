@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import VLM, file_sample_range, upgrade_manifest_v1
+from .layout import VLM, upgrade_manifest_v1
 
 __all__ = ["select_files", "selection_counts", "selection_runs", "manifest_runs", "shuffled_range", "vlm_lines"]
 
@@ -100,21 +100,26 @@ def manifest_runs(manifest: Mapping[str, Any], n: int | None, *, shuffle_lines: 
             return [(0, used, 1)] if used else []
         return _runs_of_sorted(np.sort(vlm_lines(man, used, shuffle_lines, shuffle_seed)))
     files = man["files"]
+    if not files:
+        return []
+    starts = np.array([f["first_sample"] for f in files], dtype=np.int64)  # C loops: ~0.2 µs per file
+    ends = starts + np.array([f["num_samples"] for f in files], dtype=np.int64)
     if n is None:
-        reps = [1] * len(files)
-    else:
-        k, extra = divmod(max(n, 0), len(files)) if files else (0, 0)
-        reps = [k + (i < extra) for i in range(len(files))]  # times each file appears in select_files(files, n)
-    runs: list[list[int]] = []
-    for f, c in zip(files, reps):
-        start, end = file_sample_range(f)
-        if c <= 0 or end <= start:
-            continue
-        if runs and runs[-1][1] == start and runs[-1][2] == c:
-            runs[-1][1] = end
-        else:
-            runs.append([start, end, c])
-    return [tuple(r) for r in runs]
+        reps = np.ones(len(files), dtype=np.int64)
+    else:  # times each file appears in select_files(files, n)
+        k, extra = divmod(max(n, 0), len(files))
+        reps = np.full(len(files), k, dtype=np.int64)
+        reps[:extra] += 1
+    keep = (reps > 0) & (ends > starts)
+    starts, ends, reps = starts[keep], ends[keep], reps[keep]
+    if len(starts) == 0:
+        return []
+    # a run continues while the next kept file starts where the previous ends, with the same repetitions
+    new_run = np.ones(len(starts), dtype=bool)
+    new_run[1:] = (starts[1:] != ends[:-1]) | (reps[1:] != reps[:-1])
+    first = np.flatnonzero(new_run)
+    last = np.append(first[1:] - 1, len(starts) - 1)
+    return list(zip(starts[first].tolist(), ends[last].tolist(), reps[first].tolist()))
 
 
 def selection_counts(manifest: Mapping[str, Any], n: int | None, *, shuffle_lines: bool = False,
