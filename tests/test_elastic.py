@@ -81,7 +81,8 @@ def _run(loaders, steps, reads=None):
     for ld in loaders:
         stats = ld.stats()  # the ledger balances on every rank; the readers report their part of it
         assert not ledger_errors(stats["ledger"]), stats["ledger"]
-        assert sum(st["taken"] + st["handed_in"] for st in stats["sources"].values()) > 0, stats["sources"]
+        elastic = [st for st in stats["sources"].values() if "taken" in st]  # (test_refusals runs energon too)
+        assert not elastic or sum(st["taken"] + st["handed_in"] for st in elastic) > 0, stats["sources"]
         ld.close()
     return batches, states
 
