@@ -41,10 +41,17 @@ from bridge.models.bagel.data.tokenizer import load_tokenizer  # noqa: E402
 from bridge.models.bagel.data.transforms import ImageTransform, configure_pil, pil_img2rgb  # noqa: E402
 
 
+#: ``--quick`` packs (the tests' demo budgets): the same pipeline on a quarter of the tokens per batch
+QUICK_BUDGETS = ("packer.expected_num_tokens=4096", "packer.max_num_tokens=8192",
+                 "packer.max_num_tokens_per_sample=4096", "packer.prefer_buffer_before=2048")
+#: extra config overrides of every loader this run builds (``QUICK_BUDGETS`` under ``--quick``)
+_budgets: tuple[str, ...] = ()
+
+
 def build(data_dir: Path, workers: int, prefetch: int, tokenizer, start: str = "fork"):
     cfg = load_config(None, [f"groups={data_dir / 'groups.yaml'}", f"dataset_info={data_dir / 'dataset_info.yaml'}",
                              f"num_workers={workers}", f"prefetch={prefetch}", "packer.use_flex=true",
-                             "packer.max_latent_size=64", f"prefetch_start={start}"])
+                             "packer.max_latent_size=64", f"prefetch_start={start}", *_budgets])
     return build_bagel_train_loader(cfg, tokenizer, (0, 1), length=1000), cfg
 
 
@@ -130,10 +137,12 @@ def main() -> int:
     ap.add_argument("--starts", nargs="+", default=["fork", "forkserver"], choices=["fork", "forkserver"],
                     help="producer start methods for the prefetch runs")
     ap.add_argument("--quick", action="store_true", help="CI smoke run: 2 batches, num_workers 0 only, prefetch "
-                    "with a forked producer only, 100 ms simulated step")
+                    "with a forked producer only, 100 ms simulated step, 4K/8K-token packs")
     args = ap.parse_args()
+    global _budgets
     if args.quick:
         args.batches, args.workers, args.starts, args.step_ms = 2, [0], ["fork"], 100.0
+        _budgets = QUICK_BUDGETS
     logging.basicConfig(level=logging.WARNING)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -141,7 +150,8 @@ def main() -> int:
     make_demo_data(str(data_dir))
     tokenizer = load_tokenizer(None)
 
-    print("(a) throughput at default budgets (32768 expected / 36864 max tokens, flex masks)")
+    print("(a) throughput at " + ("--quick budgets (4096 expected / 8192 max tokens" if args.quick else
+                                   "default budgets (32768 expected / 36864 max tokens") + ", flex masks)")
     results = {}
     runs = [(nw, 0, "fork") for nw in args.workers] + [(nw, args.prefetch, st) for nw in args.workers
                                                        for st in args.starts]

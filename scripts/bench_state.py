@@ -44,10 +44,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3, help="save/restore repetitions (median reported)")
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--flex", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="CI smoke run: 1 batch before saving, one save/restore")
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: 1 batch before saving, one save/restore, "
+                    "4K/8K-token packs")
     args = ap.parse_args()
-    if args.quick:
+    packer = PackerConfig(use_flex=args.flex, max_latent_size=64)
+    if args.quick:  # small packs (the tests' demo budgets): every step still runs, on a quarter of the tokens
         args.batches, args.repeats = 1, 1
+        packer = PackerConfig(use_flex=args.flex, max_latent_size=64, expected_num_tokens=4096, max_num_tokens=8192,
+                              max_num_tokens_per_sample=4096, prefer_buffer_before=2048)
     logging.basicConfig(level=logging.ERROR)
     warnings.filterwarnings("ignore")
 
@@ -56,7 +60,7 @@ def main() -> int:
     load = import_bridge().energon_torch_load
     cfg = BagelDataConfig(groups=os.path.join(args.demo_dir, "groups.yaml"),
                           dataset_info=os.path.join(args.demo_dir, "dataset_info.yaml"),
-                          num_workers=args.num_workers, packer=PackerConfig(use_flex=args.flex, max_latent_size=64))
+                          num_workers=args.num_workers, packer=packer)
 
     loader = build_bagel_train_loader(cfg, tok, (0, 1), length=1000)
     for _ in range(args.batches):

@@ -128,7 +128,13 @@ def _bridge_io(api):
     return save, load
 
 
-# (stage, Energon workers, prefetch, flex): every stage, and every knob that changes how state travels.
+# (stage, Energon workers, prefetch, flex): every stage on its own, and the reader (the stage that owns the Energon
+# workers' state) also with 2 workers. ``use_flex`` only changes how a finished pack is written out (flex split
+# lengths vs dense masks, ``packing/sequence.py``), never which samples are packed or any stage's state, so one
+# value per stage suffices here; both are compared bit for bit in the loader grid below. The other stages with 2
+# Energon workers (and the prefetch stage with them) are exactly the ``upstream`` entries of the loader states
+# in that grid (nested ``state_dict``/``load_state_dict``, same k points, fresh build per k): rng-nw2 is
+# ``nw2-pf0-dense``'s upstream, prefetch-nw2 is ``nw2-pf2-flex``'s.
 STAGES = [
     pytest.param(BagelGroupReader, 0, 0, True, id="reader-nw0"),
     # Known flake (open, Energon side): a save with 2 Energon workers right after the reader's FIRST sample
@@ -136,11 +142,8 @@ STAGES = [
     # same assertions; a real break fails all three runs.
     pytest.param(BagelGroupReader, 2, 0, True, id="reader-nw2", marks=[pytest.mark.slow, pytest.mark.flaky(reruns=2)]),
     pytest.param(BagelPacker, 0, 0, True, id="packer-flex"),
-    pytest.param(BagelPacker, 0, 0, False, id="packer-dense", marks=pytest.mark.slow),
     pytest.param(BagelRNGIterator, 0, 0, True, id="rng-nw0-flex"),
-    pytest.param(BagelRNGIterator, 2, 0, False, id="rng-nw2-dense", marks=pytest.mark.slow),
     pytest.param(PrefetchStage, 0, 2, True, id="prefetch-nw0-flex"),
-    pytest.param(PrefetchStage, 2, 2, False, id="prefetch-nw2-dense", marks=pytest.mark.slow),
 ]
 
 
@@ -154,15 +157,15 @@ def test_stage_round_trip(bridge_api, demo_setup, tmp_path, kind, num_workers, p
                view=_sample_view if kind is BagelGroupReader else (lambda x: x))
 
 
+# The whole chain through Bridge's save/load. Energon workers (0/2) and prefetch (0/2) decide how state travels
+# (workers' checkpoints inside the reader state; a producer process ahead of the trainer); flex/dense only the
+# written-out pack (see STAGES). Every pair of knob values still occurs together (a 2^3 pairwise design: each
+# (workers, prefetch) pair once, flex and dense each with workers and with prefetch) instead of all 8 combinations.
 LOADERS = [
     pytest.param(0, 0, True, id="nw0-pf0-flex"),
-    pytest.param(0, 2, True, id="nw0-pf2-flex"),
-    pytest.param(0, 0, False, id="nw0-pf0-dense", marks=pytest.mark.slow),
-    pytest.param(0, 2, False, id="nw0-pf2-dense", marks=pytest.mark.slow),
-    pytest.param(2, 0, True, id="nw2-pf0-flex", marks=pytest.mark.slow),
-    pytest.param(2, 2, True, id="nw2-pf2-flex", marks=pytest.mark.slow),
+    pytest.param(0, 2, False, id="nw0-pf2-dense"),
     pytest.param(2, 0, False, id="nw2-pf0-dense", marks=pytest.mark.slow),
-    pytest.param(2, 2, False, id="nw2-pf2-dense", marks=pytest.mark.slow),
+    pytest.param(2, 2, True, id="nw2-pf2-flex", marks=pytest.mark.slow),
 ]
 
 
