@@ -23,6 +23,7 @@ from bridge.models.bagel.data.job.checkpoint import check_resume_dp
 from bridge.models.bagel.data.packing.packer import ledger_errors
 from bridge.models.bagel.data.pipeline.elastic import resize_loader_states
 from bridge.models.bagel.data.state import StateError
+from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
 
 
@@ -144,6 +145,10 @@ def test_refusals(small, tmp_path) -> None:
     fresh.close()
     with pytest.raises(StateError, match="give every old rank's file"):
         resize_loader_states(s2[:1], 0, 3)
+    reseeded = build_bagel_train_loader(dataclasses.replace(cfg, seed=7), tok, (0, 3), length=10)
+    with pytest.raises(ResumeMismatchError, match="loader.seed: saved=42 current=7"):
+        reseeded.restore_state(resize_loader_states(s2, 0, 3))  # a resize does not loosen the fingerprint
+    reseeded.close()
     default = dataclasses.replace(cfg, order="energon")
     _, d2 = _run(_world(default, tok, 2), 1)
     with pytest.raises(StateError, match="data.order 'energon'.*need data.order: elastic"):
