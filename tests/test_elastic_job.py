@@ -1,10 +1,10 @@
 """Elastic restarts of the real job (``scripts/pretrain_bagel.py``) under ``torchrun`` on gloo: one run that is
-checkpointed and restarted on another number of ranks four times, DP 2 -> 3 -> 1 -> 4 -> 2 (every resize of the
-issue's list: 2->3, 3->1, 1->4, 4->2, and consecutive resizes), with Energon-side workers 2 and 0 and the prefetch
+checkpointed and restarted on another number of ranks six times, DP 2 -> 3 -> 1 -> 4 -> 2 -> 4 -> 3 (every resize
+of the issue's list: 2->3, 3->1, 1->4, 4->2 and the double resize 2->4->3), with workers 2 and 0 and the prefetch
 process on and off across the phases. The ledger over every batch of every rank of every phase and the last
 checkpoint's states proves exactly once (``tools.ledger``); a changed config is still refused on a resize.
 Data: the demo dataset with a smaller selection (16 t2i, 8 edit, 12 vlm reads per epoch, 4 partitions), so the
-run covers several epochs of every group in 29 packed batches.
+run covers several epochs of every group in 38 packed batches.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from bridge.models.bagel.data.tools.ledger import check_exactly_once
 
 REPO = Path(__file__).resolve().parents[1]
 #: (DP size = world, steps in the phase, Energon-side workers, prefetch depth)
-PHASES = [(2, 2, 2, 2), (3, 2, 0, 0), (1, 3, 2, 0), (4, 2, 0, 2), (2, 4, 0, 0)]
+PHASES = [(2, 2, 2, 2), (3, 2, 0, 0), (1, 3, 2, 0), (4, 2, 0, 2), (2, 2, 0, 0), (4, 1, 0, 0), (3, 3, 2, 0)]
 
 
 def _free_port() -> int:
@@ -91,7 +91,7 @@ def chain(demo_setup, tmp_path_factory) -> Chain:
 
 @pytest.mark.slow
 def test_resizes_keep_every_sample_exactly_once(chain: Chain) -> None:
-    """2 -> 3 -> 1 -> 4 -> 2 ranks: every read is packed once, dropped with a reason, or still waiting."""
+    """2 -> 3 -> 1 -> 4 -> 2 -> 4 -> 3 ranks: every read is packed once, dropped with a reason, or still waiting."""
     report = check_exactly_once(chain.reads, chain.final)
     assert report.ok, report.problems
     assert report.epoch_complete, report
@@ -111,7 +111,7 @@ def test_ledger_catches_a_lost_and_a_repeated_sample(chain: Chain) -> None:
 
 @pytest.mark.slow
 def test_resize_state_cli_gives_bridge_pretrain_its_files(chain: Chain, demo_setup, tmp_path: Path) -> None:
-    """``bagel-data resize-state`` rewrites the DP-2 checkpoint for DP 3 offline: each new file passes Bridge's
+    """``bagel-data resize-state`` rewrites the last (DP-3) checkpoint for DP 2 offline: each new file passes Bridge's
     restricted loader and restores the same state the job computes online (so ``pretrain()``, which opens only
     its own rank's file, resumes elastically too); the old files are kept aside; a second call does nothing."""
     import shutil
@@ -124,15 +124,15 @@ def test_resize_state_cli_gives_bridge_pretrain_its_files(chain: Chain, demo_set
     root = tmp_path / "ckpt"
     shutil.copytree(chain.last, root)
     assert (root / TRACKER).read_text().strip() == str(chain.step)
-    assert main(["resize-state", str(root), "--dp-size", "3"]) == 0
+    assert main(["resize-state", str(root), "--dp-size", "2"]) == 0
     iter_dir = root / "energon" / f"iter_{chain.step:07d}"
-    assert sorted(p.name for p in (iter_dir / "resized_from_dp2").iterdir()) == loader_state_files(str(chain.last),
+    assert sorted(p.name for p in (iter_dir / "resized_from_dp3").iterdir()) == loader_state_files(str(chain.last),
                                                                                                  chain.step)
-    assert len(loader_state_files(str(root), chain.step)) == 3
+    assert len(loader_state_files(str(root), chain.step)) == 2
     load = import_bridge().energon_torch_load
-    for r in range(3):
+    for r in range(2):
         offline = load(str(iter_dir / f"train_dataloader_dprank{r:03d}.pt"))["dataloader_state_dict"]
-        online = resize_loader_states(chain.final, r, 3)
+        online = resize_loader_states(chain.final, r, 2)
         assert_same(offline, online, f"rank {r} state")
-    assert main(["resize-state", str(root), "--dp-size", "3"]) == 0  # already DP 3: nothing written
+    assert main(["resize-state", str(root), "--dp-size", "2"]) == 0  # already DP 2: nothing written
 
