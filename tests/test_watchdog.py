@@ -18,7 +18,7 @@ import pytest
 
 from bridge.models.bagel.data.pipeline import shm
 from bridge.models.bagel.data.build import build_bagel_train_loader
-from bridge.models.bagel.data.watchdog import DataTimeoutError, ReadWatch
+from bridge.models.bagel.data.watchdog import DataTimeoutError, ReadWatch, batch_call
 from test_liveness import SMALL, T2I_ARGS, _config, _png, _t2i
 from test_shm import _descendants, _kill_like_a_preemption, _ours, _owner_files_of, _start_job
 
@@ -119,6 +119,33 @@ def test_a_slow_but_healthy_source_is_not_cut_off(caplog):
     lines = [r.getMessage() for r in caplog.records]
     assert sum("has waited" in x for x in lines) == 1 and any("returned after" in x for x in lines), lines
     assert watch.stop()
+
+
+def test_a_slow_but_healthy_batch_is_not_cut_off_and_its_reads_run_on_one_thread(caplog):
+    """Per batch (the loader's path): reads run inline on the batch thread (one hand-over per batch), the waiter
+    still warns once for the slow first read and lets it finish; a stuck read after it times out by itself."""
+    def source():
+        time.sleep(2 * WARN_S)
+        yield from range(5)
+
+    watch = ReadWatch("reader 'slow'", "slow", ["/data/slow"], stall_warn_s=WARN_S, timeout_s=3 * WARN_S)
+    it, threads = source(), set()
+
+    def batch() -> list[int]:
+        threads.add(threading.get_ident())
+        return [watch.call(next, it) for _ in range(5)]
+
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.watchdog"):
+        got = batch_call(batch)
+    assert got == [0, 1, 2, 3, 4] and watch.stuck is None and watch._thread is None  # no per-read thread
+    assert threads and threading.get_ident() not in threads
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("has waited" in x for x in lines) == 1 and any("returned after" in x for x in lines), lines
+    t0 = time.monotonic()
+    with pytest.raises(DataTimeoutError, match="group 'slow'"):
+        batch_call(lambda: watch.call(time.sleep, 60))
+    assert 3 * WARN_S <= time.monotonic() - t0 < 3 * WARN_S + 2 and watch.busy
+    assert not watch.stop(wait_s=0.1)  # the stuck read's thread is left behind, a daemon thread
 
 
 def test_disabled_watch_calls_directly():
