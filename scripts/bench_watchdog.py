@@ -7,8 +7,9 @@ same run.
 Three arms: ``on``, ``off`` and ``off2`` (the same setting as ``off``, timed separately), so the bench measures
 its own noise band: ``noise`` = off2/off is what two identical settings differ by on this machine in this run,
 and the watchdog's cost is "not measurable" when ``overhead`` = on/off lies inside it (|overhead - 1| <=
-|noise - 1|, printed as ``inside_noise=1``). Rounds alternate the arms (on, off, off2, off2, off, on, ...) after one discarded warm-up round (the
-process's first loader is cold) so drift on a shared machine hits all alike; each round builds a fresh loader and times ``--batches`` batches after
+|noise - 1|, printed as ``inside_noise=1``). Rounds alternate the arms (on, off, off2, off2, off, on, ...)
+after discarded warm-up rounds of both settings (the first loader of each is cold) so drift on a shared machine
+hits all alike; each round builds a fresh loader and times ``--batches`` batches after
 the first (start-up excluded). Reported: the median ms/batch of each arm, the ratios, and the per-read
 overhead in us implied by the difference. Last line:
 ``watchdog: on_ms=<m> off_ms=<m> off2_ms=<m> overhead=<on/off> noise=<off2/off> inside_noise=<0|1> per_read_us=<us>
@@ -105,8 +106,9 @@ def main() -> int:
     arms = ("on", "off", "off2")
     results: dict[str, list[tuple[float, int]]] = {a: [] for a in arms}
     order = (["on", "off", "off2", "off2", "off", "on"] * args.rounds)[:3 * args.rounds]
-    if not args.quick:  # a discarded warm-up round: the process's first loader is cold (caches, lazy imports)
-        run_once(data_dir, tokenizer, False, 2, args.workers)
+    if not args.quick:  # discarded warm-up rounds of both settings: the first loader of each is cold (caches,
+        for on in (True, False):  # lazy imports; with the watchdog on, the batch thread's fresh malloc arena)
+            run_once(data_dir, tokenizer, on, 2, args.workers)
     for i, arm in enumerate(tqdm(order, desc="rounds", unit="round", disable=args.quick)):
         results[arm].append(run_once(data_dir, tokenizer, arm == "on", args.batches, args.workers))
         tqdm.write(f"  round {i}: watchdog {arm:<4} {results[arm][-1][0]:.1f} ms/batch "
