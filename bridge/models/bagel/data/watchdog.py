@@ -47,8 +47,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULT_STALL_WARN_S", "DEFAULT_TIMEOUT_S", "DataTimeoutError", "ReadWatch", "batch_call", "collect_reports",
-           "describe_frame", "enable_agents", "summarize"]
+__all__ = ["DEFAULT_STALL_WARN_S", "DEFAULT_TIMEOUT_S", "DataTimeoutError", "ReadWatch", "batch_call",
+           "collect_reports", "describe_frame", "enable_agents", "summarize"]
 
 logger = logging.getLogger(__name__)
 
