@@ -7,14 +7,20 @@ import json
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import tarfile
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import ConfigError
 from bridge.models.bagel.data.energon.reader import DataReadError
-from test_liveness import T2I_ARGS, _config, _png, _t2i
+from test_liveness import SMALL, T2I_ARGS, _config, _png, _t2i
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
@@ -80,3 +86,40 @@ def test_damaged_file_is_named_with_the_remedy(tmp_path, tok, kind, workers):
         assert "cut at byte" in first and ("inside member" in first or "header" in first or "padding" in first)
     if kind.startswith("cut-in-member"):
         assert "(sample 0000000" in first, first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_rank_job_only_the_damaged_rank_names_the_file_the_other_names_the_rank(workers):
+    """DP 2 over one 8-sample shard: rank 0 reads samples 0-3, rank 1 samples 4-7. The shard is cut inside the
+    last member, so only rank 1 meets the damage: its line names the shard and the remedy, rank 0's line says in
+    its own words that rank 1 failed (and is not a copy of rank 1's message)."""
+    rows = [{"image": _png(24, 16, i), "captions": json.dumps({"c": f"photo {i}"})} for i in range(8)]
+    root = Path(tempfile.mkdtemp(prefix="bagel-dmg-"))  # a short path, as a user's: the line's length is checked
+    try:
+        path = _t2i(root, rows)
+        named, remedy = _damage(path, "cut-in-member")
+        cfg = _config(root, "t2i_pretrain", path, T2I_ARGS, workers=workers)
+        proc = _run_two_ranks(cfg, workers)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    lines = {x.split("]")[0]: x for x in proc.stderr.splitlines() if x.startswith("error [rank")}
+    assert sorted(lines) == ["error [rank 0", "error [rank 1"], proc.stderr[-3000:]
+    failing, other = lines["error [rank 1"], lines["error [rank 0"]
+    message = failing.split(": ", 2)[2]  # "error [rank 1]: DataReadError: <message>"
+    assert named in message and remedy in message and "cut at byte" in message, failing
+    assert len(message) < 300, (len(message), failing)
+    assert "Traceback" not in message and "Caught" not in message, failing
+    assert "rank 1" in other and "this rank was fine" in other, other
+    assert message not in other and other.split(": ", 2)[2] != message, other  # its own words, not a copy
+
+
+def _run_two_ranks(cfg, workers: int) -> subprocess.CompletedProcess:
+    """The real job script under a 2-rank torchrun world on gloo (one launch: ~20 s on an idle 2-core machine)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={29631 + workers}",
+         "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
+         f"data.num_workers={workers}", *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=12",
+         "train.progress=false", "demo_data=null", "train.save=null"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONWARNINGS="ignore"))

@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from bridge.models.bagel.data.pipeline import shm
 from bridge.models.bagel.data.build import build_bagel_train_loader
-from bridge.models.bagel.data.watchdog import DataTimeoutError, ReadWatch
+from bridge.models.bagel.data.watchdog import DataTimeoutError, ReadWatch, batch_call
 from test_liveness import SMALL, T2I_ARGS, _config, _png, _t2i
 from test_shm import _descendants, _kill_like_a_preemption, _ours, _owner_files_of, _start_job
 
@@ -120,6 +121,33 @@ def test_a_slow_but_healthy_source_is_not_cut_off(caplog):
     assert watch.stop()
 
 
+def test_a_slow_but_healthy_batch_is_not_cut_off_and_its_reads_run_on_one_thread(caplog):
+    """Per batch (the loader's path): reads run inline on the batch thread (one hand-over per batch), the waiter
+    still warns once for the slow first read and lets it finish; a stuck read after it times out by itself."""
+    def source():
+        time.sleep(2 * WARN_S)
+        yield from range(5)
+
+    watch = ReadWatch("reader 'slow'", "slow", ["/data/slow"], stall_warn_s=WARN_S, timeout_s=3 * WARN_S)
+    it, threads = source(), set()
+
+    def batch() -> list[int]:
+        threads.add(threading.get_ident())
+        return [watch.call(next, it) for _ in range(5)]
+
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.watchdog"):
+        got = batch_call(batch)
+    assert got == [0, 1, 2, 3, 4] and watch.stuck is None and watch._thread is None  # no per-read thread
+    assert threads and threading.get_ident() not in threads
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("has waited" in x for x in lines) == 1 and any("returned after" in x for x in lines), lines
+    t0 = time.monotonic()
+    with pytest.raises(DataTimeoutError, match="group 'slow'"):
+        batch_call(lambda: watch.call(time.sleep, 60))
+    assert 3 * WARN_S <= time.monotonic() - t0 < 3 * WARN_S + 2 and watch.busy
+    assert not watch.stop(wait_s=0.1)  # the stuck read's thread is left behind, a daemon thread
+
+
 def test_disabled_watch_calls_directly():
     watch = ReadWatch("r", "g", [], stall_warn_s=0, timeout_s=0)
     assert not watch.enabled and watch.call(sum, [1, 2]) == 3 and watch._thread is None
@@ -173,3 +201,39 @@ def test_a_killed_prefetch_jobs_shared_memory_is_reclaimed_by_a_loader_build_wit
         assert not _owner_files_of(info)
         next(loader)
     assert not shm.segments_of(info["trainer"])
+
+
+@pytest.mark.slow
+def test_a_job_stuck_inline_exits_promptly_after_the_time_out(tmp_path):
+    """Inline reads (no prefetch, no workers): the stuck read leaves its thread blocked in open() for good (a
+    thread in the kernel cannot be cancelled from Python); the job still prints its line and exits at once."""
+    path = _dataset(tmp_path)
+    shard = _stuck_mount(path)
+    cfg = _config(tmp_path, "t2i_pretrain", path, T2I_ARGS)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29641")
+    cmd = [sys.executable, "scripts/pretrain_bagel.py",  # one process, no torchrun: its own exit is timed
+           f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
+           "data.prefetch=0", "data.num_workers=0", f"data.stall_warn_s={WARN_S}", f"data.timeout_s={TIMEOUT_S}",
+           *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3", "train.progress=false",
+           "demo_data=null", "train.save=null"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[tuple[float, str]] = []  # (when it arrived, line)
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), x) for x in proc.stderr), daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=120)
+        exited_at = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _release(shard)
+    reader.join(5)
+    text = "".join(x for _, x in lines)
+    error_at = next((t for t, x in lines if x.startswith("error [rank 0]")), None)
+    assert error_at is not None, text[-3000:]
+    assert "DataTimeoutError" in text and "shard-000000.tar" in text, text[-3000:]
+    assert rc != 0
+    assert exited_at - error_at < 30, f"the job took {exited_at - error_at:.1f}s to exit after its error line"
+    time.sleep(1)
+    left = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)]
+    assert not left, f"processes of the job left behind: {left}"

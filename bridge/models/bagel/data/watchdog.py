@@ -1,17 +1,29 @@
 """The data watchdog: a read that never returns (a mount that stopped answering) becomes one clear error.
 
-Every read that can block the trainer's ``next()`` runs on a *reader thread* of its stage (``ReadWatch.call``),
-and the calling thread waits for it with a timed get: inline Energon reads (``BagelGroupReader``, also the
-waits on Energon worker processes) and official-order reads (``OfficialOrderReader``), in the trainer or in
-the prefetch producer; the trainer's side of the prefetch queue is watched by ``PrefetchStage`` itself with a
-later deadline (a safety net for a producer stuck elsewhere). The calling thread keeps drawing the RNG and
-cooking samples, so the stream is bit-identical with the watchdog on or off.
+Every read that can block the trainer's ``next()`` goes through ``ReadWatch.call``: inline Energon reads
+(``BagelGroupReader``, also the waits on Energon worker processes) and official-order reads
+(``OfficialOrderReader``), in the trainer or in the prefetch producer; the trainer's side of the prefetch queue
+is watched by ``PrefetchStage`` itself with a later deadline (a safety net for a producer stuck elsewhere).
+
+Two ways to wait, one behaviour (bit-identical stream with the watchdog on or off):
+
+* **Per batch** (the loader's ``next()`` and the prefetch producer's loop, through ``batch_call``): the whole
+  batch is built on one *batch thread* per calling thread, which the caller waits on with a timed get: ONE
+  hand-over per batch. Reads inside it run inline and only stamp a slot ("this watch, reading since t"); the
+  waiting caller looks at that slot when a limit of the read in progress comes due (at least every 0.5 s).
+* **Per read** (any other caller: tests, tools, a reader driven by hand): ``call`` runs each read on a reader
+  thread of its own and waits for it the same way.
 
 After ``stall_warn_s`` (config ``data.stall_warn_s``) without the read returning it logs ONE warning line
 naming what the chain waits on (group, dataset, the shard file being read when known, which process, for how
 long) and the stuck stacks at DEBUG; after ``timeout_s`` (``data.timeout_s``) it raises ``DataTimeoutError``
 with that content. 0 disables either. Which shard is found from the stuck thread's frames (the Energon tar
-reader's ``tar_file_id`` / sample pointer), so a healthy read costs nothing but the thread hand-over.
+reader's ``tar_file_id`` / sample pointer), so a healthy read costs nothing but the stamp (per batch) or the
+thread hand-over (per read).
+
+A thread blocked in the kernel (``open``/``read`` on a dead mount) cannot be cancelled from Python: after a
+time-out it stays behind as a daemon thread, the caller gets the error, and the job exits (daemon threads do
+not hold up the interpreter's exit; stuck Energon workers are killed, ``ReadWatch.kill_stuck``).
 
 Energon worker processes are asked through *agents*: every process forked after ``enable_agents()`` (the
 Energon workers, the prefetch producer and its workers) gets a daemon thread that polls a shared counter (4 times a second,
@@ -31,11 +43,12 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DEFAULT_STALL_WARN_S", "DEFAULT_TIMEOUT_S", "DataTimeoutError", "ReadWatch", "collect_reports",
-           "describe_frame", "enable_agents", "summarize"]
+__all__ = ["DEFAULT_STALL_WARN_S", "DEFAULT_TIMEOUT_S", "DataTimeoutError", "ReadWatch", "batch_call",
+           "collect_reports", "describe_frame", "enable_agents", "summarize"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +59,7 @@ DEFAULT_STALL_WARN_S = 120.0
 DEFAULT_TIMEOUT_S = 480.0
 _REPORT_WAIT_S = 1.0
 _AGENT_POLL_S = 0.25
+_LOOK_S = 0.5  # a batch waiter looks at the read in progress at least this often
 
 
 class DataTimeoutError(RuntimeError):
@@ -209,8 +223,12 @@ def _what(s: dict[str, Any], datasets: list[str]) -> str:
 
 
 # -- the watched call ---------------------------------------------------------------------------------
+_local = threading.local()  # .batch: the _BatchThread this thread runs for (set on a batch thread); .own: its own
+_live: weakref.WeakSet = weakref.WeakSet()  # the enabled, not stopped ReadWatches of this process
+
+
 class ReadWatch:
-    """Runs blocking reads on a reader thread and waits for them with ``stall_warn_s`` / ``timeout_s``.
+    """Waits for blocking reads with ``stall_warn_s`` / ``timeout_s``: per batch or on a reader thread.
 
     ``what`` names the reader in messages ("reader 't2i' (DP rank 0/2, 2 Energon workers)"), ``group`` and
     ``datasets`` what it reads; ``workers``: reads wait on other processes (ask their agents). Once a read
@@ -226,16 +244,19 @@ class ReadWatch:
         self.stuck: DataTimeoutError | None = None
         self.stuck_pids: list[int] = []
         self._thread: threading.Thread | None = None
+        self._stuck_thread: threading.Thread | None = None  # the thread left in the read that timed out
         self._owner = os.getpid()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        if self.enabled and workers:
-            enable_agents()
+        if self.enabled:
+            _live.add(self)
+            if workers:
+                enable_agents()
 
     @property
     def busy(self) -> bool:
-        """A read is still running on the reader thread (a stuck one after a time-out)."""
-        return self.stuck is not None and self._thread is not None and self._thread.is_alive()
+        """A read is still running on the reader or batch thread (a stuck one after a time-out)."""
+        return self.stuck is not None and self._stuck_thread is not None and self._stuck_thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -250,16 +271,24 @@ class ReadWatch:
             del job, fn, args
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the reader thread (directly when disabled); raises what it raises, or the time-out."""
+        """``fn(*args)`` under the watchdog; raises what it raises, or the time-out.
+
+        Disabled: called directly. On a batch thread (``batch_call``): called inline, the read stamped for the
+        batch's waiter. Else on this watch's reader thread, waited for here.
+        """
         if not self.enabled:
             return fn(*args)
         if self.stuck is not None:
             raise self.stuck
+        batch = getattr(_local, "batch", None)
+        if batch is not None and batch.owner == os.getpid():
+            return batch.read(self, fn, args)
         if self._thread is None or self._owner != os.getpid() or not self._thread.is_alive():
             self._owner = os.getpid()
             self._jobs, self._done = queue.SimpleQueue(), queue.SimpleQueue()
             self._thread = threading.Thread(target=self._loop, name="bagel-data-read", daemon=True)
             self._thread.start()
+            _live.add(self)
         self._jobs.put((fn, args))
         t0 = time.monotonic()
         warned = False
@@ -272,9 +301,9 @@ class ReadWatch:
                 waited = time.monotonic() - t0
                 if self.stall_warn_s > 0 and not warned and waited >= self.stall_warn_s:
                     warned = True
-                    self._warn(waited)
+                    self._warn(waited, self._thread)
                 if self.timeout_s > 0 and waited >= self.timeout_s:
-                    self._time_out(waited)
+                    self._time_out(waited, self._thread)
                 continue
             if warned:
                 logger.warning("%s: the read returned after %.1fs", self.what, time.monotonic() - t0)
@@ -282,8 +311,8 @@ class ReadWatch:
                 return value
             raise value
 
-    def _look(self) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        frame = sys._current_frames().get(self._thread.ident) if self._thread is not None else None
+    def _look(self, thread: threading.Thread | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
         local = describe_frame(frame) if frame is not None else {}
         if local:
             local.update(role=_role(), pid=os.getpid())
@@ -291,19 +320,20 @@ class ReadWatch:
         reports.sort(key=lambda r: (r.get("shard") is None, r.get("group") is None))
         return summarize(reports, self.group, self.datasets), reports
 
-    def _warn(self, waited: float) -> None:
-        s, reports = self._look()
+    def _warn(self, waited: float, thread: threading.Thread | None) -> None:
+        s, reports = self._look(thread)
         logger.warning("data watchdog: %s has waited %.0fs for a read (data.stall_warn_s=%g): %s; time-out at "
                        "data.timeout_s=%g", self.what, waited, self.stall_warn_s, _what(s, self.datasets),
                        self.timeout_s)
         for rep in reports:
             logger.debug("data watchdog: stack of %s:\n%s", rep.get("role"), rep.get("stack"))
 
-    def _time_out(self, waited: float) -> None:
-        s, reports = self._look()
+    def _time_out(self, waited: float, thread: threading.Thread | None) -> None:
+        s, reports = self._look(thread)
         for rep in reports:
             logger.debug("data watchdog: stack of %s at the time-out:\n%s", rep.get("role"), rep.get("stack"))
         self.stuck_pids = [int(r["pid"]) for r in reports if r.get("pid") not in (None, os.getpid())]
+        self._stuck_thread = thread
         where = _what(s, self.datasets)
         self.stuck = DataTimeoutError(
             f"data time-out: {self.what} got nothing for {waited:.0f}s (data.timeout_s={self.timeout_s:g}) waiting "
@@ -322,14 +352,112 @@ class ReadWatch:
         self.stuck_pids = []
 
     def stop(self, wait_s: float = 0.0) -> bool:
-        """End the reader thread (idle: at once; stuck: waits up to ``wait_s``). True if it ended."""
-        t = self._thread
-        if t is None or self._owner != os.getpid():
+        """End the reader thread (idle: at once; stuck: waits up to ``wait_s``). True if it ended.
+
+        A thread blocked in the kernel cannot be cancelled from Python: if it does not end within ``wait_s`` it
+        is left behind as a daemon thread (it does not keep the process from exiting).
+        """
+        _live.discard(self)
+        t, stuck = self._thread, self._stuck_thread
+        if self._owner != os.getpid():
             return True
-        self._jobs.put(None)
-        t.join(wait_s if self.stuck is not None else None)
-        if t.is_alive():
-            logger.debug("%s: the reader thread is still stuck in a read; left as a daemon thread", self.what)
-            return False
+        if t is not None:
+            self._jobs.put(None)
+        for thread in {x for x in (t, stuck) if x is not None}:
+            thread.join(wait_s if self.stuck is not None else None)
+            if thread.is_alive():
+                logger.debug("%s: a thread is still stuck in a read; left as a daemon thread", self.what)
+                return False
         self._thread = None
         return True
+
+
+class _BatchThread:
+    """The thread that builds whole batches for one calling thread; the reads in it stamp ``reading``."""
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.reading: list[list[Any]] = []  # [watch, started (monotonic), warned] of each read in progress
+        self.thread = threading.Thread(target=self._loop, name="bagel-data-batch", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        _local.batch = self
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                self.done.put((True, fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                self.done.put((False, exc))
+            del job, fn, args
+
+    def read(self, watch: ReadWatch, fn: Callable[..., Any], args: tuple) -> Any:
+        """A read on this thread: inline, stamped for the waiter (nested reads stack)."""
+        entry = [watch, time.monotonic(), False]
+        self.reading.append(entry)
+        try:
+            return fn(*args)
+        finally:
+            self.reading.pop()
+            if entry[2]:
+                logger.warning("%s: the read returned after %.1fs", watch.what, time.monotonic() - entry[1])
+
+    def _due(self) -> float:
+        """Seconds until the read in progress has a limit due (at most ``_LOOK_S``)."""
+        try:
+            watch, t0, warned = self.reading[-1]
+        except IndexError:
+            return _LOOK_S
+        limits = [x for x in ((watch.stall_warn_s if not warned else 0), watch.timeout_s) if x > 0]
+        return min([_LOOK_S, *(t0 + x - time.monotonic() for x in limits)]) if limits else _LOOK_S
+
+    def _look(self) -> None:
+        try:
+            entry = self.reading[-1]
+        except IndexError:
+            return
+        watch, t0, warned = entry
+        waited = time.monotonic() - t0
+        if watch.stall_warn_s > 0 and not warned and waited >= watch.stall_warn_s:
+            entry[2] = True
+            watch._warn(waited, self.thread)
+        if watch.timeout_s > 0 and waited >= watch.timeout_s:
+            self.jobs.put(None)  # the thread ends if the read ever returns; this caller gets a fresh one
+            if getattr(_local, "own", None) is self:
+                _local.own = None
+            watch._time_out(waited, self.thread)
+
+    def run(self, fn: Callable[..., Any], args: tuple) -> Any:
+        self.jobs.put((fn, args))
+        while True:
+            try:
+                ok, value = self.done.get(timeout=max(0.001, self._due()))
+            except queue.Empty:
+                self._look()
+                continue
+            if ok:
+                return value
+            raise value
+
+
+def batch_call(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` (a whole batch: ``next(upstream)``) on this thread's batch thread, under the watchdog.
+
+    The reads inside run inline (``ReadWatch.call``), so a batch costs one hand-over instead of one per
+    sample. Called directly when no enabled ``ReadWatch`` lives in this process (the watchdog is off), when
+    already on a batch thread, or when ``args[0]`` watches itself (``watchdog_scope = False``: the prefetch
+    stage, whose producer process batches its own reads). Raises what ``fn`` raises, or ``DataTimeoutError``.
+    """
+    on = getattr(_local, "batch", None)
+    if not _live or (on is not None and on.owner == os.getpid()) or \
+            (args and getattr(args[0], "watchdog_scope", True) is False):
+        return fn(*args)
+    own = getattr(_local, "own", None)
+    if own is None or own.owner != os.getpid() or not own.thread.is_alive():
+        own = _local.own = _BatchThread()
+    return own.run(fn, args)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ..state import Stage, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
+from ..watchdog import batch_call
 
 __all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff"]
 
@@ -154,7 +155,7 @@ class BagelExternalLoader(Stage):
         if self._closed:
             raise RuntimeError("BagelExternalLoader: next() after close()")
         try:
-            batch = next(self.upstream)
+            batch = batch_call(next, self.upstream)  # one watchdog hand-over per batch (watchdog.py)
         except StopIteration:
             logger.error("BagelExternalLoader: the batch stream ended after %d batches (Megatron expects an "
                          "endless stream; check the readers' cycling)", self.position)

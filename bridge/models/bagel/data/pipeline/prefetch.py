@@ -188,7 +188,7 @@ def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, ou
         if restore is not None:
             load_tagged(upstream, restore, "PrefetchStage.upstream")
         while not stop.is_set():
-            batch = next(upstream)
+            batch = watchdog.batch_call(next, upstream)  # the producer's reads: one hand-over per batch
             item = ("batch", _to_wire(batch), _to_wire(tagged_state(upstream)), _stats_of(upstream))
             while not stop.is_set():
                 if not parent.is_alive():
@@ -248,6 +248,7 @@ class PrefetchStage(Savable):
 
     _savable_fields = ("upstream",)
     _transparent = True  # does not change the stream: a state saved with prefetch restores without, and back
+    watchdog_scope = False  # waits with its own deadline; its producer batches its own reads (watchdog.batch_call)
 
     def __init__(self, upstream: Iterator[Any], *, depth: int, start_method: str = "fork",
                  rebuild: Callable[[], Iterator[Any]] | None = None, threads: int | None = None,
