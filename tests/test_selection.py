@@ -131,7 +131,7 @@ def test_reader_identity_is_bounded_and_still_refuses_every_change(converted, to
     changed slice / worker config / sample count still shows up as a differing key under ``loader``."""
     import json
 
-    from bridge.models.bagel.data.energon.reader import canonical_digest, loader_identity, strip_paths
+    from bridge.models.bagel.data.energon.identity import canonical_digest, loader_identity, strip_paths
     from bridge.models.bagel.data.pipeline.loader import fingerprint_diff
 
     path = str(converted / "t2i_pretrain/t2i")
@@ -168,7 +168,7 @@ def test_reader_identity_is_bounded_and_still_refuses_every_change(converted, to
 def test_loader_identity_digest_of_energon_shard_lists():
     """A long list of Energon's per-shard dicts is hashed column-wise without its ``_path`` values: the same on
     another mount point, different when a shard's name or count differs; short lists stay inline."""
-    from bridge.models.bagel.data.energon.reader import loader_identity
+    from bridge.models.bagel.data.energon.identity import loader_identity
 
     def config(root, counts):
         return {"shards": [{"name": f"shards/shard-{i:06d}.tar", "count": c, "_path": f"{root}/shards/shard-{i:06d}.tar"}
