@@ -39,10 +39,8 @@ from . import damage
 from .cook_common import drawing, replaying
 from .cookers import BagelTaskEncoder
 from .elastic_order import DEFAULT_CHUNK, GroupLayout, PartitionOrder, owned_partitions
-from .layout import MANIFEST_NAME, load_manifest
-from .reader import dataset_num_samples, read_error
+from .reader import GroupSelection, read_error
 from .sample import BagelSample
-from .selection import manifest_runs
 
 __all__ = ["ElasticGroupReader", "KEY_TAG"]
 
@@ -169,7 +167,7 @@ def _partition_of(key: Any) -> int:
     return int(key[0][5])
 
 
-class ElasticGroupReader(Savable):
+class ElasticGroupReader(GroupSelection, Savable):
     """Endless iterator over the cooked, non-dropped samples of one group on one DP rank, in the elastic order.
 
     Same construction arguments as ``BagelGroupReader`` plus ``partitions`` (the run's fixed partition count, ``data.partitions``);
@@ -193,29 +191,9 @@ class ElasticGroupReader(Savable):
             raise ValueError(f"num_used_data has {len(num_used_data)} entries for {len(self.paths)} datasets")
         for p in self.paths:
             damage.check_prepared(p)
-        counts, names = [], set()
-        for p in self.paths:
-            g, n = dataset_num_samples(p)
-            if n == 0:
-                raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
-            names.add(g or group)
-            counts.append(n)
-        names.discard(None)
-        names |= {group} if group is not None else set()
-        if len(names) != 1:
-            raise ValueError(f"datasets {self.paths} are not all of one group: {sorted(map(str, names))}")
-        self.group_name = names.pop()
-        self._counts = counts
-        self.runs = []
-        for i, (p, n) in enumerate(zip(self.paths, counts)):
-            used = None if num_used_data is None else int(num_used_data[i])
-            if used is None and not (shuffle_lines and self.group_name == "vlm_sft"):
-                self.runs.append([(0, n, 1)])
-                continue
-            if not os.path.isfile(os.path.join(p, MANIFEST_NAME)):
-                raise ValueError(f"{p}: num_used_data / shuffle_lines need the converter's {MANIFEST_NAME}")
-            self.runs.append(manifest_runs(load_manifest(p), used, shuffle_lines=shuffle_lines,
-                                           shuffle_seed=shuffle_seed))
+        self.group_name = self._check_sizes(group, 1)
+        self.runs = self._selection(num_used_data, shuffle_lines, shuffle_seed)
+        self._manifests = None  # read once for sizes + selection; not kept
         self.layout = GroupLayout(self.runs)
         self.order = PartitionOrder(self.layout.num_positions, partitions, seed, self.group_name, DEFAULT_CHUNK)
         if self.order.num_partitions < dp_size:

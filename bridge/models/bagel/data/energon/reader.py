@@ -41,7 +41,7 @@ from .layout import MANIFEST_NAME, load_manifest
 from .sample import BagelSample
 from .selection import manifest_runs
 
-__all__ = ["BagelGroupReader", "DataReadError", "dataset_num_samples", "read_error"]
+__all__ = ["BagelGroupReader", "DataReadError", "GroupSelection", "dataset_num_samples", "read_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,57 @@ def _energon_tar_readers(obj: Any, seen: set[int], depth: int = 0) -> Iterator[A
         yield from _energon_tar_readers(child, seen, depth + 1)
 
 
-class BagelGroupReader(Savable):
+class GroupSelection:
+    """What both group readers (``BagelGroupReader``, ``ElasticGroupReader``) compute from ``self.paths`` alone: the
+    group name, each dataset's sample count and the official selection runs, each manifest read once."""
+
+    paths: list[str]
+    group_name: str
+
+    def _check_sizes(self, group: str | None, min_samples: int) -> str:
+        """The group name and each dataset's sample count; an empty dataset is refused (the selected total is
+        checked against the global worker count in ``_selection``: the official reader hangs on an empty slice)."""
+        groups = set()
+        self._counts = []
+        self._min_samples = min_samples
+        self._manifests: list[dict[str, Any]] | None = []  # each read once, also for ``_selection``
+        for p in self.paths:
+            man = load_manifest(p) if os.path.isfile(os.path.join(p, MANIFEST_NAME)) else None
+            self._manifests.append(man)
+            g, n = (man["group"], int(man["num_samples"])) if man is not None else dataset_num_samples(p)
+            if n == 0:
+                raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
+            groups.add(g or group)
+            self._counts.append(n)
+        groups.discard(None)
+        if group is not None:
+            groups.add(group)
+        if len(groups) != 1:
+            raise ValueError(f"datasets {self.paths} are not all of one group: {sorted(map(str, groups))}")
+        return groups.pop()
+
+    def _selection(self, num_used_data: Sequence[int] | None, shuffle_lines: bool, shuffle_seed: int
+                   ) -> list[list[tuple[int, int, int]]]:
+        """Per dataset, the official selection as ``(start, end, repetitions)`` sample-index runs."""
+        runs = []
+        for i, (p, n) in enumerate(zip(self.paths, self._counts)):
+            used = None if num_used_data is None else int(num_used_data[i])
+            if used is None and not (shuffle_lines and self.group_name == "vlm_sft"):
+                runs.append([(0, n, 1)] if n else [])
+                continue
+            man = self._manifests[i] if self._manifests is not None else None
+            if man is None:
+                raise ValueError(f"{p}: num_used_data / shuffle_lines need the converter's {MANIFEST_NAME}")
+            runs.append(manifest_runs(man, used, shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed))
+        total = sum((e - s) * r for ds in runs for s, e, r in ds)
+        if total < self._min_samples:
+            raise ValueError(f"{', '.join(self.paths)}: {total} samples, fewer than dp_size x max(num_workers, 1) = "
+                             f"{self._min_samples} (after the num_used_data selection); some data-parallel workers "
+                             "would get no data. Use fewer ranks/workers or more data.")
+        return runs
+
+
+class BagelGroupReader(GroupSelection, Savable):
     """Endless iterator over the cooked, non-dropped samples of one BAGEL group on one DP rank.
 
     State (``state_dict()`` / ``load_state_dict()``): the Energon loader position (``energon``) and the drop
@@ -222,48 +272,6 @@ class BagelGroupReader(Savable):
                      t_end[0] - clock[0], ", ".join(f"{k} {v:.3f} s" for k, v in self.open_seconds.items()))
 
     # -- construction helpers -------------------------------------------------------------------
-    def _check_sizes(self, group: str | None, min_samples: int) -> str:
-        """The group name and each dataset's sample count; an empty dataset is refused (the selected total is
-        checked against the global worker count in ``_selection``: the official reader hangs on an empty slice)."""
-        groups = set()
-        self._counts = []
-        self._min_samples = min_samples
-        self._manifests: list[dict[str, Any]] | None = []  # each read once, also for ``_selection``
-        for p in self.paths:
-            man = load_manifest(p) if os.path.isfile(os.path.join(p, MANIFEST_NAME)) else None
-            self._manifests.append(man)
-            g, n = (man["group"], int(man["num_samples"])) if man is not None else dataset_num_samples(p)
-            if n == 0:
-                raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
-            groups.add(g or group)
-            self._counts.append(n)
-        groups.discard(None)
-        if group is not None:
-            groups.add(group)
-        if len(groups) != 1:
-            raise ValueError(f"datasets {self.paths} are not all of one group: {sorted(map(str, groups))}")
-        return groups.pop()
-
-    def _selection(self, num_used_data: Sequence[int] | None, shuffle_lines: bool, shuffle_seed: int
-                   ) -> list[list[tuple[int, int, int]]]:
-        """Per dataset, the official selection as ``(start, end, repetitions)`` sample-index runs."""
-        runs = []
-        for i, (p, n) in enumerate(zip(self.paths, self._counts)):
-            used = None if num_used_data is None else int(num_used_data[i])
-            if used is None and not (shuffle_lines and self.group_name == "vlm_sft"):
-                runs.append([(0, n, 1)] if n else [])
-                continue
-            man = self._manifests[i] if self._manifests is not None else None
-            if man is None:
-                raise ValueError(f"{p}: num_used_data / shuffle_lines need the converter's {MANIFEST_NAME}")
-            runs.append(manifest_runs(man, used, shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed))
-        total = sum((e - s) * r for ds in runs for s, e, r in ds)
-        if total < self._min_samples:
-            raise ValueError(f"{', '.join(self.paths)}: {total} samples, fewer than dp_size x max(num_workers, 1) = "
-                             f"{self._min_samples} (after the num_used_data selection); some data-parallel workers "
-                             "would get no data. Use fewer ranks/workers or more data.")
-        return runs
-
     def _write_blend(self) -> str:
         """A MetadatasetV2 ``blend_epochized`` of the selection runs, in a private temporary directory."""
         self._tmpdir = tempfile.mkdtemp(prefix=f"bagel-blend-{self.group_name}-")
