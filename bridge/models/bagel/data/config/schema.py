@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..watchdog.watch import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S
 from .grouped_yaml import (
     GROUP_KEYS,
     KNOWN_GROUPS,
@@ -274,8 +275,8 @@ class BagelDataConfig:
                                         # "forkserver" (clean process, rebuilds the pipeline, torch uses threads)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
-    stall_warn_s: float = 120.0         # data watchdog: one warning line per rank after this long without a read
-    timeout_s: float = 480.0            # ... and DataTimeoutError after this long (0 disables; see watchdog.py)
+    stall_warn_s: float = DEFAULT_STALL_WARN_S  # data watchdog: one warning line per rank after this long without a
+    timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
 
     def problems(self) -> list[str]:
         """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""

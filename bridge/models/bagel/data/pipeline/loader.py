@@ -155,7 +155,7 @@ class BagelExternalLoader(Stage):
         if self._closed:
             raise RuntimeError("BagelExternalLoader: next() after close()")
         try:
-            batch = batch_call(next, self.upstream)  # one watchdog hand-over per batch (watchdog.py)
+            batch = batch_call(next, self.upstream)  # one watchdog hand-over per batch (watchdog/watch.py)
         except StopIteration:
             logger.error("BagelExternalLoader: the batch stream ended after %d batches (Megatron expects an "
                          "endless stream; check the readers' cycling)", self.position)

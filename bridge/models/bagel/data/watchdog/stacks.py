@@ -1,0 +1,174 @@
+"""What a stuck thread or process is doing, for the data watchdog (``watchdog.watch``).
+
+``describe_frame`` finds the group, dataset and shard file from a thread's frames (the Energon tar reader's
+``tar_file_id`` / sample pointer, the BAGEL reader's group). Energon worker processes are asked through
+*agents*: every process forked after ``enable_agents()`` (the Energon workers, the prefetch producer and its
+workers) gets a daemon thread that polls a shared counter (4 times a second, lock-free) and, when the watchdog
+bumps it, writes what its threads are doing to a report file (``collect_reports``); ``summarize`` picks the one
+thing the chain waits on.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+__all__ = ["collect_reports", "describe_frame", "enable_agents", "process_role", "summarize", "wait_line"]
+
+_REPORT_WAIT_S = 1.0
+_AGENT_POLL_S = 0.25
+
+
+# -- what a stuck thread is doing ---------------------------------------------------------------------
+def describe_frame(frame: Any) -> dict[str, Any]:
+    """``{"dataset", "shard", "group", "stack"}`` of a (stuck) thread from its innermost ``frame``.
+
+    The shard is the file an Energon tar reader (``ITarReader``: ``tar_filepaths`` + ``tar_file_id`` or a
+    sample pointer) is opening or reading; the group that of a BAGEL reader frame. Missing parts are None.
+    """
+    out: dict[str, Any] = {"dataset": None, "shard": None, "group": None,
+                           "stack": "".join(traceback.format_stack(frame))}
+    f = frame
+    while f is not None:
+        try:
+            loc = f.f_locals
+        except Exception:  # noqa: BLE001 - a frame being torn down
+            loc = {}
+        obj = loc.get("self")
+        if out["shard"] is None and obj is not None and hasattr(obj, "tar_filepaths"):
+            tid = loc.get("tar_file_id")
+            for name in ("sample_pointer", "raw_sample_pointer"):
+                if tid is None and loc.get(name) is not None:
+                    tid = getattr(loc[name], "tar_file_id", None)
+            if isinstance(tid, int) and 0 <= tid < len(obj.tar_filepaths):
+                out["shard"] = str(obj.tar_filepaths[tid])
+                out["dataset"] = str(getattr(obj, "base_path", "") or "") or None
+        if out["group"] is None and obj is not None:
+            group = getattr(obj, "group_name", None) if type(obj).__name__ == "BagelGroupReader" else \
+                getattr(obj, "group", None) if type(obj).__name__ == "OfficialOrderReader" else None
+            if isinstance(group, str):
+                out["group"] = group
+        f = f.f_back
+    return out
+
+
+def process_role() -> str:
+    """Which process this is, in words: an Energon worker, the prefetch producer, or a reader thread (with pid)."""
+    try:
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+    except Exception:  # noqa: BLE001 - torch not importable here
+        info = None
+    if info is not None:
+        return f"Energon worker {info.id} (pid {os.getpid()})"
+    if mp.current_process().name == "bagel-prefetch":
+        return f"prefetch producer (pid {os.getpid()})"
+    return f"the reader thread of process {os.getpid()}"
+
+
+def _thread_reports(skip: set[int]) -> list[dict[str, Any]]:
+    reports = []
+    for ident, frame in sys._current_frames().items():
+        if ident in skip:
+            continue
+        rep = describe_frame(frame)
+        rep["thread"] = ident
+        reports.append(rep)
+    reports.sort(key=lambda r: (r["shard"] is None, r["group"] is None))
+    return reports
+
+
+# -- agents in forked processes -----------------------------------------------------------------------
+class _Agents:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="bagel-watch-")
+        # A lock-free shared counter (no multiprocessing lock a killed process could leave held): the watchdog
+        # bumps it, each agent notices within _AGENT_POLL_S and reports once per bump.
+        self.request = mp.get_context("fork").RawValue("q", 0)
+        self.owner = os.getpid()
+
+
+_agents: _Agents | None = None
+_hook_installed = False
+
+
+def _agent_loop(agents: _Agents) -> None:
+    me = threading.get_ident()
+    seen = agents.request.value
+    while True:
+        time.sleep(_AGENT_POLL_S)
+        if agents.request.value == seen:
+            continue
+        seen = agents.request.value
+        try:
+            reps = _thread_reports({me})
+            best = reps[0] if reps else {"dataset": None, "shard": None, "group": None, "stack": ""}
+            rep = {**best, "pid": os.getpid(), "role": process_role(), "time": time.time()}
+            path = os.path.join(agents.dir, f"{os.getpid()}.json")
+            with open(path + ".tmp", "w", encoding="utf-8") as fh:
+                json.dump(rep, fh)
+            os.replace(path + ".tmp", path)
+        except Exception:  # noqa: BLE001 - a report is best effort; never disturb the process
+            pass
+
+
+def _start_agent() -> None:
+    if _agents is not None and os.getpid() != _agents.owner:
+        threading.Thread(target=_agent_loop, args=(_agents,), name="bagel-watch-agent", daemon=True).start()
+
+
+def enable_agents() -> None:
+    """Give every process forked from now on (Energon workers, the prefetch producer) a report agent."""
+    global _agents, _hook_installed
+    if _agents is None or _agents.owner != os.getpid() and not os.path.isdir(_agents.dir):
+        _agents = _Agents()
+    if not _hook_installed:
+        os.register_at_fork(after_in_child=_start_agent)
+        _hook_installed = True
+
+
+def collect_reports(wait_s: float = _REPORT_WAIT_S) -> list[dict[str, Any]]:
+    """Ask every live agent what its process is doing; their reports (shard first), within ``wait_s``."""
+    agents = _agents
+    if agents is None:
+        return []
+    t0 = time.time()
+    agents.request.value += 1
+    time.sleep(wait_s)
+    reports = []
+    for name in os.listdir(agents.dir):
+        if not name.endswith(".json"):
+            continue
+        try:
+            with open(os.path.join(agents.dir, name), encoding="utf-8") as fh:
+                rep = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        if rep.get("time", 0) >= t0 - 0.5 and rep.get("pid") != os.getpid():
+            reports.append(rep)
+    reports.sort(key=lambda r: (r.get("shard") is None, r.get("group") is None))
+    return reports
+
+
+def summarize(reports: list[dict[str, Any]], group: str | None, datasets: list[str]) -> dict[str, Any]:
+    """The one thing the chain waits on: group, dataset, shard, process (from the most specific report)."""
+    best = next((r for r in reports if r.get("shard")), reports[0] if reports else {})
+    group = group or next((r["group"] for r in reports if r.get("group")), None)
+    dataset = best.get("dataset") or (datasets[0] if len(datasets) == 1 else None)
+    return {"group": group, "dataset": os.path.basename(dataset.rstrip("/")) if dataset else None,
+            "dataset_path": dataset, "shard": best.get("shard"), "process": best.get("role") or process_role()}
+
+
+def wait_line(s: dict[str, Any], datasets: list[str]) -> str:
+    """``summarize``'s result as the words of the warning / error line: group, dataset, shard file, process."""
+    ds = repr(s["dataset"]) if s["dataset"] else f"one of {[os.path.basename(d) for d in datasets]}"
+    shard = f", shard file {s['shard']}" if s["shard"] else ", shard not known"
+    return f"group {s['group']!r}, dataset {ds}{shard}, in {s['process']}"
