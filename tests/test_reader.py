@@ -252,3 +252,56 @@ def test_blend_of_two_datasets(tok, data):
     assert_same(cont[:3], [b.restore_sample(s.restore_key) for s in cont[:3]])
     a.close()
     b.close()
+
+
+def _children() -> set[int]:
+    import os
+    from pathlib import Path
+
+    me, out = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me and stat.rsplit(")", 1)[1].split()[0] != "Z":
+                out.add(int(entry))
+    return out
+
+
+def _wait_gone(pids: set[int], seconds: float) -> set[int]:
+    import os
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = {p for p in pids if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"}
+        if not alive:
+            return alive
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.mark.parametrize("how", ["close", "cyclic_gc"])
+def test_workers_stop_at_once_when_the_reader_is_closed_or_collected(tok, data, how):
+    """Energon's persistent workers stop within a second of ``close()`` — also when the reader is left to the
+    cyclic garbage collector, which used to stall 5 s per worker inside whatever ran next (torch's queue
+    finalizers ran first, so the workers never got their stop message) — and a state is not saved after it."""
+    import gc
+
+    before = _children()
+    reader = make(tok, data["t2i"], num_workers=2, seed=1)
+    take(reader, 3)
+    workers = _children() - before
+    assert len(workers) >= 2, workers
+    if how == "close":
+        reader.close()
+        with pytest.raises(StateError, match="closed"):
+            reader.state_dict()
+    else:
+        reader._cycle = reader  # only the cyclic collector can free it now
+        del reader
+        gc.collect()
+    assert not _wait_gone(workers, 2.0), "Energon workers still running 2 s after the reader was closed/collected"

@@ -24,6 +24,7 @@ import logging
 import os
 import random
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from .cookers import BagelTaskEncoder
 from .elastic_order import DEFAULT_CHUNK, GroupLayout, PartitionOrder, owned_partitions
 from .reader import GroupSelection, read_error
 from .sample import BagelSample
+from .workers import shutdown_workers
 
 __all__ = ["ElasticGroupReader", "KEY_TAG"]
 
@@ -312,6 +314,8 @@ class ElasticGroupReader(GroupSelection, Savable):
             if self._closed:
                 raise RuntimeError(f"reader {self.group_name} is closed")
             self._it = self._items()
+            # stops the workers on close() or when the reader is collected, while their queues are alive
+            self._stop_workers = weakref.finalize(self, shutdown_workers, self._it)
         while True:
             item = self._plan.next_item()
             try:
@@ -367,9 +371,7 @@ class ElasticGroupReader(GroupSelection, Savable):
             watch.kill_stuck()
             watch.stop(wait_s=15.0 if watch.stuck_pids else 0.0)
         elif it is not None:
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if callable(shutdown):
-                shutdown()
+            self._stop_workers()  # once; workers.py says why not leave it to the garbage collector
         watch.stop()
 
     def __del__(self) -> None:

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from .identity import loader_identity
 from .layout import MANIFEST_NAME, load_manifest
 from .sample import BagelSample
 from .selection import manifest_runs
+from .workers import shutdown_workers
 
 __all__ = ["BagelGroupReader", "DataReadError", "GroupSelection", "dataset_num_samples", "read_error"]
 
@@ -245,6 +247,9 @@ class BagelGroupReader(GroupSelection, Savable):
                                repeat=True)
         self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
                                          checkpoint_every_sec=checkpoint_every_sec)
+        # stops the workers when the reader is closed or collected; holding the loader keeps its queues out of
+        # a cyclic collection of the reader, so the workers still get their stop message (workers.py)
+        self._stop_workers = weakref.finalize(self, shutdown_workers, self.loader)
         t_energon = _clocks()
         self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger)
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger,
@@ -347,7 +352,10 @@ class BagelGroupReader(GroupSelection, Savable):
     @property
     def energon(self) -> Any:
         """The Energon savable loader's rank state (its own state classes, allowed by Bridge's unpickler),
-        compacted losslessly (``compact_state``: seeded RNGs as ``None``, worker generators compressed)."""
+        compacted losslessly (``compact_state``: seeded RNGs as ``None``, worker generators compressed).
+        StateError after ``close()`` (its workers are stopped: save before closing)."""
+        if self._closed:
+            raise StateError(f"reader {self.group_name} is closed: save its state before closing it")
         return compact_state.compact(self.loader.save_state_rank(),
                                      compact_state.worker_seeds(self.loader.worker_config))
 
@@ -388,8 +396,9 @@ class BagelGroupReader(GroupSelection, Savable):
     def close(self) -> None:
         """Stop iterating and remove the blend's temporary directory.
 
-        Closing the loader's generator first lets worker processes exit at once (left to garbage
-        collection, torch waits ~5 s per worker before terminating them).
+        Closes the loader's generator and stops its (persistent) worker processes at once
+        (``workers.shutdown_workers``); left to the cyclic garbage collector, torch waits 5 s per worker
+        before terminating them. A state cannot be saved after this.
         """
         self._closed = True
         it, self._it = getattr(self, "_it", None), None
@@ -398,8 +407,11 @@ class BagelGroupReader(GroupSelection, Savable):
             workers = bool(watch.stuck_pids)
             watch.kill_stuck()
             watch.stop(wait_s=15.0 if workers else 0.0)  # torch notices a dead worker within 5 s
-        if it is not None and not (watch is not None and watch.busy):
-            it.close()
+        if not (watch is not None and watch.busy):
+            if it is not None:
+                it.close()
+            if getattr(self, "_stop_workers", None) is not None:
+                self._stop_workers()  # now, not in a later garbage collection (5 s per worker there); once
         if watch is not None:
             watch.stop()
         if getattr(self, "_tmpdir", None) is not None:

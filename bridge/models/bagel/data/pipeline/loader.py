@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ..state import Stage, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
+from ..energon.workers import shutdown_workers
 from ..watchdog import batch_call
 
 __all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff"]
@@ -210,7 +211,11 @@ class BagelExternalLoader(Stage):
         self.load_state_dict(state)
 
     def close(self) -> None:
-        """Close the upstream chain (stopping a prefetch producer, closing readers) and extra loaders; idempotent."""
+        """Close the upstream chain (stopping a prefetch producer, closing readers) and extra loaders; idempotent.
+
+        An extra loader with a ``close()`` is closed; a torch ``DataLoader`` without one (Energon's savable
+        loader wired in by hand) has its persistent worker processes stopped now (``shutdown_workers``).
+        """
         if self._closed:
             return
         self._closed = True
@@ -219,6 +224,8 @@ class BagelExternalLoader(Stage):
             close = getattr(obj, "close", None)
             if callable(close):
                 close()
+            else:
+                shutdown_workers(obj)
 
     def __enter__(self) -> "BagelExternalLoader":
         return self
