@@ -37,7 +37,10 @@ case "$cmd" in
   test)
     setup_env
     set +e
-    .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+    # Test files run in ${BAGEL_TEST_PROCESSES:-2} processes (pytest-xdist; a file's tests stay together, so its
+    # module fixtures are built once): the torchrun and worker tests leave a core idle much of the time.
+    # `bash scripts/run.sh test -n 0` runs everything in this one process.
+    .venv/bin/python -m pytest -q -p no:cacheprovider -n "${BAGEL_TEST_PROCESSES:-2}" --dist loadfile "$@"
     rc=$?
     set -e
     [ $rc -eq 5 ] && { echo "error: pytest collected no tests" >&2; exit 1; }
