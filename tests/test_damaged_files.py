@@ -63,10 +63,10 @@ def _damage(path: str, kind: str) -> tuple[str, str]:
     return tar, "convert it again"
 
 
-#: A dataset root of the length pytest's own temp dirs have here (64 characters): a line's length is checked as if
-#: the test's temp dir were this, so it does not depend on where the runner puts temp dirs (pytest-xdist adds
-#: ``popen-gwN/``), only on the message
-TYPICAL_ROOT = "/lustre/projects/bagel/datasets/pretrain-2026-12/converted-run01"
+#: A typical cluster dataset root (47 characters): a line's length is checked as if the test's temp dir were this,
+#: so it depends on the message, not on where the runner puts temp dirs (60-70 characters under pytest, 10 more
+#: under pytest-xdist's ``popen-gwN/``)
+TYPICAL_ROOT = "/lustre/projects/bagel/datasets/energon-2026-12"
 
 
 def _shown(line: str, tmp_path) -> str:

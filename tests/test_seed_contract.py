@@ -106,8 +106,10 @@ def t2i_path(converted) -> str:
 
 # The 2-worker case reruns up to twice: the same Energon-side flake as test_stage_round_trip[reader-nw2] (a
 # savable loader with 2 workers saved right after its first sample sometimes restores one sample too far, about
-# 1 in 10 under load; root cause open on the Energon side). Assertions unchanged.
-@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=[pytest.mark.slow, pytest.mark.flaky(reruns=2)])])
+# 1 in 10 under load; root cause open on the Energon side). Assertions unchanged. Marked ``serial``: it runs
+# alone after the parallel part of the suite (scripts/run.sh), where another test's load made it fail 3 times in a row.
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=[pytest.mark.slow, pytest.mark.serial,
+                                                                    pytest.mark.flaky(reruns=2)])])
 @pytest.mark.parametrize("k", [1, 5])
 def test_energon_savable_loader_in_stateful_loaders_resumes_exactly(t2i_path, num_workers, k):
     from bridge.models.bagel.data.external import energon_state_classes
