@@ -56,13 +56,6 @@ class _KeyBatches:
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.position = state["position"]
 
-    def close(self) -> None:
-        """Close the Energon iterator (the loader's ``close()`` reaches it through the chain): its workers exit
-        at once; left to garbage collection torch waits 5 s per worker before it terminates them."""
-        it, self._it = self._it, None
-        if it is not None and hasattr(it, "close"):
-            it.close()
-
 
 def _cook_text(raw: dict) -> Any:
     """Energon's own TextSample of a crude sample: its keys and its (decoded) meta.json as text."""

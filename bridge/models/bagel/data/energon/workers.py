@@ -22,8 +22,10 @@ def shutdown_workers(obj: Any) -> None:
     """Stop the worker processes of ``obj`` now: a torch ``DataLoader`` (its persistent iterator, if started)
     or a torch multi-process iterator itself. Idempotent; a loader without started workers is left as it is.
     Mirrors what ``_MultiProcessingDataLoaderIter.__del__`` does (``_shutdown_workers``), deterministically."""
+    from torch.utils.data import DataLoader
+
     it = obj
-    if hasattr(obj, "_iterator"):  # a DataLoader: its persistent worker iterator, if any
+    if isinstance(obj, DataLoader):  # its persistent worker iterator, if any (other objects are left alone)
         it, obj._iterator = obj._iterator, None
     shutdown = getattr(it, "_shutdown_workers", None)
     if callable(shutdown):

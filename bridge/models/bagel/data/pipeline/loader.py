@@ -15,8 +15,8 @@ import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ..state import Stage, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
 from ..energon.workers import shutdown_workers
+from ..state import Stage, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
 from ..watchdog import batch_call
 
 __all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff"]
