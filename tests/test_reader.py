@@ -307,3 +307,41 @@ def test_workers_stop_at_once_when_the_reader_is_closed_or_collected(tok, data, 
     took = time.monotonic() - t0
     assert took < 5.0, f"stopping 2 workers took {took:.1f} s: torch's per-worker join time-out was hit"
     assert not _wait_gone(workers, 2.0), "Energon workers still running 2 s after the reader was closed/collected"
+
+
+def _open_files_under(root) -> list[str]:
+    """Paths under ``root`` this process holds open (``/proc/self/fd``)."""
+    import os
+
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return [n for n in names if n.startswith(str(root))]
+
+
+@pytest.mark.parametrize("order", ["default", "elastic"])
+def test_restore_sample_in_the_parent_leaves_no_shard_open_for_workers_to_share(tok, data, order):
+    """A ``restore_sample`` in the parent (a resumed packer buffer) before 2 workers fork must leave no shard file
+    open: forked workers share the parent's file offsets and read each other's positions ("Unexpected end of tar
+    file" in CI, on the elastic reader, which lacked the close). The restored reader's stream equals a fresh one's."""
+    from bridge.models.bagel.data.energon.elastic_reader import ElasticGroupReader
+
+    def build():
+        if order == "default":
+            return make(tok, data["t2i"], num_workers=2, seed=4)
+        return ElasticGroupReader(data["t2i"], tokenizer=tok, image_transform_args=VAE, num_workers=2, seed=4,
+                                  partitions=4)
+
+    first = build()
+    expected = take(first, 8)  # read in the workers: the parent opens no shard
+    first.close()
+    root = data["t2i"]
+    assert _open_files_under(root) == []
+    second = build()
+    assert_same(expected[:2], [second.restore_sample(s.restore_key) for s in expected[:2]])
+    assert _open_files_under(root) == [], "restore_sample left shard files open in the parent"
+    assert_same(expected, take(second, 8))  # the workers forked after the restore read their own files
+    second.close()

@@ -42,7 +42,7 @@ from .cookers import BagelTaskEncoder
 from .elastic_order import DEFAULT_CHUNK, GroupLayout, PartitionOrder, owned_partitions
 from .reader import GroupSelection, read_error
 from .sample import BagelSample
-from .workers import shutdown_workers
+from .workers import close_tar_files, shutdown_workers
 
 __all__ = ["ElasticGroupReader", "KEY_TAG"]
 
@@ -352,6 +352,7 @@ class ElasticGroupReader(GroupSelection, Savable):
         except (TypeError, ValueError, AssertionError):
             raise ValueError(f"reader {self.group_name}: bad elastic restore key {restore_key!r}") from None
         sample = self._reads[("handover", restore_key)]
+        close_tar_files(*self._reads.loaders)  # workers forked later must not share these file offsets (workers.py)
         if sample.drop_reason is not None:
             raise ValueError(f"reader {self.group_name}: restore key {restore_key!r} names a dropped sample")
         return sample

@@ -41,7 +41,7 @@ from .identity import loader_identity
 from .layout import MANIFEST_NAME, load_manifest
 from .sample import BagelSample
 from .selection import manifest_runs
-from .workers import shutdown_workers
+from .workers import close_tar_files, shutdown_workers
 
 __all__ = ["BagelGroupReader", "DataReadError", "GroupSelection", "dataset_num_samples", "read_error"]
 
@@ -127,26 +127,6 @@ def dataset_num_samples(path: str) -> tuple[str, int]:
 def _clocks() -> tuple[float, float]:
     """(wall clock, this process's CPU time) in seconds."""
     return time.perf_counter(), time.process_time()
-
-
-def _energon_tar_readers(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
-    """Energon ``ITarReader`` objects reachable from a loader (through its dataset wrappers)."""
-    from megatron.energon.flavors.webdataset.itar_reader import ITarReader
-
-    if id(obj) in seen or depth > 24:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, ITarReader):
-        yield obj
-        return
-    if isinstance(obj, (list, tuple)):
-        children = obj
-    elif type(obj).__module__.startswith("megatron.energon") and hasattr(obj, "__dict__"):
-        children = vars(obj).values()
-    else:
-        return
-    for child in children:
-        yield from _energon_tar_readers(child, seen, depth + 1)
 
 
 class GroupSelection:
@@ -384,10 +364,7 @@ class BagelGroupReader(GroupSelection, Savable):
         with replaying(choices), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_PIN_MEMORY_WARNING, category=UserWarning)
             sample = self.loader.restore_sample(key)
-        # Energon keeps the tar files it opened here cached; worker processes forked later would share those
-        # file offsets with each other and read garbage ("Unexpected end of tar file"). Close them now.
-        for tar_reader in _energon_tar_readers(self.loader, set()):
-            tar_reader.close()
+        close_tar_files(self.loader)  # workers forked later must not share these file offsets (workers.py)
         if sample.drop_reason is not None:
             raise ValueError(f"reader {self.group_name}: restore key {restore_key!r} names a dropped sample "
                              f"({sample.drop_reason}: {sample.drop_detail})")

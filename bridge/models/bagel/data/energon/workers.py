@@ -1,4 +1,5 @@
-"""Worker-process lifecycle: stop a loader's worker processes now, not whenever garbage collection gets to them.
+"""Worker-process lifecycle: stop a loader's worker processes now, not whenever garbage collection gets to them;
+never let forked workers share the parent's open shard files.
 
 torch's ``DataLoader`` with ``persistent_workers=True`` (what Energon's ``SavableDataLoader`` uses whenever
 ``num_workers > 0``) keeps its multi-process iterator on the loader (``DataLoader._iterator``) after the epoch
@@ -9,13 +10,21 @@ iterator's ``__del__``: the ``None`` it sends each worker is never written, and 
 ``MP_STATUS_CHECK_INTERVAL`` per worker before terminating them (measured: 40-60 s stalls inside an unrelated
 later call when a few 2-worker readers were collected together). Shutting the iterator down explicitly, while
 its queues are alive, takes milliseconds.
+
+Energon's tar readers (``ITarReader``) keep the shard files they open cached on the dataset object. A random
+read in the parent (``restore_sample``: a packer buffer or an elastic hand-over restored before iterating)
+leaves files open there; worker processes forked afterwards inherit those file objects, and forked processes
+share one file offset per open file, so two workers seeking and reading the same shard (or its ``.tar.idx``
+index) read each other's positions ("ValueError: Unexpected end of tar file", or a header of the wrong sample). :func:`close_tar_files`
+closes them after every such read in the parent; each worker then opens its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["shutdown_workers"]
+__all__ = ["close_tar_files", "shutdown_workers"]
 
 
 def shutdown_workers(obj: Any) -> None:
@@ -30,3 +39,43 @@ def shutdown_workers(obj: Any) -> None:
     shutdown = getattr(it, "_shutdown_workers", None)
     if callable(shutdown):
         shutdown()
+
+
+def _file_holders(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
+    """Energon's ``ITarReader`` (open shards) and ``CachedItarOffsetReader`` (open ``.tar.idx`` files) objects
+    reachable from ``obj`` through Energon's own objects (loader, dataset wrappers, readers)."""
+    from megatron.energon.flavors.webdataset.itar import CachedItarOffsetReader
+    from megatron.energon.flavors.webdataset.itar_reader import ITarReader
+
+    if id(obj) in seen or depth > 24:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (ITarReader, CachedItarOffsetReader)):
+        yield obj
+        if isinstance(obj, CachedItarOffsetReader):
+            return
+    if isinstance(obj, (list, tuple)):
+        children = obj
+    elif type(obj).__module__.startswith("megatron.energon") and hasattr(obj, "__dict__"):
+        children = vars(obj).values()
+    else:
+        return
+    for child in children:
+        yield from _file_holders(child, seen, depth + 1)
+
+
+def close_tar_files(*loaders: Any) -> None:
+    """Close the shard (``.tar``) and index (``.tar.idx``) files Energon's readers under ``loaders`` hold open;
+    they reopen on the next read. Call it after reading in the parent process of workers that fork later.
+    ``tests/test_reader.py`` checks ``/proc/self/fd`` afterwards, so an Energon that caches files elsewhere
+    fails that test rather than the workers' reads."""
+    seen: set[int] = set()
+    for loader in loaders:
+        for holder in _file_holders(loader, seen):
+            if hasattr(holder, "tar_index_reader_cache"):  # CachedItarOffsetReader: no close() of its own
+                entries = list(holder.tar_index_reader_cache.values())
+                holder.tar_index_reader_cache.clear()
+                for entry in entries:
+                    entry.tar_index_reader.close()
+            else:
+                holder.close()
