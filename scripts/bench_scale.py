@@ -100,7 +100,9 @@ def make_scaled(base: str, out: str, rows: int) -> str:
     import yaml
 
     split = yaml.safe_load(open(os.path.join(base, ".nv-meta", "split.yaml")))
-    split["split_parts"] = {"train": [s["path"] for s in shards]}
+    from megatron.energon.bracecollapse import collapse
+
+    split["split_parts"] = {"train": collapse([s["path"] for s in shards], keep_order=True)}  # as finalize.py
     with open(os.path.join(out, ".nv-meta", "split.yaml"), "w") as f:
         yaml.safe_dump(split, f)
     for name in ("index.sqlite", "index.uuid"):  # the base's sample index (random access by key: unused here)

@@ -107,6 +107,7 @@ def _exit_normally(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # any producer starting in a parallel test process would reclaim the killed job's debris first
 def test_killed_job_debris_is_reclaimed_at_restart_but_a_live_job_is_not_touched() -> None:
     live, live_info = _start_job()
     try:
