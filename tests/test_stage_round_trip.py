@@ -137,11 +137,9 @@ def _bridge_io(api):
 # ``nw2-pf0-dense``'s upstream, prefetch-nw2 is ``nw2-pf2-flex``'s.
 STAGES = [
     pytest.param(BagelGroupReader, 0, 0, True, id="reader-nw0"),
-    # Known flake (open, Energon side): a save with 2 Energon workers right after the reader's FIRST sample
-    # sometimes restores one sample too far (~1 in 10 under CPU load, never unloaded). Rerun up to twice, with the
-    # same assertions; a real break fails all three runs.
-    pytest.param(BagelGroupReader, 2, 0, True, id="reader-nw2",
-                 marks=[pytest.mark.slow, pytest.mark.serial, pytest.mark.flaky(reruns=2)]),
+    # A save right after the reader's FIRST sample is where Energon's not-yet-started-worker answer showed (one
+    # sample too far, ~1 in 10 under load, before ``state.energon_rank_state`` corrected it): no reruns.
+    pytest.param(BagelGroupReader, 2, 0, True, id="reader-nw2", marks=[pytest.mark.slow]),
     pytest.param(BagelPacker, 0, 0, True, id="packer-flex"),
     pytest.param(BagelRNGIterator, 0, 0, True, id="rng-nw0-flex"),
     pytest.param(PrefetchStage, 0, 2, True, id="prefetch-nw0-flex"),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -28,8 +29,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["RESIZABLE", "ResizeContext", "STATE_PROTOCOLS", "Savable", "register_resizable", "Stage", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
-           "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "walk_stages"]
+           "energon_rank_state", "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "walk_stages"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, range)
 
@@ -92,8 +95,40 @@ def _protocol(obj: Any) -> tuple[str, str]:
 
 
 def save_of(obj: Any) -> Any:
-    """``obj``'s own state through the protocol it speaks (``state_dict()`` or Energon's ``save_state_rank()``)."""
-    return getattr(obj, _protocol(obj)[0])()
+    """``obj``'s own state through the protocol it speaks (``state_dict()`` or Energon's ``save_state_rank()``,
+    the latter through :func:`energon_rank_state`)."""
+    save = _protocol(obj)[0]
+    return energon_rank_state(obj) if save == "save_state_rank" else getattr(obj, save)()
+
+
+def energon_rank_state(loader: Any) -> Any:
+    """``loader.save_state_rank()`` of an Energon ``SavableDataLoader``, with a race of its workers corrected.
+
+    Energon (checked: 7.x, ``savable_loader.SavableDatasetWrapper``) answers a save from each worker's command
+    thread, which the worker starts inside its ``__iter__`` just before taking the command lock. A worker that
+    has not stored its first checkpoint yet (slow to start; a save right after the first sample, ~1 in 10 under
+    CPU load) can answer from its construction-time sentinel ``(state=None, sample_index=-1)``, giving
+    ``offset = last + 1 - (-1)``: one sample more than it emitted, so the resumed loader skips that worker's
+    first sample (after a restore it would also drop the restored state). No started worker answers
+    ``state=None``: the sentinel is the only checkpoint without a state, and every later one is preferred to it.
+    Such a worker has emitted nothing since the loader (re)started, so its true checkpoint is its initial one:
+    the restored state and skip count (``dataset.get_initial_checkpoint()``), or ``state=None, offset=0``
+    (a fresh start). Other answers, and loaders without workers, are returned unchanged.
+    """
+    state = loader.save_state_rank()
+    workers = getattr(state, "worker_states", None)
+    if not workers or not getattr(loader, "num_workers", 0):
+        return state
+    stale = [i for i, ws in enumerate(workers) if hasattr(ws, "offset") and ws.state is None and ws.offset != 0]
+    if stale:
+        from megatron.energon.savable_loader import SavableDatasetCheckpoint
+
+        initial = loader.dataset.get_initial_checkpoint()
+        for i in stale:
+            workers[i] = initial[i] if initial is not None else SavableDatasetCheckpoint(state=None, offset=0)
+        logger.debug("Energon loader state: worker(s) %s had not started iterating; their initial checkpoint "
+                     "is saved instead of Energon's off-by-one answer", stale)
+    return state
 
 
 def restore_of(obj: Any, state: Any) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 import megatron.energon as energon
 from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, reraise_exception
 
-from ..state import Savable, StateError
+from ..state import Savable, StateError, energon_rank_state
 from ..stats import DataStallError, DropCounter, StallWatch
 from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, DataTimeoutError, ReadWatch, describe_frame
 from . import compact_state, damage
@@ -336,7 +336,7 @@ class BagelGroupReader(GroupSelection, Savable):
         StateError after ``close()`` (its workers are stopped: save before closing)."""
         if self._closed:
             raise StateError(f"reader {self.group_name} is closed: save its state before closing it")
-        return compact_state.compact(self.loader.save_state_rank(),
+        return compact_state.compact(energon_rank_state(self.loader),
                                      compact_state.worker_seeds(self.loader.worker_config))
 
     @energon.setter
