@@ -39,9 +39,11 @@ case "$cmd" in
     set +e
     # Test files run in ${BAGEL_TEST_PROCESSES:-2} processes (pytest-xdist; a file's tests stay together, so its
     # module fixtures are built once): the torchrun and worker tests leave a core idle much of the time.
-    # Tests marked `serial` (load-sensitive) then run alone. `-n 0` runs the first part in one process too.
+    # Files go out in collection order (--no-loadscope-reorder; tests/conftest.py puts the minutes-long ones
+    # first, so none of them runs alone at the end). Tests marked `serial` (sensitive to tests running beside
+    # them) then run alone. `-n 0` runs the first part in one process too.
     .venv/bin/python -m pytest -q -p no:cacheprovider -n "${BAGEL_TEST_PROCESSES:-2}" --dist loadfile \
-      -m "not serial" "$@"
+      --no-loadscope-reorder -m "not serial" "$@"
     rc=$?
     .venv/bin/python -m pytest -q -p no:cacheprovider -m serial "$@"
     rc2=$?

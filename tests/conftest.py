@@ -1,5 +1,5 @@
-"""Shared test setup: the tests directory on sys.path, one generated demo dataset per session, and a frozen
-garbage-collector heap before each test body (see ``pytest_runtest_call``)."""
+"""Shared test setup: the tests directory on sys.path, the slowest files collected first, one generated demo
+dataset per session, and a frozen garbage-collector heap before each test body (see ``pytest_runtest_call``)."""
 
 import gc
 import sys
@@ -31,6 +31,18 @@ def pytest_runtest_call(item):
         gc.freeze()
         _frozen_at_modules = len(sys.modules)
     yield
+
+
+#: Test files that take minutes (torchrun worlds, the demo job; ``--durations``), slowest first: collected before
+#: the rest, so that ``scripts/run.sh test`` (2 processes, ``--dist loadfile --no-loadscope-reorder``) starts them
+#: at once and the short files fill the other process around them, instead of one running alone at the end.
+_LONG_FILES_FIRST = ("test_topologies.py", "test_elastic_job.py", "test_main_job.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Put ``_LONG_FILES_FIRST`` first; the order within a file, and of the other files, is kept (stable sort)."""
+    rank = {name: i for i, name in enumerate(_LONG_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
