@@ -322,7 +322,7 @@ def _open_files_under(root) -> list[str]:
     return [n for n in names if n.startswith(str(root))]
 
 
-@pytest.mark.parametrize("order", ["default", "elastic"])
+@pytest.mark.parametrize("order", ["default", "default-blend", "elastic"])
 def test_restore_sample_in_the_parent_leaves_no_shard_open_for_workers_to_share(tok, data, order):
     """A ``restore_sample`` in the parent (a resumed packer buffer) before 2 workers fork must leave no shard file
     open: forked workers share the parent's file offsets and read each other's positions ("Unexpected end of tar
@@ -332,6 +332,8 @@ def test_restore_sample_in_the_parent_leaves_no_shard_open_for_workers_to_share(
     def build():
         if order == "default":
             return make(tok, data["t2i"], num_workers=2, seed=4)
+        if order == "default-blend":  # an Energon blend of sample ranges of two datasets
+            return make(tok, [data["t2i"], data["t2i_b"]], num_workers=2, seed=4, num_used_data=[12, 6])
         return ElasticGroupReader(data["t2i"], tokenizer=tok, image_transform_args=VAE, num_workers=2, seed=4,
                                   partitions=4)
 
@@ -339,9 +341,10 @@ def test_restore_sample_in_the_parent_leaves_no_shard_open_for_workers_to_share(
     expected = take(first, 8)  # read in the workers: the parent opens no shard
     first.close()
     root = data["t2i"]
-    assert _open_files_under(root) == []
+    assert _open_files_under(root) == [] and _open_files_under(data["t2i_b"]) == []
     second = build()
     assert_same(expected[:2], [second.restore_sample(s.restore_key) for s in expected[:2]])
-    assert _open_files_under(root) == [], "restore_sample left shard files open in the parent"
+    assert _open_files_under(root) == [] and _open_files_under(data["t2i_b"]) == [], \
+        "restore_sample left shard files open in the parent"
     assert_same(expected, take(second, 8))  # the workers forked after the restore read their own files
     second.close()

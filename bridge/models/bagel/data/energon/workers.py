@@ -41,26 +41,24 @@ def shutdown_workers(obj: Any) -> None:
         shutdown()
 
 
-def _file_holders(obj: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
-    """Energon's ``ITarReader`` (open shards) and ``CachedItarOffsetReader`` (open ``.tar.idx`` files) objects
-    reachable from ``obj`` through Energon's own objects (loader, dataset wrappers, readers)."""
-    from megatron.energon.flavors.webdataset.itar import CachedItarOffsetReader
-    from megatron.energon.flavors.webdataset.itar_reader import ITarReader
-
-    if id(obj) in seen or depth > 24:
+def _file_holders(node: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
+    """Energon's ``ITarReader`` objects (open shards) and their ``CachedItarOffsetReader`` (open ``.tar.idx``
+    files) under ``node``, found along the dataset chain only: ``dataset`` / ``datasets`` links (loader, wrappers,
+    blends) down to each ``WebdatasetSampleLoaderDataset``'s ``join_readers``. O(datasets), never O(shards): a
+    walk of every attribute visited each ``ShardInfo`` and path (1.5 s per call at 10^4 shards)."""
+    if node is None or id(node) in seen or depth > 32:
         return
-    seen.add(id(obj))
-    if isinstance(obj, (ITarReader, CachedItarOffsetReader)):
-        yield obj
-        if isinstance(obj, CachedItarOffsetReader):
-            return
-    if isinstance(obj, (list, tuple)):
-        children = obj
-    elif type(obj).__module__.startswith("megatron.energon") and hasattr(obj, "__dict__"):
-        children = vars(obj).values()
-    else:
+    seen.add(id(node))
+    readers = getattr(node, "join_readers", None)
+    if readers is not None:  # a WebdatasetSampleLoaderDataset: the readers of its joined datasets
+        for reader in readers:
+            yield reader
+            offsets = getattr(reader, "cached_offset_reader", None)
+            if offsets is not None:
+                yield offsets
         return
-    for child in children:
+    children = getattr(node, "datasets", None)  # wrappers and blends (checked first: ``dataset`` asserts one)
+    for child in (children if children is not None else [getattr(node, "dataset", None)]):
         yield from _file_holders(child, seen, depth + 1)
 
 
