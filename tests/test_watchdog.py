@@ -238,3 +238,42 @@ def test_a_job_stuck_inline_exits_promptly_after_the_time_out(tmp_path):
     time.sleep(1)
     left = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)]
     assert not left, f"processes of the job left behind: {left}"
+
+
+_AGENTS_SCRIPT = r"""
+import json, multiprocessing as mp, os, sys, tempfile, time
+import torch  # as in every real process (the agent asks torch which worker it is)
+from bridge.models.bagel.data.watchdog import stacks
+
+def worker():
+    time.sleep(30)
+
+stacks.enable_agents()
+child = mp.get_context("fork").Process(target=worker, daemon=True)
+child.start()
+time.sleep(0.5)
+reports = stacks.collect_reports()
+print(json.dumps({"dir": stacks._agents.dir, "pids": [r["pid"] for r in reports], "child": child.pid}), flush=True)
+child.terminate(); child.join()
+"""
+
+
+def test_the_report_directory_of_agents_is_removed_when_its_owner_exits():
+    """Every process that enabled agents (each rank, each restart) left a ``bagel-watch-*`` directory in the temp
+    dir; its owner now removes it at exit, after its forked worker reported into it and exited."""
+    import shutil
+    import tempfile
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="bagel-t-", dir="/tmp"))  # short: the child may open unix sockets
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    try:
+        out = subprocess.run([sys.executable, "-c", _AGENTS_SCRIPT], capture_output=True, text=True, env=env,
+                             timeout=60, cwd=REPO)
+        left = list(tmp_path.iterdir())
+    finally:
+        shutil.rmtree(tmp_path, ignore_errors=True)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["pids"] == [seen["child"]], seen  # the agent worked: the forked worker reported
+    assert os.path.dirname(seen["dir"]) == str(tmp_path)
+    assert left == [], left

@@ -10,9 +10,11 @@ thing the chain waits on.
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -88,12 +90,25 @@ def _thread_reports(skip: set[int]) -> list[dict[str, Any]]:
 
 # -- agents in forked processes -----------------------------------------------------------------------
 class _Agents:
+    """The report directory (one ``<pid>.json`` per reporting process) and the request counter of one owner.
+
+    The owner removes the directory when it exits (``atexit``; a forked process that exits through the
+    interpreter leaves it alone): without that, every process that ever enabled agents left one directory in
+    the temp dir, one per rank and restart of every job on the node.
+    """
+
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="bagel-watch-")
         # A lock-free shared counter (no multiprocessing lock a killed process could leave held): the watchdog
         # bumps it, each agent notices within _AGENT_POLL_S and reports once per bump.
         self.request = mp.get_context("fork").RawValue("q", 0)
         self.owner = os.getpid()
+        atexit.register(_remove_reports, self.dir, self.owner)
+
+
+def _remove_reports(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 _agents: _Agents | None = None
