@@ -8,8 +8,8 @@ The group's official selection (``num_used_data`` per dataset: t2i / edit files 
 first-n lines after ``shuffle_lines``; see ``selection``) is expressed as an Energon ``MetadatasetV2``
 ``blend_epochized`` over sample-index ranges of the converted datasets with ``repetitions``, so one
 Energon epoch of the DP rank set reads exactly the rows the official loader selects (each as often). A
-single dataset read whole and once is opened directly. The metadataset YAML lives in a private
-temporary directory of the reader.
+single dataset read whole and once is opened directly. The metadataset YAML is written to a private
+temporary directory, removed as soon as Energon has opened it.
 Sharding is by DP rank only (``WorkerConfig(rank=dp_rank, world_size=dp_size)``): TP/CP peers that
 pass the same DP rank read identical data.
 """
@@ -227,6 +227,7 @@ class BagelGroupReader(GroupSelection, Savable):
                                repeat=True)
         self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
                                          checkpoint_every_sec=checkpoint_every_sec)
+        self._remove_blend()  # Energon has read it; a run that never closes the reader would leave it behind
         # stops the workers when the reader is closed or collected; holding the loader keeps its queues out of
         # a cyclic collection of the reader, so the workers still get their stop message (workers.py)
         self._stop_workers = weakref.finalize(self, shutdown_workers, self.loader)
@@ -371,7 +372,7 @@ class BagelGroupReader(GroupSelection, Savable):
         return sample
 
     def close(self) -> None:
-        """Stop iterating and remove the blend's temporary directory.
+        """Stop iterating (and remove the blend's temporary directory, if still there).
 
         Closes the loader's generator and stops its (persistent) worker processes at once
         (``workers.shutdown_workers``); left to the cyclic garbage collector, torch waits 5 s per worker
@@ -391,6 +392,9 @@ class BagelGroupReader(GroupSelection, Savable):
                 self._stop_workers()  # now, not in a later garbage collection (5 s per worker there); once
         if watch is not None:
             watch.stop()
+        self._remove_blend()
+
+    def _remove_blend(self) -> None:
         if getattr(self, "_tmpdir", None) is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
