@@ -17,9 +17,11 @@ its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import io
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,6 +118,7 @@ def load_baseline(rev: str):
     """Our packer as of git ``rev``: its ``bridge/models/bagel/data`` imported as ``_bagel_data_<rev>``."""
     root = Path(__file__).resolve().parents[1]
     tmp = Path(tempfile.mkdtemp(prefix="bagel-baseline-"))
+    atexit.register(shutil.rmtree, tmp, True)  # imported lazily while the bench runs; gone after it
     blob = subprocess.run(["git", "-C", str(root), "archive", rev, "bridge/models/bagel/data"],
                           check=True, capture_output=True).stdout
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:

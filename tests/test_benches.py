@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,8 +61,8 @@ def parse_last_line(stdout: str) -> tuple[str, dict[str, str]]:
     return m["name"], dict(pair.split("=", 1) for pair in m["pairs"].split())
 
 
-def run_script(name: str, args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run_script(name: str, args: list[str], tmpdir: Path | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **({"TMPDIR": str(tmpdir)} if tmpdir is not None else {}))
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([python(), str(SCRIPTS / name), *args], cwd=REPO, env=env, capture_output=True,
@@ -72,10 +74,14 @@ def run_script(name: str, args: list[str]) -> tuple[subprocess.CompletedProcess,
     return proc, time.perf_counter() - t0
 
 
-def check(name: str, args: list[str]) -> dict[str, str]:
-    proc, secs = run_script(name, args)
+def check(name: str, args: list[str], tmpdir: Path | None = None) -> dict[str, str]:
+    """Run the bench; its last line parsed. With ``tmpdir`` (its TMPDIR), it must leave that directory empty."""
+    proc, secs = run_script(name, args, tmpdir)
     assert proc.returncode == 0, (f"{name} {' '.join(args)} exited {proc.returncode} after {secs:.0f} s\n"
                                   f"--- stdout (tail)\n{proc.stdout[-3000:]}\n--- stderr (tail)\n{proc.stderr[-3000:]}")
+    if tmpdir is not None:
+        left = sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))  # its cache
+        assert not left, f"{name} {' '.join(args)} left in its temp dir: {left}"
     bench, pairs = parse_last_line(proc.stdout)
     numbers = {}
     for key, value in pairs.items():
@@ -107,7 +113,13 @@ def test_bench_quick(name, demo_setup):
         # shallow clone: the baseline revision is not in the history, so compare against our own packer through
         # the --reference path (equality check and timing still run; the ratio is ~1)
         args += ["--reference", "bench_packer:ours"]
-    pairs = check(name, args)
+    # and nothing left behind in its temp dir (a leak per run); a short path: torch's shared-memory manager
+    # binds a unix socket there (at most 107 bytes)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-tmp-"))
+    try:
+        pairs = check(name, args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     if name == "bench_packer.py":
         assert set(pairs) >= {"speedup_flex", "speedup_dense", "vs"}
 
