@@ -3,13 +3,15 @@ naming its file and key; every entry point (builder, job, stats) goes through it
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
 from bridge.models.bagel.data.config import BagelDataConfig, ConfigError, PackerConfig, load_config
-from bridge.models.bagel.data.config.validate import validate_data
+from bridge.models.bagel.data.config.validate import UNIX_PATH_MAX, socket_path_problem, validate_data
 
 T2I_ARGS = {"max_image_size": 256, "min_image_size": 64, "image_stride": 16}
 
@@ -101,3 +103,53 @@ def test_the_builder_validates_once_and_accepts_validated_data(demo_setup, caplo
             build_bagel_train_loader(cfg, tok, (0, 1))
     finally:
         Path(cfg.groups).with_suffix(".moved").rename(cfg.groups)
+
+
+def test_a_temp_dir_too_long_for_worker_sockets_is_a_problem_of_the_pass(tmp_path, monkeypatch):
+    """Under a long TMPDIR (cluster schedulers set per-job ones) an Energon worker cannot send a sample's tensors:
+    the socket bind fails in its queue thread, which only prints, and the reader waited for its watchdog's
+    time-out (a bench sat 240 s). With worker processes configured, the validation pass names the temp dir."""
+    groups, info = _files(tmp_path, {"t2i_pretrain": {"dataset_names": ["t2i"], "weight": 1,
+                                                      "image_transform_args": T2I_ARGS}},
+                          {"t2i_pretrain": {"t2i": {"data_dir": "raw/t2i", "energon_path": str(tmp_path)}}})
+    long_dir = tmp_path / ("scheduler-job-tmp-" + "x" * max(1, 90 - len(str(tmp_path))))
+    long_dir.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(long_dir))
+    def problems(**kw) -> list[str]:
+        try:
+            validate_data(BagelDataConfig(groups=groups, dataset_info=info, **kw))
+        except ConfigError as exc:
+            return exc.problems
+        return []
+
+    assert socket_path_problem() is not None
+    for kw in (dict(num_workers=2), dict(prefetch=2)):
+        [p] = problems(**kw)
+        assert p.startswith(f"temp dir {str(long_dir)!r} is {len(str(long_dir))} bytes long") and "TMPDIR" in p, p
+    assert problems() == []
+    # the official order's workers are emulated in process: only its own missing num_used_data is reported
+    assert [p for p in problems(num_workers=2, order="official") if "unix sockets" in p] == []
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_the_unix_socket_path_limit_is_the_kernels(tmp_path, extra):
+    """``UNIX_PATH_MAX`` and the path below the temp dir are the real ones: a multiprocessing listener binds at a
+    temp dir exactly as long as ``socket_path_problem`` allows, and fails one byte longer."""
+    from multiprocessing.connection import Listener
+
+    room = UNIX_PATH_MAX - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+    base = Path("/tmp") / f"bagel-test-{os.getpid()}"
+    temp_dir = str(base) + "d" * (room + extra - len(str(base)))
+    assert len(temp_dir) == room + extra
+    sock_dir = os.path.join(temp_dir, "pymp-abcdefgh")
+    os.makedirs(sock_dir)
+    try:
+        assert (socket_path_problem(temp_dir) is None) == (extra == 0)
+        address = os.path.join(sock_dir, "listener-abcdefgh")
+        if extra == 0:
+            Listener(address, family="AF_UNIX").close()
+        else:
+            with pytest.raises(OSError, match="AF_UNIX path too long"):
+                Listener(address, family="AF_UNIX")
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)

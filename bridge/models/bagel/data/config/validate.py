@@ -9,7 +9,10 @@
    ``num_used_data`` under ``order: official``;
 5. the packer budgets against the groups' transforms (``budgets.budget_issues``, cases B3/B4/B6 of
    ``shared/cases``), errors with ``budgets="error"`` (the builder, the job, ``inspect``), reported only with
-   ``budgets="report"`` (``bagel-data stats``, which exists to show them).
+   ``budgets="report"`` (``bagel-data stats``, which exists to show them);
+6. with worker processes (Energon workers: ``num_workers`` > 0 outside the official order, whose workers are
+   emulated in process; or ``prefetch`` > 0), that the temp dir leaves room for the unix sockets through which
+   they hand tensors over (``socket_path_problem``).
 
 Each problem names its file and key; all of them are raised together as one ``ConfigError`` (``.problems``
 holds the list). The job, ``bagel-data inspect`` / ``stats``, the providers and ``build_bagel_train_loader``
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -29,7 +34,7 @@ from .schema import (BagelDataConfig, ConfigError, DatasetInfoEntry, ResolvedGro
                      load_grouped_yaml, resolve_groups)
 from .grouped_yaml import GroupConfig
 
-__all__ = ["ValidatedData", "validate_data"]
+__all__ = ["UNIX_PATH_MAX", "ValidatedData", "socket_path_problem", "validate_data"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +87,34 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
                      "(the official loader requires it)")
 
 
+#: The longest unix-socket path Linux binds: ``sockaddr_un.sun_path`` holds 108 bytes, the terminating NUL included.
+UNIX_PATH_MAX = 107
+#: Where multiprocessing puts the socket a worker process sends a tensor's file descriptor through, below the
+#: temp dir: ``multiprocessing.util.get_temp_dir()`` (``pymp-`` + 8 characters), then
+#: ``connection.arbitrary_address("AF_UNIX")`` (``listener-`` + 8 characters).
+_SOCKET_BELOW_TEMP_DIR = "/pymp-XXXXXXXX/listener-XXXXXXXX"
+
+
+def socket_path_problem(temp_dir: str | None = None) -> str | None:
+    """Why worker processes could not hand tensors over under ``temp_dir`` (default: Python's temp dir), or None.
+
+    An Energon worker returns each sample's tensors by sending their file descriptors over a unix socket in
+    ``<temp dir>/pymp-…/`` (torch's ``file_descriptor`` sharing strategy). Where that path is longer than
+    ``UNIX_PATH_MAX`` bytes the bind fails inside the worker's queue thread, which only prints it: the sample
+    never arrives and the reader waits until its watchdog's time-out, which cannot name the cause. Cluster
+    schedulers often set a long per-job ``TMPDIR``.
+    """
+    temp_dir = tempfile.gettempdir() if temp_dir is None else temp_dir
+    need = len(os.fsencode(temp_dir)) + len(_SOCKET_BELOW_TEMP_DIR)
+    if need <= UNIX_PATH_MAX:
+        return None
+    room = UNIX_PATH_MAX - len(_SOCKET_BELOW_TEMP_DIR)
+    return (f"temp dir {temp_dir!r} is {len(os.fsencode(temp_dir))} bytes long: worker processes pass tensors "
+            f"through unix sockets under it ({temp_dir}{_SOCKET_BELOW_TEMP_DIR}, {need} bytes; Linux binds at most "
+            f"{UNIX_PATH_MAX}), so no sample would ever arrive; set TMPDIR to a directory of at most {room} bytes "
+            "(e.g. /tmp), or use num_workers: 0 and prefetch: 0")
+
+
 def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True) -> ValidatedData:
     """Validate ``config`` and every file it names once; raise one ``ConfigError`` listing every problem.
 
@@ -114,6 +147,10 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
             for issue in issues:
                 if issue.level == "error":
                     problems.add(f"packer budgets cannot work with these groups: {issue.message}")
+    if readers and ((config.num_workers and config.order != "official") or config.prefetch):
+        problem = socket_path_problem()
+        if problem:
+            problems.add(problem)
     problems.raise_if_any(str(config.groups))
     if budgets == "report":
         return ValidatedData(config, resolved, issues)
