@@ -132,9 +132,12 @@ def test_grouped_yaml_file_level_errors(tmp_path):
     with pytest.raises(ConfigError, match=rf"{dup}: duplicate key 'vlm_sft' \(line 4\)"):
         load_grouped_yaml(dup)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("t2i_pretrain: [unclosed\n")
-    with pytest.raises(ConfigError, match=rf"{bad}: not valid YAML"):
+    bad.write_text("t2i_pretrain:\n  dataset_names: [a\n  weight: 1\n")
+    with pytest.raises(ConfigError) as exc:
         load_grouped_yaml(bad)
+    # one line: the file, what and where (not PyYAML's snippet naming "<unicode string>")
+    assert str(exc.value) == (f"{bad}: not valid YAML: while parsing a flow sequence; expected ',' or ']', but "
+                              "got ':' (line 3, column 9)")
     lst = _write(tmp_path, ["t2i_pretrain"], "list.yaml")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_grouped_yaml(lst)

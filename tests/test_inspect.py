@@ -223,3 +223,11 @@ def test_inspect_refuses_bad_input(tmp_path, caplog):
     assert cli.main(["inspect", "--config", str(job), "--batches", "0", "--out", str(tmp_path / "o")]) == 2
     assert "--batches must be >= 1" in caplog.text
     assert not (tmp_path / "o").exists()
+    # a job YAML that does not parse: one line naming file, line and column, for inspect and stats alike
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  train_iters: 3\n  bad: x: y\n")
+    for cmd in (["inspect", "--no-progress"], ["stats", "--no-progress"]):
+        caplog.clear()
+        assert cli.main([*cmd, "--config", str(broken)]) == 2
+        [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert line == f"{broken}: not valid YAML: mapping values are not allowed in this context (line 3, column 9)"

@@ -117,6 +117,15 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: what is wrong and where (1-based line and column), without PyYAML's
+    multi-line snippet (which names the text as ``"<unicode string>"`` when it was parsed from a string)."""
+    mark = getattr(exc, "problem_mark", None)
+    what = "; ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
+    what = what or " ".join(str(exc).split())
+    return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else what
+
+
 def read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:
     """Deep copy of a mapping, or the parsed YAML/JSON file; returns (data, source name)."""
     if isinstance(path_or_dict, Mapping):
@@ -131,8 +140,10 @@ def read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tupl
         data = json.loads(text) if path.suffix == ".json" else yaml.load(text, Loader=_StrictLoader)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
-    except (yaml.YAMLError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"{source}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {yaml_problem(exc)}") from exc
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{source}: not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping, got {type(data).__name__}")
     return data, source

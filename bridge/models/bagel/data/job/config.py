@@ -10,7 +10,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import yaml
+
 from ..config import BagelDataConfig, ConfigError, structured_merge
+from ..config.grouped_yaml import yaml_problem
 
 __all__ = ["JobConfig", "TrainConfig", "load_job_config"]
 
@@ -108,7 +111,10 @@ def load_job_config(path: str | os.PathLike | None, overrides: Sequence[str] = (
     if path is not None:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path} does not exist")
-        parts.append(OmegaConf.load(path))
+        try:
+            parts.append(OmegaConf.load(path))
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from exc
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides: expected key=value, got {bad}")
