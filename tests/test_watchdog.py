@@ -241,13 +241,14 @@ def test_a_job_stuck_inline_exits_promptly_after_the_time_out(tmp_path):
 
 
 _AGENTS_SCRIPT = r"""
-import json, multiprocessing as mp, os, sys, tempfile, time
+import json, multiprocessing as mp, os, signal, sys, time
 import torch  # as in every real process (the agent asks torch which worker it is)
 from bridge.models.bagel.data.watchdog import stacks
 
 def worker():
     time.sleep(30)
 
+mode = sys.argv[1]
 stacks.enable_agents()
 child = mp.get_context("fork").Process(target=worker, daemon=True)
 child.start()
@@ -255,25 +256,48 @@ time.sleep(0.5)
 reports = stacks.collect_reports()
 print(json.dumps({"dir": stacks._agents.dir, "pids": [r["pid"] for r in reports], "child": child.pid}), flush=True)
 child.terminate(); child.join()
+if mode == "killed":        # as a preemption: no atexit
+    os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "hold":        # a live job: until its stdin closes
+    sys.stdin.read()
 """
 
 
-def test_the_report_directory_of_agents_is_removed_when_its_owner_exits():
+def _agents_run(tmp: Path, mode: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", _AGENTS_SCRIPT, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO, **kw)
+
+
+def _report(proc: subprocess.Popen) -> dict:
+    seen = json.loads(proc.stdout.readline())
+    assert seen["pids"] == [seen["child"]], seen  # the agent worked: the forked worker reported into the dir
+    return seen
+
+
+def test_the_report_directory_of_agents_is_removed_when_its_owner_exits_or_dies():
     """Every process that enabled agents (each rank, each restart) left a ``bagel-watch-*`` directory in the temp
-    dir; its owner now removes it at exit, after its forked worker reported into it and exited."""
+    dir. Its owner removes it at exit; one of an owner killed with SIGKILL (no atexit) is removed by the next
+    owner's start; a live owner's is never touched."""
     import shutil
     import tempfile
 
-    tmp_path = Path(tempfile.mkdtemp(prefix="bagel-t-", dir="/tmp"))  # short: the child may open unix sockets
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    tmp = Path(tempfile.mkdtemp(prefix="bagel-t-", dir="/tmp"))  # short: the children may open unix sockets
     try:
-        out = subprocess.run([sys.executable, "-c", _AGENTS_SCRIPT], capture_output=True, text=True, env=env,
-                             timeout=60, cwd=REPO)
-        left = list(tmp_path.iterdir())
+        killed = _agents_run(tmp, "killed")
+        dead_dir = _report(killed)["dir"]
+        assert killed.wait(60) == -9 and os.path.isdir(dead_dir)  # what a preemption leaves
+        hold = _agents_run(tmp, "hold", stdin=subprocess.PIPE)
+        live_dir = _report(hold)["dir"]
+        assert not os.path.exists(dead_dir)                      # the next start reclaimed it
+        normal = _agents_run(tmp, "normal")
+        normal_dir = _report(normal)["dir"]
+        assert normal.wait(60) == 0, normal.stderr.read()
+        assert os.path.isdir(live_dir) and not os.path.exists(normal_dir)  # live: kept; exited: removed
+        hold.stdin.close()
+        assert hold.wait(60) == 0, hold.stderr.read()
+        assert os.path.dirname(live_dir) == str(tmp)
+        left = list(tmp.iterdir())
     finally:
-        shutil.rmtree(tmp_path, ignore_errors=True)
-    assert out.returncode == 0, out.stderr
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen["pids"] == [seen["child"]], seen  # the agent worked: the forked worker reported
-    assert os.path.dirname(seen["dir"]) == str(tmp_path)
+        shutil.rmtree(tmp, ignore_errors=True)
     assert left == [], left

@@ -5,13 +5,16 @@
 *agents*: every process forked after ``enable_agents()`` (the Energon workers, the prefetch producer and its
 workers) gets a daemon thread that polls a shared counter (4 times a second, lock-free) and, when the watchdog
 bumps it, writes what its threads are doing to a report file (``collect_reports``); ``summarize`` picks the one
-thing the chain waits on.
+thing the chain waits on. The report files live in one ``bagel-watch-*`` directory per owner process in the
+temp dir, removed when the owner exits or, after a crash, by the next owner's start (``_Agents``).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -21,6 +24,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["collect_reports", "describe_frame", "enable_agents", "process_role", "summarize", "wait_line"]
 
@@ -89,16 +94,29 @@ def _thread_reports(skip: set[int]) -> list[dict[str, Any]]:
 
 
 # -- agents in forked processes -----------------------------------------------------------------------
+_REPORTS_PREFIX = "bagel-watch-"
+_OWNER_LOCK = "owner.lock"
+
+
 class _Agents:
     """The report directory (one ``<pid>.json`` per reporting process) and the request counter of one owner.
 
-    The owner removes the directory when it exits (``atexit``; a forked process that exits through the
-    interpreter leaves it alone): without that, every process that ever enabled agents left one directory in
-    the temp dir, one per rank and restart of every job on the node.
+    Without cleanup every process that ever enabled agents left one directory in the temp dir, one per rank and
+    restart of every job on the node. The owner removes it when it exits (``atexit``; a forked process that
+    exits through the interpreter leaves it alone), and a process that exits without that (``os._exit``, a
+    SIGKILL, a preemption) holds an exclusive ``flock`` on ``owner.lock`` inside it, which the kernel drops
+    when the owner and every process forked from it are gone: the next owner's start removes such
+    directories (``_reclaim_reports``), never one whose lock is held.
     """
 
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="bagel-watch-")
+        _reclaim_reports()
+        self.dir = tempfile.mkdtemp(prefix=_REPORTS_PREFIX)
+        # locked before it gets its name, so no other process can take the directory for a dead owner's
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".lock-")
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp, os.path.join(self.dir, _OWNER_LOCK))
+        self._lock_fd = fd  # held (open) for the process's life; forked children share it
         # A lock-free shared counter (no multiprocessing lock a killed process could leave held): the watchdog
         # bumps it, each agent notices within _AGENT_POLL_S and reports once per bump.
         self.request = mp.get_context("fork").RawValue("q", 0)
@@ -109,6 +127,39 @@ class _Agents:
 def _remove_reports(path: str, owner: int) -> None:
     if os.getpid() == owner:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _reclaim_reports(temp_dir: str | None = None) -> int:
+    """Remove the report directories of owners that are gone (their ``owner.lock`` free); how many were removed.
+
+    A directory without ``owner.lock`` (being created, or left by a version before the lock) is left alone.
+    """
+    removed = 0
+    root = tempfile.gettempdir() if temp_dir is None else temp_dir
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(_REPORTS_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(os.path.join(path, _OWNER_LOCK), os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live owner (or one of its forked processes) holds it
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        logger.info("removed %d report directories of data watchdogs whose processes are gone (%s/%s*)",
+                    removed, root, _REPORTS_PREFIX)
+    return removed
 
 
 _agents: _Agents | None = None
