@@ -89,3 +89,24 @@ def test_good_state_file_still_restores(saved) -> None:
     pg = types.SimpleNamespace(tp=pgs.tp, pp=pgs.pp, cp=pgs.cp, dp=_Rank(0))  # the 2-replica checkpoint's rank 0
     restore_loader(str(root), 2, fresh, pg)
     assert fresh.iterable.position == 1
+
+
+def test_resize_state_on_a_damaged_file_is_one_line_without_megatrons_import_notes(tmp_path):
+    """``bagel-data resize-state`` (run as a user runs it) names the unreadable file in one error line; Megatron's
+    ~30 import-time notes (no Transformer Engine / Apex, experimental classes) no longer bury it (--verbose
+    shows them)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    bad = tmp_path / "energon" / "iter_0000020" / "train_dataloader_dprank000.pt"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"junk\n")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    cli = [sys.executable, "-m", "bridge.models.bagel.data.tools.cli", "resize-state", str(tmp_path), "--dp-size", "2"]
+    proc = subprocess.run(cli, capture_output=True, text=True, cwd=repo, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and f"loader state file {bad} (dp rank 0) cannot be read" in errors[0], proc.stderr
+    assert "UserWarning" not in proc.stderr and " INFO megatron." not in proc.stderr, proc.stderr

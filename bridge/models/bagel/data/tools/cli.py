@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from ..converter.convert import (
@@ -177,6 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        # Megatron's import-time notes (no Transformer Engine / Apex on this machine, experimental classes): ~30
+        # lines before resize-state's one line, and nothing a data tool acts on; shown with --verbose
+        logging.getLogger("megatron").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     if args.cmd == "inspect":
         return _run_inspect(args)
     if args.cmd == "stats":
