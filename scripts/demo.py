@@ -23,8 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def torchrun(nproc: int, args: list[str], log: Path) -> int:
+    # --log-dir: torchrun's per-launch directory goes next to our log, not into the temp dir (one left per launch)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port",
-           os.environ.get("BAGEL_DEMO_PORT", "29531"), str(REPO / "scripts" / "pretrain_bagel.py"), *args]
+           os.environ.get("BAGEL_DEMO_PORT", "29531"), "--log-dir", str(log.parent / "torchelastic"),
+           str(REPO / "scripts" / "pretrain_bagel.py"), *args]
     print(f"$ torchrun --nproc-per-node={nproc} scripts/pretrain_bagel.py {' '.join(args)}", flush=True)
     t0 = time.time()
     with open(log, "w") as fh:

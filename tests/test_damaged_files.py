@@ -129,6 +129,7 @@ def _run_two_ranks(cfg, workers: int) -> subprocess.CompletedProcess:
     """The real job script under a 2-rank torchrun world on gloo (one launch: ~20 s on an idle 2-core machine)."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={29631 + workers}",
+         "--log-dir", str(Path(cfg.groups).parent / "torchelastic"),
          "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
          f"data.num_workers={workers}", *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=12",
          "train.progress=false", "demo_data=null", "train.save=null"],

@@ -38,7 +38,8 @@ def _free_port() -> int:
 def _torchrun(nproc: int, args: list[str], log: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain_bagel.py"), *args]
+           "--master-port", str(_free_port()), "--log-dir", str(log.parent / "torchelastic"),
+           str(REPO / "scripts" / "pretrain_bagel.py"), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     log.write_text(proc.stdout + proc.stderr)
     return proc

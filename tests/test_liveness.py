@@ -181,6 +181,7 @@ def test_b1_under_a_two_rank_job_every_rank_stops_with_one_line(half_broken, tmp
     env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29593")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29593",
+         "--log-dir", str(Path(cfg.groups).parent / "torchelastic"),
          "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
          "data.prefetch=2", *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3",
          "train.progress=false", "demo_data=null"],

@@ -46,6 +46,8 @@ def test_restart_reproduces_the_uninterrupted_run(demo_run: Path) -> None:
     assert all(c[k] == a[k] for k in c) and all(b[k] == a[k] for k in b)
     assert a[(0, 1, 0)] != a[(1, 1, 0)]                        # DP ranks read different data
     assert (demo_run / "ckpt_b" / "energon" / "iter_0000002" / "train_dataloader_dprank001.pt").is_file()
+    # torchrun's per-launch log directories (one per run: A, B, C) are in the demo's output, not the temp dir
+    assert len(list((demo_run / "torchelastic").iterdir())) == 3
 
 
 def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:

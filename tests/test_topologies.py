@@ -49,7 +49,8 @@ def _free_port() -> int:
 def _torchrun(args: list[str], log: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(REPO / "scripts" / "pretrain_bagel.py"), *args]
+           "--master-port", str(_free_port()), "--log-dir", str(log.parent / "torchelastic"),
+           str(REPO / "scripts" / "pretrain_bagel.py"), *args]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     log.write_text(proc.stdout + proc.stderr)
     return proc

@@ -163,6 +163,7 @@ def test_two_rank_job_every_rank_ends_with_the_time_out(tmp_path):
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29617",
+             "--log-dir", str(Path(cfg.groups).parent / "torchelastic"),
              "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
              "data.prefetch=2", f"data.stall_warn_s={WARN_S}", f"data.timeout_s={TIMEOUT_S}",
              *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3", "train.progress=false",
