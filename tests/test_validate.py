@@ -112,44 +112,60 @@ def test_a_temp_dir_too_long_for_worker_sockets_is_a_problem_of_the_pass(tmp_pat
     groups, info = _files(tmp_path, {"t2i_pretrain": {"dataset_names": ["t2i"], "weight": 1,
                                                       "image_transform_args": T2I_ARGS}},
                           {"t2i_pretrain": {"t2i": {"data_dir": "raw/t2i", "energon_path": str(tmp_path)}}})
-    long_dir = tmp_path / ("scheduler-job-tmp-" + "x" * max(1, 90 - len(str(tmp_path))))
-    long_dir.mkdir()
-    monkeypatch.setattr("tempfile.tempdir", str(long_dir))
-    def problems(**kw) -> list[str]:
+
+    def problems(temp_dir: Path, **kw) -> list[str]:
+        monkeypatch.setattr("tempfile.tempdir", str(temp_dir))  # Python's temp dir
+        monkeypatch.setenv("TMPDIR", str(temp_dir))               # torch_shm_manager's
         try:
             validate_data(BagelDataConfig(groups=groups, dataset_info=info, **kw))
         except ConfigError as exc:
-            return exc.problems
+            return [p for p in exc.problems if "unix socket" in p]
         return []
 
-    assert socket_path_problem() is not None
+    def temp_dir(size: int) -> Path:
+        path = Path(str(tmp_path / "t") + "x" * (size - len(str(tmp_path / "t"))))
+        path.mkdir(exist_ok=True)
+        assert len(str(path)) == size
+        return path
+
+    long_dir = temp_dir(90)
     for kw in (dict(num_workers=2), dict(prefetch=2)):
-        [p] = problems(**kw)
-        assert p.startswith(f"temp dir {str(long_dir)!r} is {len(str(long_dir))} bytes long") and "TMPDIR" in p, p
-    assert problems() == []
-    # the official order's workers are emulated in process: only its own missing num_used_data is reported
-    assert [p for p in problems(num_workers=2, order="official") if "unix sockets" in p] == []
+        [p] = problems(long_dir, **kw)
+        assert p.startswith(f"temp dir {str(long_dir)!r} is 90 bytes long") and "TMPDIR" in p, p
+    assert problems(long_dir) == []
+    assert problems(long_dir, num_workers=2, order="official") == []  # its workers are emulated in process
+    # 74 bytes: room for the workers' sockets, not for torch_shm_manager's (2 bytes longer below the temp dir)
+    assert problems(temp_dir(74), num_workers=2) == []
+    [p] = problems(temp_dir(74), prefetch=2)
+    assert "torch_shm_manager" in p and "at most 73 bytes" in p, p
 
 
-@pytest.mark.parametrize("extra", [0, 1])
-def test_the_unix_socket_path_limit_is_the_kernels(tmp_path, extra):
-    """``UNIX_PATH_MAX`` and the path below the temp dir are the real ones: a multiprocessing listener binds at a
-    temp dir exactly as long as ``socket_path_problem`` allows, and fails one byte longer."""
-    from multiprocessing.connection import Listener
+_BIND = {
+    # the real multiprocessing temp dir and listener address (get_temp_dir, arbitrary_address), bound
+    "workers": "from multiprocessing.connection import Listener; Listener(family='AF_UNIX').close()",
+    # the prefetch producer's strategy: torch_shm_manager starts and binds its socket
+    "prefetch": "import torch, torch.multiprocessing as m; m.set_sharing_strategy('file_system'); "
+                "torch.zeros(1).share_memory_()",
+}
 
-    room = UNIX_PATH_MAX - len("/pymp-XXXXXXXX/listener-XXXXXXXX")
-    base = Path("/tmp") / f"bagel-test-{os.getpid()}"
-    temp_dir = str(base) + "d" * (room + extra - len(str(base)))
-    assert len(temp_dir) == room + extra
-    sock_dir = os.path.join(temp_dir, "pymp-abcdefgh")
-    os.makedirs(sock_dir)
+
+@pytest.mark.parametrize("kind,extra", [("workers", 0), ("workers", 1), ("prefetch", 0), ("prefetch", 1)])
+def test_the_socket_path_limits_are_the_real_ones(kind, extra):
+    """At a temp dir exactly as long as ``socket_path_problem`` allows, the real socket binds (a multiprocessing
+    listener; torch_shm_manager); one byte longer it fails, and the check says so: the formula, not only the
+    kernel's limit, is checked, in a fresh process with that TMPDIR."""
+    import subprocess
+    import sys
+
+    room = UNIX_PATH_MAX - len("/pymp-XXXXXXXX/listener-XXXXXXXX" if kind == "workers"
+                               else "/torch-shm-dir-XXXXXX/manager.sock")
+    base = f"/tmp/bagel-test-{os.getpid()}-"
+    temp_dir = base + "d" * (room + extra - len(base))
+    os.makedirs(temp_dir)
     try:
-        assert (socket_path_problem(temp_dir) is None) == (extra == 0)
-        address = os.path.join(sock_dir, "listener-abcdefgh")
-        if extra == 0:
-            Listener(address, family="AF_UNIX").close()
-        else:
-            with pytest.raises(OSError, match="AF_UNIX path too long"):
-                Listener(address, family="AF_UNIX")
+        assert (socket_path_problem(temp_dir, prefetch=kind == "prefetch") is None) == (extra == 0)
+        proc = subprocess.run([sys.executable, "-c", _BIND[kind]], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TMPDIR": temp_dir})
+        assert (proc.returncode == 0) == (extra == 0), proc.stderr[-2000:]
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)

@@ -89,30 +89,46 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
 
 #: The longest unix-socket path Linux binds: ``sockaddr_un.sun_path`` holds 108 bytes, the terminating NUL included.
 UNIX_PATH_MAX = 107
-#: Where multiprocessing puts the socket a worker process sends a tensor's file descriptor through, below the
-#: temp dir: ``multiprocessing.util.get_temp_dir()`` (``pymp-`` + 8 characters), then
-#: ``connection.arbitrary_address("AF_UNIX")`` (``listener-`` + 8 characters).
-_SOCKET_BELOW_TEMP_DIR = "/pymp-XXXXXXXX/listener-XXXXXXXX"
+#: Where multiprocessing puts the socket a worker process sends a tensor's file descriptor through (torch's
+#: default ``file_descriptor`` strategy), below Python's temp dir: ``multiprocessing.util.get_temp_dir()``
+#: (``pymp-`` + 8 characters), then ``connection.arbitrary_address("AF_UNIX")`` (``listener-`` + 8 characters).
+_MP_SOCKET = "/pymp-XXXXXXXX/listener-XXXXXXXX"
+#: torch_shm_manager's socket, below torch's temp dir, for the ``file_system`` strategy the prefetch producer
+#: (and the Energon workers forked from it) use.
+_TORCH_SHM_SOCKET = "/torch-shm-dir-XXXXXX/manager.sock"
+#: The variables torch_shm_manager takes its temp dir from, first set first (else ``/tmp``); Python's
+#: ``tempfile`` reads TMPDIR, TEMP, TMP.
+_TORCH_TEMP_ENV = ("TMPDIR", "TMP", "TEMP", "TEMPDIR")
 
 
-def socket_path_problem(temp_dir: str | None = None) -> str | None:
-    """Why worker processes could not hand tensors over under ``temp_dir`` (default: Python's temp dir), or None.
+def _torch_temp_dir() -> str:
+    return next((os.environ[k] for k in _TORCH_TEMP_ENV if os.environ.get(k)), "/tmp")
+
+
+def socket_path_problem(temp_dir: str | None = None, *, prefetch: bool = False) -> str | None:
+    """Why worker processes could not hand tensors over under ``temp_dir`` (default: the temp dirs Python and
+    torch use), or None.
 
     An Energon worker returns each sample's tensors by sending their file descriptors over a unix socket in
-    ``<temp dir>/pymp-…/`` (torch's ``file_descriptor`` sharing strategy). Where that path is longer than
-    ``UNIX_PATH_MAX`` bytes the bind fails inside the worker's queue thread, which only prints it: the sample
-    never arrives and the reader waits until its watchdog's time-out, which cannot name the cause. Cluster
-    schedulers often set a long per-job ``TMPDIR``.
+    ``<temp dir>/pymp-…/``; under ``prefetch`` they go through torch_shm_manager's socket in
+    ``<temp dir>/torch-shm-dir-…/``. Where that path is longer than ``UNIX_PATH_MAX`` bytes the bind fails:
+    inside a worker's queue thread, which only prints it, so the sample never arrives and the reader waits until
+    its watchdog's time-out, which cannot name the cause. Cluster schedulers often set a long per-job
+    ``TMPDIR``.
     """
-    temp_dir = tempfile.gettempdir() if temp_dir is None else temp_dir
-    need = len(os.fsencode(temp_dir)) + len(_SOCKET_BELOW_TEMP_DIR)
-    if need <= UNIX_PATH_MAX:
-        return None
-    room = UNIX_PATH_MAX - len(_SOCKET_BELOW_TEMP_DIR)
-    return (f"temp dir {temp_dir!r} is {len(os.fsencode(temp_dir))} bytes long: worker processes pass tensors "
-            f"through unix sockets under it ({temp_dir}{_SOCKET_BELOW_TEMP_DIR}, {need} bytes; Linux binds at most "
-            f"{UNIX_PATH_MAX}), so no sample would ever arrive; set TMPDIR to a directory of at most {room} bytes "
-            "(e.g. /tmp), or use num_workers: 0 and prefetch: 0")
+    checks = [(tempfile.gettempdir() if temp_dir is None else temp_dir, _MP_SOCKET,
+               "worker processes pass tensors through unix sockets under it")]
+    if prefetch:
+        checks.append((_torch_temp_dir() if temp_dir is None else temp_dir, _TORCH_SHM_SOCKET,
+                       "the prefetch producer's tensors go through torch_shm_manager's unix socket under it"))
+    for path, below, what in checks:
+        size = len(os.fsencode(path))
+        if size + len(below) > UNIX_PATH_MAX:
+            return (f"temp dir {path!r} is {size} bytes long: {what} ({path}{below}, {size + len(below)} bytes; "
+                    f"Linux binds at most {UNIX_PATH_MAX}), so no sample would ever arrive; set TMPDIR to a "
+                    f"directory of at most {UNIX_PATH_MAX - len(below)} bytes (e.g. /tmp), or use num_workers: 0 "
+                    "and prefetch: 0")
+    return None
 
 
 def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True) -> ValidatedData:
@@ -148,7 +164,7 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
                 if issue.level == "error":
                     problems.add(f"packer budgets cannot work with these groups: {issue.message}")
     if readers and ((config.num_workers and config.order != "official") or config.prefetch):
-        problem = socket_path_problem()
+        problem = socket_path_problem(prefetch=bool(config.prefetch))
         if problem:
             problems.add(problem)
     problems.raise_if_any(str(config.groups))
