@@ -253,8 +253,11 @@ mode = sys.argv[1]
 stacks.enable_agents()
 child = mp.get_context("fork").Process(target=worker, daemon=True)
 child.start()
-time.sleep(0.5)
-reports = stacks.collect_reports()
+reports = []
+for _ in range(20):  # a loaded machine may be slow to schedule the child's agent
+    reports = stacks.collect_reports()
+    if reports:
+        break
 print(json.dumps({"dir": stacks._agents.dir, "pids": [r["pid"] for r in reports], "child": child.pid}), flush=True)
 child.terminate(); child.join()
 if mode == "killed":        # as a preemption: no atexit

@@ -222,12 +222,14 @@ class BagelGroupReader(GroupSelection, Savable):
         t_selection = _clocks()
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                           global_error_handler=reraise_exception)
-        ds = get_train_dataset(ds_path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
-                               max_samples_per_sequence=max_samples_per_sequence, task_encoder=self.task_encoder,
-                               repeat=True)
-        self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
-                                         checkpoint_every_sec=checkpoint_every_sec)
-        self._remove_blend()  # Energon has read it; a run that never closes the reader would leave it behind
+        try:
+            ds = get_train_dataset(ds_path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
+                                   max_samples_per_sequence=max_samples_per_sequence,
+                                   task_encoder=self.task_encoder, repeat=True)
+            self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
+                                             checkpoint_every_sec=checkpoint_every_sec)
+        finally:
+            self._remove_blend()  # Energon has read it (or failed); a trainer never closes the reader
         # stops the workers when the reader is closed or collected; holding the loader keeps its queues out of
         # a cyclic collection of the reader, so the workers still get their stop message (workers.py)
         self._stop_workers = weakref.finalize(self, shutdown_workers, self.loader)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ..converter.convert import (
     DEFAULT_MAX_IMAGE_PIXELS, ConvertError, ConvertSummary, convert_from_config, convert_group, merge_all,
@@ -174,15 +175,34 @@ def _resize_state(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _quiet_megatron(quiet: bool) -> Iterator[None]:
+    """Megatron's import-time notes (no Transformer Engine / Apex on this machine, experimental classes) hidden
+    for the command: ~30 lines before resize-state's one line, nothing a data tool acts on (``--verbose`` shows
+    them). Logger level and warning filters are restored after, for a caller that runs ``main`` in process."""
+    if not quiet:
+        yield
+        return
+    log = logging.getLogger("megatron")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+            yield
+    finally:
+        log.setLevel(level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.verbose:
-        # Megatron's import-time notes (no Transformer Engine / Apex on this machine, experimental classes): ~30
-        # lines before resize-state's one line, and nothing a data tool acts on; shown with --verbose
-        logging.getLogger("megatron").setLevel(logging.WARNING)
-        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    with _quiet_megatron(not args.verbose):
+        return _command(args)
+
+
+def _command(args: argparse.Namespace) -> int:
     if args.cmd == "inspect":
         return _run_inspect(args)
     if args.cmd == "stats":

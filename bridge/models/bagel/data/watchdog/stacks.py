@@ -166,9 +166,9 @@ _agents: _Agents | None = None
 _hook_installed = False
 
 
-def _agent_loop(agents: _Agents) -> None:
+def _agent_loop(agents: _Agents, seen: int) -> None:
+    """Report once per bump of ``agents.request`` after ``seen`` (its value when this process was forked)."""
     me = threading.get_ident()
-    seen = agents.request.value
     while True:
         time.sleep(_AGENT_POLL_S)
         if agents.request.value == seen:
@@ -188,7 +188,10 @@ def _agent_loop(agents: _Agents) -> None:
 
 def _start_agent() -> None:
     if _agents is not None and os.getpid() != _agents.owner:
-        threading.Thread(target=_agent_loop, args=(_agents,), name="bagel-watch-agent", daemon=True).start()
+        # the counter is read here, in the fork hook, not when the thread first runs: a request made between
+        # the fork and the thread's first turn (a loaded machine) is then still answered
+        threading.Thread(target=_agent_loop, args=(_agents, _agents.request.value), name="bagel-watch-agent",
+                         daemon=True).start()
 
 
 def enable_agents() -> None:
@@ -210,7 +213,11 @@ def collect_reports(wait_s: float = _REPORT_WAIT_S) -> list[dict[str, Any]]:
     agents.request.value += 1
     time.sleep(wait_s)
     reports = []
-    for name in os.listdir(agents.dir):
+    try:
+        names = os.listdir(agents.dir)
+    except OSError:  # the owner exited (and removed it) while a forked process, e.g. the producer, still runs
+        return []
+    for name in names:
         if not name.endswith(".json"):
             continue
         try:
