@@ -2,7 +2,9 @@
 dataset per session, and a frozen garbage-collector heap before each test body (see ``pytest_runtest_call``)."""
 
 import gc
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -76,3 +78,12 @@ def tokenizer():
 
     tok, _, _ = add_special_tokens(build_qwen2_tokenizer())
     return tok
+
+
+@pytest.fixture
+def short_tmp_path():
+    """A fresh directory directly under /tmp, removed after the test: short enough to be a TMPDIR for worker
+    processes (their unix sockets live below it; pytest's own tmp_path, under xdist, can be too long)."""
+    path = Path(tempfile.mkdtemp(prefix="bagel-t-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -13,10 +13,8 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -105,7 +103,7 @@ def test_benches_are_discovered():
 
 
 @pytest.mark.parametrize("name", BENCHES)
-def test_bench_quick(name, demo_setup):
+def test_bench_quick(name, demo_setup, short_tmp_path):
     args = ["--quick"]
     if name in DATA_OPTION:
         args += [DATA_OPTION[name], str(demo_setup[0])]
@@ -115,11 +113,7 @@ def test_bench_quick(name, demo_setup):
         args += ["--reference", "bench_packer:ours"]
     # and nothing left behind in its temp dir (a leak per run); a short path: torch's shared-memory manager
     # binds a unix socket there (at most 107 bytes)
-    tmp = Path(tempfile.mkdtemp(prefix="bench-tmp-"))
-    try:
-        pairs = check(name, args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    pairs = check(name, args, short_tmp_path)
     if name == "bench_packer.py":
         assert set(pairs) >= {"speedup_flex", "speedup_dense", "vs"}
 

@@ -125,31 +125,20 @@ def test_num_used_data_changes_the_reader_identity(converted, tokenizer):
     assert ids[0] == [[[0, 21, 1]]] and ids[1] == [[[0, 10, 2], [10, 21, 1]]]
 
 
-@pytest.fixture
-def short_temp_dir():
-    """A temp dir short enough for the workers' unix sockets (pytest's own, under xdist, is not always)."""
-    import shutil
-    import tempfile
-
-    path = Path(tempfile.mkdtemp(prefix="bagel-t-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def test_the_blend_of_a_partial_selection_leaves_no_temporary_directory(converted, tokenizer, short_temp_dir,
+def test_the_blend_of_a_partial_selection_leaves_no_temporary_directory(converted, tokenizer, short_tmp_path,
                                                                        monkeypatch):
     """The selection's metadataset YAML was removed only by ``close()``, which a trainer never calls: every rank
     of every run left a ``bagel-blend-*`` directory per group. It is gone once Energon has opened it, and the
     reader still reads, saves and resumes (2 workers, a restored sample included)."""
     import torch
 
-    monkeypatch.setattr("tempfile.tempdir", str(short_temp_dir))
+    monkeypatch.setattr("tempfile.tempdir", str(short_tmp_path))
     path = str(converted / "t2i_pretrain/t2i")
     kw = dict(tokenizer=tokenizer, image_transform_args=VAE, num_used_data=[6], num_workers=2)
     a = BagelGroupReader([path], **kw)
     try:
         assert a.runs == [[(0, 10, 2), (10, 21, 1)]]  # a blend, not the dataset opened whole
-        assert list(short_temp_dir.glob("bagel-blend-*")) == []
+        assert list(short_tmp_path.glob("bagel-blend-*")) == []
         first = [next(a) for _ in range(3)]
         state = a.state_dict()
         rest = [next(a) for _ in range(4)]
@@ -157,7 +146,7 @@ def test_the_blend_of_a_partial_selection_leaves_no_temporary_directory(converte
         a.close()
     b = BagelGroupReader([path], **kw)
     try:
-        assert list(short_temp_dir.glob("bagel-blend-*")) == []
+        assert list(short_tmp_path.glob("bagel-blend-*")) == []
         b.load_state_dict(state)
         again = b.restore_sample(first[-1].restore_key)
         assert torch.equal(again.image_tensor_list[0], first[-1].image_tensor_list[0])

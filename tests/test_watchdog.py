@@ -279,29 +279,32 @@ def _report(proc: subprocess.Popen) -> dict:
     return seen
 
 
-def test_the_report_directory_of_agents_is_removed_when_its_owner_exits_or_dies():
+def test_the_report_directory_of_agents_is_removed_when_its_owner_exits_or_dies(short_tmp_path):
     """Every process that enabled agents (each rank, each restart) left a ``bagel-watch-*`` directory in the temp
     dir. Its owner removes it at exit; one of an owner killed with SIGKILL (no atexit) is removed by the next
     owner's start; a live owner's is never touched."""
-    import shutil
-    import tempfile
-
-    tmp = Path(tempfile.mkdtemp(prefix="bagel-t-", dir="/tmp"))  # short: the children may open unix sockets
+    tmp = short_tmp_path  # the children's TMPDIR: short, they may open unix sockets
+    procs: list[subprocess.Popen] = []
     try:
         killed = _agents_run(tmp, "killed")
+        procs.append(killed)
         dead_dir = _report(killed)["dir"]
         assert killed.wait(60) == -9 and os.path.isdir(dead_dir)  # what a preemption leaves
         hold = _agents_run(tmp, "hold", stdin=subprocess.PIPE)
+        procs.append(hold)
         live_dir = _report(hold)["dir"]
         assert not os.path.exists(dead_dir)                      # the next start reclaimed it
         normal = _agents_run(tmp, "normal")
+        procs.append(normal)
         normal_dir = _report(normal)["dir"]
         assert normal.wait(60) == 0, normal.stderr.read()
         assert os.path.isdir(live_dir) and not os.path.exists(normal_dir)  # live: kept; exited: removed
         hold.stdin.close()
         assert hold.wait(60) == 0, hold.stderr.read()
         assert os.path.dirname(live_dir) == str(tmp)
-        left = list(tmp.iterdir())
+        assert list(tmp.iterdir()) == []
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    assert left == [], left
+        for proc in procs:  # a failed assertion must not leave the live one waiting on its stdin
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

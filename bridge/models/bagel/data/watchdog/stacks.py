@@ -148,12 +148,10 @@ def _reclaim_reports(temp_dir: str | None = None) -> int:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # a live owner (or one of its forked processes) holds it
-        try:
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
+        except OSError:
+            pass  # a live owner (or one of its forked processes) holds the lock
         finally:
             os.close(fd)
     if removed:
