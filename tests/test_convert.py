@@ -290,6 +290,26 @@ def test_convert_from_config_and_cli(tmp_path, monkeypatch, capsys):
     assert ["t2i_pretrain/golden_t2i", "21", "4"] in [r[:3] for r in rows]  # one shard per file (<= 10 rows)
 
 
+def test_convert_config_with_a_broken_yaml_is_one_line(tmp_path, caplog):
+    """``convert config`` on a grouped YAML / dataset_info that does not parse: exit 2 and one error line naming
+    the file, what it is, and line and column (not PyYAML's multi-line snippet); nothing is written."""
+    from bridge.models.bagel.data.tools.cli import main
+
+    good = tmp_path / "good.yaml"
+    good.write_text(json.dumps({T2I: {"golden_t2i": {"data_dir": "t2i"}}}))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("t2i_pretrain:\n  dataset_names: [golden_t2i\n  weight: 1\n")
+    for info, groups, what in ((good, broken, "grouped dataset YAML"), (broken, good, "dataset_info")):
+        caplog.clear()
+        rc = main(["convert", "config", "--dataset-info", str(info), "--groups", str(groups),
+                   "--out", str(tmp_path / "out"), "--no-progress"])
+        assert rc == 2
+        [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert line == (f"{broken}: {what} is not valid YAML: while parsing a flow sequence; expected ',' or ']', "
+                        "but got ':' (line 3, column 9)"), line
+        assert not (tmp_path / "out").exists()
+
+
 def test_vlm_edge_records(tmp_path):
     """video, non-string names, a directory as image, CRLF line endings and a blank last line: one sample each."""
     img_dir = tmp_path / "imgs"

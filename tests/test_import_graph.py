@@ -22,6 +22,7 @@ PKG_DIR = ROOT.joinpath(*PKG.split("."))
 LAYERS: dict[str, int] = {
     # 0: infrastructure leaves (no pipeline knowledge)
     "state": 0, "stats": 0, "watchdog": 0, "_bridge": 0, "tokenizer": 0, "transforms": 0, "attention": 0,
+    "yaml_errors": 0,
     # 1: configuration (grouped YAML, registry, packer knobs, budget rules, the one validation pass)
     "config": 1,
     # 2: Energon readers and cookers
@@ -38,8 +39,8 @@ LAYERS: dict[str, int] = {
 #: Side wings: never imported by the runtime (layers 0-6).
 CONVERTER = ("converter",)
 TOOLS = ("tools",)
-#: What the converter may import of the runtime: the on-disk layout contract only.
-CONVERTER_MAY_IMPORT = ("energon.layout",)
+#: What the converter may import of the runtime: the on-disk layout contract, and the one-line YAML error leaf.
+CONVERTER_MAY_IMPORT = ("energon.layout", "yaml_errors")
 
 
 def _modules() -> dict[str, Path]:

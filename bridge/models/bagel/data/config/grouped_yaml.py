@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import yaml
 
 from ..transforms import ImageTransform
+from ..yaml_errors import yaml_problem
 
 __all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "is_int", "is_number", "load_grouped_yaml",
            "read_mapping"]
@@ -115,15 +116,6 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 
 
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML parse error in one line: what is wrong and where (1-based line and column), without PyYAML's
-    multi-line snippet (which names the text as ``"<unicode string>"`` when it was parsed from a string)."""
-    mark = getattr(exc, "problem_mark", None)
-    what = "; ".join(str(x) for x in (getattr(exc, "context", None), getattr(exc, "problem", None)) if x)
-    what = what or " ".join(str(exc).split())
-    return f"{what} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else what
 
 
 def read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:

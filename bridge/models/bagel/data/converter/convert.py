@@ -26,6 +26,7 @@ from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, du
 from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
 from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, T2I, VLM, dataset_dir
+from ..yaml_errors import yaml_problem
 
 logger = logging.getLogger(__name__)
 
@@ -317,8 +318,10 @@ def _load_mapping(path: str, what: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)  # YAML is a superset of JSON: both formats are accepted
-    except (OSError, yaml.YAMLError) as e:
+    except OSError as e:
         raise ConvertError(f"{path}: cannot read {what} ({type(e).__name__}: {e})") from e
+    except yaml.YAMLError as e:  # one line with line/column, not PyYAML's multi-line snippet
+        raise ConvertError(f"{path}: {what} is not valid YAML: {yaml_problem(e)}") from e
     if not isinstance(data, dict):
         raise ConvertError(f"{path}: {what} must be a mapping")
     return data

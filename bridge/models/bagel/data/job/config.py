@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import yaml
 
 from ..config import BagelDataConfig, ConfigError, structured_merge
-from ..config.grouped_yaml import yaml_problem
+from ..yaml_errors import yaml_problem
 
 __all__ = ["JobConfig", "TrainConfig", "load_job_config"]
 
