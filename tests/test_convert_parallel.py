@@ -274,3 +274,88 @@ def test_a_run_killed_between_merge_and_publish_only_publishes(tmp_path):
     again = convert_t2i(str(RAW / "t2i"), tmp_path / "out", samples_per_shard=4, progress=False)
     assert tree(Path(again.path)) == ref and not Path(s.path + ".partial").exists()
     assert (again.samples, again.shards) == (s.samples, s.shards)
+
+
+def _mtimes(root: Path) -> dict[str, int]:
+    return {os.path.relpath(os.path.join(dp, f), root): os.stat(os.path.join(dp, f)).st_mtime_ns
+            for dp, _, fns in os.walk(root) for f in fns}
+
+
+def test_a_finished_conversion_run_again_is_done_not_refused(tmp_path, capsys):
+    """A rerun of a conversion that was published (a requeued array job, `convert config` resumed after a kill
+    in a later group): nothing is rewritten and it exits 0, for any workers or part; changed sources or options
+    are still refused without --overwrite."""
+    from bridge.models.bagel.data.tools.cli import main
+
+    src = make_corpus(tmp_path, files=6, rows=40, lines=10)
+    out = tmp_path / "o"
+    first = convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False)
+    ref, stamps = tree(Path(first.path)), _mtimes(Path(first.path))
+    for kw in ({}, {"workers": 2}, {"part": 1, "num_parts": 2}):
+        again = convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False, **kw)
+        assert again.status == "already converted", kw
+        assert (again.samples, again.shards, again.bytes) == (first.samples, first.shards, first.bytes)
+        assert tree(Path(first.path)) == ref and _mtimes(Path(first.path)) == stamps, kw  # nothing rewritten
+    args = ["convert", "t2i", "--data-dir", str(src["t2i"]), "--out", str(out), "--samples-per-shard", "50",
+            "--no-progress"]
+    capsys.readouterr()
+    assert main(args) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "t2i_pretrain/t2i: already converted"
+    with pytest.raises(ConvertError, match="not empty and holds another conversion.*--overwrite"):
+        convert_t2i(str(src["t2i"]), out, samples_per_shard=20, progress=False)  # other options
+    part = src["t2i"] / "part-0000.parquet"
+    os.utime(part, ns=(part.stat().st_atime_ns, part.stat().st_mtime_ns + 10**9))  # a source rewritten
+    with pytest.raises(ConvertError, match="not empty and holds another conversion"):
+        convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False)
+    assert tree(Path(first.path)) == ref
+
+
+def test_a_part_run_with_other_options_refuses_to_discard_the_other_parts_work(tmp_path):
+    """Parts must share one plan: a part started with other options (or, for `convert config`, another working
+    directory) is refused with the keys that differ, and the other parts' finished units stay; with
+    --overwrite it starts over."""
+    src = make_corpus(tmp_path, files=6, rows=40, lines=10)
+    convert_t2i(str(src["t2i"]), tmp_path / "serial", samples_per_shard=50, progress=False)
+    out = tmp_path / "o"
+    s0 = convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False, part=0, num_parts=2)
+    work = Path(s0.path + ".partial") / ".convert"
+    units = sorted(p.name for p in work.glob("unit-*.json"))
+    assert units
+    with pytest.raises(ConvertError, match=r"staged work of a different conversion \(differs in: samples_per_shard\)"
+                                           r".*every --part must use the same sources and options"):
+        convert_t2i(str(src["t2i"]), out, samples_per_shard=20, progress=False, part=1, num_parts=2)
+    assert sorted(p.name for p in work.glob("unit-*.json")) == units  # part 0's work kept
+    convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False, part=1, num_parts=2)
+    merge_all(out)
+    assert tree(out) == tree(tmp_path / "serial")
+    shutil.rmtree(out)
+    convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False, part=0, num_parts=2)
+    s = convert_t2i(str(src["t2i"]), out, samples_per_shard=20, progress=False, part=1, num_parts=2, overwrite=True)
+    assert s.status.startswith("part 1/2 done") and not [p for p in work.glob("unit-*.json") if p.name in units[:1]]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_conversion_with_one_line_and_a_rerun_resumes(tmp_path):
+    """SIGINT to the process group (Ctrl-C) during a 2-worker conversion: exit 130 and one error line, no
+    traceback from the CLI or its workers; the rerun resumes and gives the bytes of an uninterrupted run."""
+    src = make_corpus(tmp_path, files=40, rows=150, lines=10)
+    args = ["t2i", "--data-dir", str(src["t2i"]), "--samples-per-shard", "50", "--no-progress"]
+    subprocess.run(_cli(*args, "--out", str(tmp_path / "ref")), check=True, cwd=REPO, capture_output=True)
+    out = tmp_path / "out"
+    work = out / T2I / "t2i.partial" / ".convert"
+    proc = subprocess.Popen(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (work.is_dir() and any(work.glob("unit-*.json"))):
+        assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before the first unit"
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    [line] = [x for x in err.splitlines() if " ERROR " in x]
+    assert line.endswith("interrupted; run the same command again: the conversion resumes where it stopped"), line
+    assert not (out / T2I / "t2i").exists()
+    r = subprocess.run(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
+    assert tree(out) == tree(tmp_path / "ref")

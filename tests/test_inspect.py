@@ -231,3 +231,47 @@ def test_inspect_refuses_bad_input(tmp_path, caplog):
         assert cli.main([*cmd, "--config", str(broken)]) == 2
         [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert line == f"{broken}: not valid YAML: mapping values are not allowed in this context (line 3, column 9)"
+
+
+def test_stats_and_inspect_on_a_damaged_dataset_are_one_line(demo_setup, tmp_path, caplog):
+    """A shard cut short or deleted after conversion: ``stats`` and ``inspect`` exit 2 with one error line that
+    names the shard and the remedy (not tarfile's / the OS's traceback)."""
+    import shutil
+
+    out, _ = demo_setup
+    copy = tmp_path / "d"
+    shutil.copytree(out / "energon", copy / "energon")
+    for name in ("groups.yaml", "dataset_info.yaml"):
+        (copy / name).write_text((out / name).read_text().replace(str(out), str(copy)))
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB_YAML.format(out=copy, flex="true"))
+    shard = copy / "energon" / "t2i_pretrain" / "demo_t2i" / "shards" / "shard-000000.tar"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 8])  # the first batch already reads past it
+    runs = {"stats": ["stats", "--config", str(job), "--no-progress", "--histogram", ""],
+            "inspect": ["inspect", "--config", str(job), "--no-progress", "--batches", "2",
+                        "--out", str(tmp_path / "pictures")]}
+    for what, argv in runs.items():
+        caplog.clear()
+        assert cli.main(argv) == 2, what
+        [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert line.startswith(f"damaged shard {shard}: cut at byte"), (what, line)
+        assert "convert" in line and "\n" not in line, line
+    shard.unlink()
+    caplog.clear()
+    assert cli.main(runs["stats"]) == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert line.startswith(f"shard {shard} of dataset") and "is missing" in line, line
+
+
+def test_convert_refuses_bad_numbers_before_reading_anything(tmp_path, capsys, caplog):
+    """Counts below their minimum are argparse's one-line usage error (exit 2); --num-parts > 1 needs --part."""
+    base = ["convert", "t2i", "--data-dir", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]
+    for flag, value, low in (("--samples-per-shard", "0", 1), ("--workers", "-3", 1), ("--num-parts", "0", 1),
+                             ("--part", "-1", 0), ("--max-image-pixels", "0", 1)):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*base, flag, value])
+        assert exc.value.code == 2
+        assert f"argument {flag}: must be >= {low}, got {int(value)}" in capsys.readouterr().err
+    assert cli.main([*base, "--num-parts", "3"]) == 2
+    assert "--num-parts 3 needs --part (0 .. 2)" in caplog.text
+    assert not (tmp_path / "o").exists()

@@ -8,6 +8,7 @@ sample indices so a reader can reproduce the official unit order. Output is dete
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -21,7 +22,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .finalize import build_manifest, load_records, manifest_path, publish, write_energon_index, write_index_uuid
+from .finalize import (build_manifest, load_records, manifest_path, publish, published_from, write_energon_index,
+                       write_index_uuid, write_plan_digest)
 from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
 from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
@@ -103,8 +105,13 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                      progress: bool, overwrite: bool) -> ConvertSummary:
     group, name = plan["group"], plan["dataset_name"]
     mine = part_units(plan, part, num_parts)
+    if not overwrite and published_from(ds_dir, dumps_json(plan)):  # a rerun (requeued job, resumed config)
+        with open(manifest_path(ds_dir), encoding="utf-8") as f:
+            man = json.load(f)
+        logger.info("%s: already converted from the same sources and options; nothing to do", ds_dir)
+        return dataclasses.replace(_summary(man, ds_dir, [], [], man["skipped"]), status="already converted")
     try:
-        staging, merged = open_staging(ds_dir, plan, overwrite)
+        staging, merged = open_staging(ds_dir, plan, overwrite, num_parts)
         if not merged:
             jobs = plan_jobs(plan, staging)
             todo = [jobs[k] for k in mine if not os.path.exists(unit_record_path(staging, k))]
@@ -129,8 +136,13 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                               bytes=sum(sh["bytes"] for r in records if r["unit"] in mine_set for sh in r["shards"]),
                               skipped=_skip_counts(plan["manifest"]["skipped"]), status=(
                                   f"part {part}/{num_parts} done; {len(missing)} of {len(plan['units'])} units "
-                                  f"left" if missing else f"part {part}/{num_parts} done; all parts done, run merge"))
+                                  f"left" if missing else f"part {part}/{num_parts} done; all parts done, run merge"
+                                  + (" --overwrite (replaces the published dataset)" if _has_files(ds_dir) else "")))
     return merge_dataset(ds_dir, overwrite=True)
+
+
+def _has_files(ds_dir: str) -> bool:
+    return os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or bool(os.listdir(ds_dir)))
 
 
 def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
@@ -140,11 +152,13 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
     ConvertWriteError when writing fails (rerun to resume).
     """
     staging = ds_dir.rstrip(os.sep) + ".partial"
-    if os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or os.listdir(ds_dir)) and not overwrite:
-        raise ConvertError(f"{ds_dir}: output directory is not empty (pass overwrite=True / --overwrite to replace it)")
+    if _has_files(ds_dir) and not overwrite:
+        raise ConvertError(f"{ds_dir}: output directory is not empty: pass --overwrite to replace the published "
+                           f"dataset with the merged parts")
     try:
-        with open(os.path.join(staging, WORK_DIR, "plan.json"), encoding="utf-8") as f:
-            plan = json.load(f)
+        with open(os.path.join(staging, WORK_DIR, "plan.json"), "rb") as f:
+            plan_bytes = f.read()
+        plan = json.loads(plan_bytes)
     except FileNotFoundError:
         if os.path.exists(manifest_path(staging)):  # merged before; only the publish was left
             with open(manifest_path(staging), encoding="utf-8") as f:
@@ -184,6 +198,7 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
         write_energon_index(staging, man["shards"], n_units, group)
         data = dumps_json(man) + b"\n"
         write_index_uuid(staging, data)
+        write_plan_digest(staging, plan_bytes)  # before the manifest: a merged staging dir always has it
         with open(manifest_path(staging) + ".tmp", "wb") as f:
             f.write(data)
         os.replace(manifest_path(staging) + ".tmp", manifest_path(staging))

@@ -165,5 +165,32 @@ def publish(staging: str, ds_dir: str) -> None:
         os.replace(staging, ds_dir)
 
 
+#: In a published dataset: the sha256 of the plan it was converted from (its sources' names, sizes and mtimes,
+#: and every option that changes bytes), so a rerun of the same conversion knows it is done.
+PLAN_DIGEST_NAME = ".plan.sha256"
+
+
+def plan_digest_path(ds_dir: str) -> str:
+    return os.path.join(ds_dir, PLAN_DIGEST_NAME)
+
+
+def write_plan_digest(staging: str, plan_bytes: bytes) -> None:
+    """Record the plan's sha256 in the staged dataset (published with it)."""
+    path = plan_digest_path(staging)
+    with open(path + ".tmp", "w", encoding="ascii") as f:
+        f.write(hashlib.sha256(plan_bytes).hexdigest() + "\n")
+    os.replace(path + ".tmp", path)
+
+
+def published_from(ds_dir: str, plan_bytes: bytes) -> bool:
+    """Whether ``ds_dir`` is a published dataset converted from exactly this plan (same sources and options)."""
+    try:
+        with open(plan_digest_path(ds_dir), encoding="ascii") as f:
+            recorded = f.read().strip()
+    except OSError:
+        return False
+    return recorded == hashlib.sha256(plan_bytes).hexdigest() and os.path.exists(manifest_path(ds_dir))
+
+
 def manifest_path(staging: str) -> str:
     return os.path.join(staging, MANIFEST_NAME)

@@ -7,10 +7,12 @@ differs (other sources, sizes, mtimes or options) is started over, one whose pla
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 #: Bumped when the staged work files change meaning (a staging dir of another version is started over).
 _PLAN_FORMAT = 1
+#: Plan keys computed from the others (sources, options): named in a plan diff only when nothing else differs.
+_DERIVED = ("units", "manifest", "warnings")
 
 
 def make_plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader, log: ScanLog, root: str,
@@ -68,13 +72,27 @@ def part_units(plan: dict[str, Any], part: int, num_parts: int) -> list[int]:
             if (u["first_sample"] * num_parts // total if total else k * num_parts // len(units)) == part]
 
 
-def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool) -> tuple[str, bool]:
+def _plan_changes(old: bytes, new: dict[str, Any]) -> str:
+    """The top-level plan keys that differ (e.g. ``sources``, ``source_root``, ``samples_per_shard``)."""
+    try:
+        before = json.loads(old)
+    except ValueError:
+        return "unreadable staged plan"
+    keys = sorted(k for k in set(before) | set(new) if before.get(k) != json.loads(dumps_json(new.get(k))))
+    inputs = [k for k in keys if k not in _DERIVED]  # name the cause, not what follows from it
+    return ", ".join(inputs or keys) or "plan format"
+
+
+def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool, num_parts: int = 1) -> tuple[str, bool]:
     """The staging dir of ``ds_dir`` holding ``plan`` (resumed when it matches, else started over).
 
     Returns ``(staging, merged)``; ``merged``: a previous run finished the merge and only the publish is left.
+    Staged units of a different plan are discarded, except by a part run (``num_parts > 1``) without
+    ``overwrite``: another part may own them, so it raises ConvertError naming the plan keys that differ.
     """
     if os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or os.listdir(ds_dir)) and not overwrite:
-        raise ConvertError(f"{ds_dir}: output directory is not empty (pass overwrite=True / --overwrite to replace it)")
+        raise ConvertError(f"{ds_dir}: output directory is not empty and holds another conversion (other sources "
+                           f"or options, or one converted before plans were recorded): pass --overwrite to replace it")
     staging = ds_dir.rstrip(os.sep) + ".partial"
     work = os.path.join(staging, WORK_DIR)
     plan_bytes = dumps_json(plan)
@@ -84,12 +102,19 @@ def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool) -> tuple[st
             return staging, True
         try:
             with open(plan_path, "rb") as f:
-                same = f.read() == plan_bytes
+                staged = f.read()
         except FileNotFoundError:
-            same = False
-        if not same:
-            logger.warning("%s: staged work of a different conversion (other sources or options); starting over",
-                           staging)
+            staged = None
+        if staged != plan_bytes:
+            changed = _plan_changes(staged, plan) if staged is not None else "no staged plan"
+            if num_parts > 1 and staged is not None and not overwrite:
+                raise ConvertError(
+                    f"{staging}: staged work of a different conversion (differs in: {changed}); every --part must "
+                    f"use the same sources and options (and, for `convert config`, the same --source-root or "
+                    f"working directory): rerun with those of the other parts, or pass --overwrite to discard the "
+                    f"staged work")
+            logger.warning("%s: staged work of a different conversion (differs in: %s); starting over",
+                           staging, changed)
             shutil.rmtree(staging)
         else:
             logger.info("%s: resuming a previous conversion", staging)
@@ -108,7 +133,10 @@ def run_jobs(jobs: list[UnitJob], workers: int, bar: tqdm) -> None:
             run_unit(job, on_rows=bar.update)
         return
     ctx = multiprocessing.get_context("fork")  # workers inherit the parsed inputs (vlm lines) for free
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx) as ex:
+    # Ctrl-C reaches the whole process group: only this process handles it (cancels what has not started, waits
+    # for the units in progress, each published whole), not every worker with a traceback of its own.
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx,
+                             initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as ex:
         futures = [ex.submit(run_unit, job) for job in jobs]
         try:
             for fut in as_completed(futures):

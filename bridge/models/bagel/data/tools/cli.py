@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..converter.convert import (
     DEFAULT_MAX_IMAGE_PIXELS, ConvertError, ConvertSummary, convert_from_config, convert_group, merge_all,
@@ -57,21 +57,45 @@ def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
     ins.add_argument("overrides", nargs="*", help="key=value job config overrides (as for the job)")
 
 
+def _data_errors() -> tuple[type[Exception], ...]:
+    """The one-line errors of reading a converted dataset: a damaged or missing file (``DataReadError``, naming
+    it and the remedy) and a read that did not return in ``data.timeout_s`` (``DataTimeoutError``)."""
+    from ..energon.reader import DataReadError
+    from ..watchdog import DataTimeoutError
+
+    return DataReadError, DataTimeoutError
+
+
 def _run_inspect(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from ..config import ConfigError
     from .inspection import run_inspect
 
-    try:
+    try:  # a damaged dataset or a read that never returns: the reader's one line (DataReadError, DataTimeoutError)
         summaries = run_inspect(args.config, overrides=args.overrides, batches=args.batches, out=args.out,
                                 size=args.size, dp_rank=args.dp_rank, dp_size=args.dp_size,
                                 progress=not args.no_progress, emit=lambda text: tqdm.write(text, file=sys.stdout))
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, *_data_errors()) as e:
         logger.error("%s", e)
         return 2
     print(f"{len(summaries)} batches inspected; pictures in {args.out}/")
     return 0
+
+
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int >= ``low`` (argparse's own one-line usage error otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,15 +110,16 @@ def _parser() -> argparse.ArgumentParser:
         if named:
             sp.add_argument("--name", help="dataset name (default: data dir basename / jsonl stem)")
             sp.add_argument("--source-root", help="root that stored paths are relative to (default: see docs)")
-        sp.add_argument("--samples-per-shard", type=int, default=DEFAULT_SAMPLES_PER_SHARD)
+        sp.add_argument("--samples-per-shard", type=_at_least(1), default=DEFAULT_SAMPLES_PER_SHARD)
         sp.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
         sp.add_argument("--no-progress", action="store_true")
-        sp.add_argument("--workers", type=int, default=1, help="processes converting source files (default 1)")
-        sp.add_argument("--part", type=int, default=0, help="convert only part PART of --num-parts (0-based)")
-        sp.add_argument("--num-parts", type=int, default=1,
+        sp.add_argument("--workers", type=_at_least(1), default=1, help="processes converting source files (default 1)")
+        sp.add_argument("--part", type=_at_least(0), help="convert only part PART of --num-parts (0-based; required "
+                        "with --num-parts > 1)")
+        sp.add_argument("--num-parts", type=_at_least(1), default=1,
                         help="split the work units into this many disjoint parts (one per job of an array); "
                              "publish with `bagel-data convert merge --out OUT` once all are done")
-        sp.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS,
+        sp.add_argument("--max-image-pixels", type=_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
                         help=f"count stored images with more pixels (header check; default {DEFAULT_MAX_IMAGE_PIXELS},"
                              " PIL's MAX_IMAGE_PIXELS)")
 
@@ -148,7 +173,7 @@ def _stats(args: argparse.Namespace) -> int:
     try:
         report = job_stats(args.config, args.overrides, max_samples=args.max_samples, progress=not args.no_progress,
                            histogram=args.histogram or None)
-    except ConfigError as e:
+    except (ConfigError, *_data_errors()) as e:
         logger.error("%s", e)
         return 2
     print(report.format())
@@ -199,7 +224,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     with _quiet_megatron(not args.verbose):
-        return _command(args)
+        try:
+            return _command(args)
+        except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
+            if args.verbose:
+                raise
+            again = "; run the same command again: the conversion resumes where it stopped" if args.cmd == "convert" else ""
+            logger.error("interrupted%s", again)
+            return 130
 
 
 def _command(args: argparse.Namespace) -> int:
@@ -220,8 +252,12 @@ def _command(args: argparse.Namespace) -> int:
         elif args.fmt == "merge":
             summaries = merge_all(args.out, overwrite=args.overwrite)
         else:
+            if args.part is None and args.num_parts > 1:
+                logger.error("--num-parts %d needs --part (0 .. %d): which part this run converts",
+                             args.num_parts, args.num_parts - 1)
+                return 2
             kw = dict(samples_per_shard=args.samples_per_shard, progress=not args.no_progress, overwrite=args.overwrite,
-                      workers=args.workers, part=args.part, num_parts=args.num_parts,
+                      workers=args.workers, part=args.part or 0, num_parts=args.num_parts,
                       max_image_pixels=args.max_image_pixels)
             if args.fmt == "config":
                 summaries = convert_from_config(args.dataset_info, args.groups, args.out, source_root=args.source_root,

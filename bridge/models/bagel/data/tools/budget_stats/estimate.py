@@ -26,7 +26,9 @@ from PIL import Image
 
 from ...config.budgets import edit_outcomes, image_tokens, t2i_estimate, vlm_estimate
 from ...config import ConfigError, GroupConfig
+from ...energon.damage import diagnose
 from ...energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
+from ...energon.reader import DataReadError
 from ...packing.lengths import is_overlength
 from ...transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
@@ -193,21 +195,35 @@ _ESTIMATORS: dict[str, Callable[[dict, dict, GroupConfig, _Encoder], SampleEstim
 
 
 def _iter_samples(ds_root: str, manifest: dict) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """(key, {part: bytes}) of every sample, in shard order (parts of a sample are consecutive members)."""
+    """(key, {part: bytes}) of every sample, in shard order (parts of a sample are consecutive members).
+
+    Raises ``DataReadError`` (one line: the damaged or missing file and what to do, ``damage.diagnose``) when a
+    shard cannot be read (cut short, missing, unreadable storage), instead of tarfile's or the OS's error."""
     for shard in manifest["shards"]:
-        with tarfile.open(os.path.join(ds_root, shard["path"]), "r") as tar:
-            key, parts = None, {}
-            for m in tar:
-                if not m.isfile():
-                    continue
-                k, _, part = m.name.partition(".")
-                if k != key and key is not None:
-                    yield key, parts
-                    parts = {}
-                key = k
-                parts[part] = tar.extractfile(m).read()
-            if key is not None:
+        path = os.path.join(ds_root, shard["path"])
+        try:
+            yield from _shard_samples(path)
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            found = diagnose([ds_root], shard["path"])
+            raise DataReadError(found or f"shard {path} cannot be read ({type(exc).__name__}: "
+                                         f"{' '.join(str(exc).split())}): check its storage or convert again") from exc
+
+
+def _shard_samples(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """The samples of one shard (see :func:`_iter_samples`)."""
+    with tarfile.open(path, "r") as tar:
+        key, parts = None, {}
+        for m in tar:
+            if not m.isfile():
+                continue
+            k, _, part = m.name.partition(".")
+            if k != key and key is not None:
                 yield key, parts
+                parts = {}
+            key = k
+            parts[part] = tar.extractfile(m).read()
+        if key is not None:
+            yield key, parts
 
 
 @dataclass
