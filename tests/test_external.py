@@ -89,6 +89,39 @@ def test_fingerprint_mismatch_names_every_differing_key():
     assert other.position == 0  # nothing was restored
 
 
+def test_a_refused_restore_is_short_and_says_what_to_do(demo_setup):
+    """A state restored under another order or worker count (real readers: Energon's config differs in hundreds
+    of keys): the configuration keys are named, the stage keys only counted, and the message gives the remedy."""
+    import dataclasses
+
+    from _external_common import demo_config
+    from bridge.models.bagel.data.build import build_bagel_train_loader
+
+    out, tok = demo_setup
+    base = demo_config(out, 0, True)
+    elastic = build_bagel_train_loader(dataclasses.replace(base, order="elastic"), tok, (0, 1), length=10)
+    saved = elastic.save_state()
+    elastic.close()
+    cases = {"order": (base, "loader.order: saved='elastic' current='energon'", False),
+             "workers": (dataclasses.replace(base, num_workers=2), "loader.num_workers: saved=0 current=2", True)}
+    for name, (cfg, key, elastic_hint) in cases.items():
+        if name == "workers":
+            plain = build_bagel_train_loader(base, tok, (0, 1), length=10)
+            saved = plain.save_state()
+            plain.close()
+        loader = build_bagel_train_loader(cfg, tok, (0, 1), length=10)
+        try:
+            with pytest.raises(ResumeMismatchError) as err:
+                loader.restore_state(saved)
+        finally:
+            loader.close()
+        msg = str(err.value)
+        assert key in msg, msg
+        assert "more: keys of the stages, which follow from these)" in msg and len(msg) < 2500, (name, len(msg))
+        assert "restore with the data configuration this state was saved with" in msg
+        assert ("only data.order: elastic lets a run change DP size or data.num_workers" in msg) == elastic_hint
+
+
 def _edit(state, path, value=None, *, drop=False):
     """A deep copy of ``state`` with the entry at ``path`` (keys) replaced (or removed when ``drop``)."""
     import copy

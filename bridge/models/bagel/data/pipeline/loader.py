@@ -72,6 +72,31 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any], ignor
             for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
 
 
+#: A refused restore names at most this many differing keys, each cut to _DIFF_CHARS characters.
+_DIFF_SHOWN, _DIFF_CHARS = 8, 240
+#: Loader keys that only the elastic order lets a run change across a restart.
+_ELASTIC_KEYS = ("loader.num_workers:", "loader.dp_size:", "loader.dp_rank:")
+
+
+def mismatch_message(diff: list[str]) -> str:
+    """The ``ResumeMismatchError`` text for ``fingerprint_diff`` lines: the configuration keys (``loader.*``:
+    ``data.*`` settings, the groups, DP size) first, the stage keys that follow from them only counted, long values
+    cut, and what to do, so the line stays readable however much of Energon's config differs."""
+    config = [d for d in diff if d.startswith("loader.")]
+    shown = (config or diff)[:_DIFF_SHOWN]
+    cut = [d if len(d) <= _DIFF_CHARS else d[: _DIFF_CHARS - 1] + "…" for d in shown]
+    rest = len(diff) - len(shown)
+    if rest:
+        cut.append(f"(+{rest} more: keys of the stages" + (", which follow from these)" if config else ")"))
+    remedy = ("restore with the data configuration this state was saved with, or start the data stream fresh "
+              "(without this state)")
+    if any(d.startswith(_ELASTIC_KEYS) for d in config) and not any(d.startswith("loader.order:") for d in config):
+        remedy += ("; only data.order: elastic lets a run change DP size or data.num_workers across a restart "
+                   "(docs/elastic.md)")
+    return ("BagelExternalLoader.restore_state: the saved loader state belongs to a different data configuration; "
+            "differing keys:\n  " + "\n  ".join(cut) + f"\n{remedy}")
+
+
 class BagelExternalLoader(Stage):
     """The train "dataset" for ``dataloader_type="external"``: an iterator of ready packed batches.
 
@@ -145,8 +170,7 @@ class BagelExternalLoader(Stage):
             raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
         diff = fingerprint_diff(saved, self.fingerprint, self.topology_keys)
         if diff:
-            raise ResumeMismatchError("BagelExternalLoader.restore_state: the saved loader state belongs to a "
-                                      "different data configuration; differing keys:\n  " + "\n  ".join(diff))
+            raise ResumeMismatchError(mismatch_message(diff))
 
     # -- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> "BagelExternalLoader":
