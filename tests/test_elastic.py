@@ -153,8 +153,15 @@ def test_refusals(small, tmp_path) -> None:
     _, d2 = _run(_world(default, tok, 2), 1)
     with pytest.raises(StateError, match="data.order 'energon'.*need data.order: elastic"):
         resize_loader_states(d2, 0, 3)
-    with pytest.raises(ValueError, match="fewer than DP size 5: DP rank 4 and above would read nothing"):
+    with pytest.raises(ValueError, match="data.partitions 4 is fewer than DP size 5: DP rank 4 and above would read "
+                                         "nothing in every group; set data.partitions to at least the largest DP"):
         build_bagel_train_loader(cfg, tok, (0, 5), length=10)
+    with pytest.raises(ValueError) as err:  # a group with too few samples for the DP size, whatever partitions
+        build_bagel_train_loader(dataclasses.replace(cfg, partitions=16), tok, (0, 10), length=10)
+    assert str(err.value).endswith(
+        "groups.yaml: group 'unified_edit': 8 selected samples make 8 elastic partitions (data.partitions 16), fewer "
+        "than DP size 10: DP rank 8 and above would read nothing: select more samples for this group (num_used_data, "
+        "or more data) or use fewer DP ranks"), str(err.value)
     iter_dir = tmp_path / "energon" / "iter_0000002"
     iter_dir.mkdir(parents=True)
     for dp in range(2):

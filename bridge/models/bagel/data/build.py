@@ -206,6 +206,10 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     config, groups = data.config, data.groups
     shm.reclaim_stale()  # shared memory of killed prefetch jobs on this machine, prefetch on or off
     dp_rank, dp_size = dp_rank_size(context_or_dp)
+    if config.order == "elastic" and config.partitions < dp_size:  # every group, before any reader is built
+        raise ConfigError(f"data.partitions {config.partitions} is fewer than DP size {dp_size}: DP rank "
+                          f"{config.partitions} and above would read nothing in every group; set data.partitions to "
+                          "at least the largest DP size the run will use (it is fixed for the life of a run)")
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
     tokenizer, special, _ = add_special_tokens(tokenizer)

@@ -199,11 +199,12 @@ class ElasticGroupReader(GroupSelection, Savable):
         self.layout = GroupLayout(self.runs)
         self.order = PartitionOrder(self.layout.num_positions, partitions, seed, self.group_name, DEFAULT_CHUNK)
         if self.order.num_partitions < dp_size:
-            raise ValueError(
-                f"group {self.group_name!r}: {self.layout.num_positions} selected samples make "
-                f"{self.order.num_partitions} elastic partitions (data.partitions {partitions}), fewer than DP size "
-                f"{dp_size}: DP rank {self.order.num_partitions} and above would read nothing. Use fewer DP ranks or "
-                "more data in this group.")
+            remedy = (f"set data.partitions to at least {dp_size}" if self.order.num_partitions == int(partitions)
+                      else "select more samples for this group (num_used_data, or more data) or use fewer DP ranks")
+            raise ValueError(  # the builder prefixes the groups YAML and the group's name
+                f"{self.layout.num_positions} selected samples make {self.order.num_partitions} elastic partitions "
+                f"(data.partitions {partitions}), fewer than DP size {dp_size}: DP rank {self.order.num_partitions} "
+                f"and above would read nothing: {remedy}")
         self.seed, self.dp_rank, self.dp_size, self.num_workers = int(seed), dp_rank, dp_size, num_workers
         self.partitions = int(partitions)
         self.transform_args = {"image_transform_args": dict(image_transform_args),
