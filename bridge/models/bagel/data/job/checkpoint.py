@@ -101,7 +101,7 @@ def rank_state_file(state_dir: str, step: int, dp_rank: int) -> str:
 
 def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
     detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    error = ConfigError(f"train.load: this rank's loader state file {path} (dp rank {dp_rank}) cannot be read: "
+    error = ConfigError(f"train.load: the loader state file {path} of DP rank {dp_rank} cannot be read: "
                         f"truncated, corrupt or refused by Bridge's restricted loader ({detail}); resume from an "
                         "earlier checkpoint or restore the file")
     error.brief = f"its loader state file {os.path.basename(path)} cannot be read"  # the other ranks' line
