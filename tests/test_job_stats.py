@@ -56,7 +56,7 @@ def job_files(demo_setup, tmp_path_factory):
     return root
 
 
-def _run(root, prefetch: int, caplog) -> tuple[dict, list[str]]:
+def _run(root, prefetch: int, caplog, *extra: str) -> tuple[dict, list[str]]:
     from megatron.core import num_microbatches_calculator as nmc
 
     cfg = load_job_config(None, [
@@ -64,7 +64,7 @@ def _run(root, prefetch: int, caplog) -> tuple[dict, list[str]]:
         f"data.prefetch={prefetch}", "data.packer.expected_num_tokens=7168", "data.packer.max_num_tokens=8192",
         "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
         "data.packer.use_flex=true", "data.packer.max_latent_size=64", f"train.train_iters={STEPS}",
-        "train.global_batch_size=1", "train.log_interval=1", "train.progress=false"])
+        "train.global_batch_size=1", "train.log_interval=1", "train.progress=false", *extra])
     from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
 
     caplog.clear()
@@ -93,3 +93,17 @@ def test_summary_and_telemetry_equal_with_and_without_prefetch(job_files, caplog
 
     assert [drops_part(x) for x in sync_lines] == [drops_part(x) for x in ahead_lines]
     assert "missing_image" in drops_part(sync_lines[-1])
+
+
+def test_a_resume_at_or_past_train_iters_runs_no_step_and_says_so(job_files, tmp_path, caplog):
+    """train.train_iters not above the checkpoint's step: like Megatron, no step and no error; a warning says
+    why and the summary counts 0 steps (not a negative number)."""
+    ckpt = tmp_path / "ckpt"
+    first, _ = _run(job_files, 0, caplog, f"train.save={ckpt}")
+    assert first["steps"] == STEPS
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.job.runner"):
+        again, _ = _run(job_files, 0, caplog, f"train.load={ckpt}", "train.train_iters=2")
+    assert (again["start_step"], again["steps"], again["batches"]) == (STEPS, 0, 0), again
+    assert any(f"train.train_iters 2 is not above the checkpoint's step {STEPS}: no step to run" in r.getMessage()
+               for r in caplog.records), caplog.text

@@ -109,6 +109,9 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
             logger.info("resumed from %s at step %d", train.load, start_step)
+            if start_step >= train.train_iters:  # Megatron's rule: nothing to train, not an error
+                logger.warning("train.train_iters %d is not above the checkpoint's step %d: no step to run (raise "
+                               "train.train_iters to continue training)", train.train_iters, start_step)
     except Exception as exc:  # agree across ranks before raising, so no rank waits forever in a collective
         error = exc
     try:
@@ -180,6 +183,6 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         tele.close()
         loader.close()
     summary = tele.summary()
-    summary.update(start_step=start_step, steps=train.train_iters - start_step, micro_batches_per_step=num_micro,
+    summary.update(start_step=start_step, steps=max(train.train_iters - start_step, 0), micro_batches_per_step=num_micro,
                    layout=layout, pipeline=loader.stats())
     return summary
