@@ -105,7 +105,7 @@ def _torch_temp_dir() -> str:
     return next((os.environ[k] for k in _TORCH_TEMP_ENV if os.environ.get(k)), "/tmp")
 
 
-def socket_path_problem(temp_dir: str | None = None, *, prefetch: bool = False) -> str | None:
+def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, prefetch: bool = False) -> str | None:
     """Why worker processes could not hand tensors over under ``temp_dir`` (default: the temp dirs Python and
     torch use), or None.
 
@@ -114,20 +114,23 @@ def socket_path_problem(temp_dir: str | None = None, *, prefetch: bool = False) 
     ``<temp dir>/torch-shm-dir-…/``. Where that path is longer than ``UNIX_PATH_MAX`` bytes the bind fails:
     inside a worker's queue thread, which only prints it, so the sample never arrives and the reader waits until
     its watchdog's time-out, which cannot name the cause. Cluster schedulers often set a long per-job
-    ``TMPDIR``.
+    ``TMPDIR``. ``workers``: Energon workers read (their socket is checked); ``prefetch``: the producer runs.
     """
-    checks = [(tempfile.gettempdir() if temp_dir is None else temp_dir, _MP_SOCKET,
-               "worker processes pass tensors through unix sockets under it")]
+    checks = []
+    if workers:
+        checks.append((tempfile.gettempdir() if temp_dir is None else temp_dir, _MP_SOCKET,
+                       "Energon worker processes pass tensors through unix sockets under it",
+                       "num_workers: 0 and prefetch: 0" if prefetch else "num_workers: 0"))
     if prefetch:
         checks.append((_torch_temp_dir() if temp_dir is None else temp_dir, _TORCH_SHM_SOCKET,
-                       "the prefetch producer's tensors go through torch_shm_manager's unix socket under it"))
-    for path, below, what in checks:
+                       "the prefetch producer's tensors go through torch_shm_manager's unix socket under it",
+                       "prefetch: 0"))
+    for path, below, what, off in checks:
         size = len(os.fsencode(path))
         if size + len(below) > UNIX_PATH_MAX:
             return (f"temp dir {path!r} is {size} bytes long: {what} ({path}{below}, {size + len(below)} bytes; "
                     f"Linux binds at most {UNIX_PATH_MAX}), so no sample would ever arrive; set TMPDIR to a "
-                    f"directory of at most {UNIX_PATH_MAX - len(below)} bytes (e.g. /tmp), or use num_workers: 0 "
-                    "and prefetch: 0")
+                    f"directory of at most {UNIX_PATH_MAX - len(below)} bytes (e.g. /tmp), or use {off}")
     return None
 
 
@@ -164,7 +167,8 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
                 if issue.level == "error":
                     problems.add(f"packer budgets cannot work with these groups: {issue.message}")
     if readers and ((config.num_workers and config.order != "official") or config.prefetch):
-        problem = socket_path_problem(prefetch=bool(config.prefetch))
+        problem = socket_path_problem(workers=bool(config.num_workers and config.order != "official"),
+                                      prefetch=bool(config.prefetch))
         if problem:
             problems.add(problem)
     problems.raise_if_any(str(config.groups))
