@@ -5,6 +5,7 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import re
 import shutil
 import tarfile
 from pathlib import Path
@@ -288,6 +289,17 @@ def test_convert_from_config_and_cli(tmp_path, monkeypatch, capsys):
     assert main(args + ["--overwrite", "--samples-per-shard", "10"]) == 0
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()]
     assert ["t2i_pretrain/golden_t2i", "21", "4"] in [r[:3] for r in rows]  # one shard per file (<= 10 rows)
+
+
+def test_a_name_that_is_a_path_and_a_missing_image_dir_are_refused(tmp_path):
+    """``--name ../x`` (or ``a/b``, ``.``) would write outside OUT/<group>/; a vlm ``--image-dir`` that does not
+    exist would make every sample an error at read time: both are refused before anything is written."""
+    for name in ("../evil", "a/b", ".", ".."):
+        with pytest.raises(ConvertError, match=rf"dataset name {re.escape(repr(name))} is not a folder name"):
+            convert_t2i(str(RAW / "t2i"), tmp_path / "out", dataset_name=name, progress=False)
+    with pytest.raises(ConvertError, match=r"nope: image directory does not exist .*--image-dir"):
+        convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(tmp_path / "nope"), tmp_path / "out", progress=False)
+    assert sorted(os.listdir(tmp_path)) == []
 
 
 def test_convert_config_with_a_broken_yaml_is_one_line(tmp_path, caplog):

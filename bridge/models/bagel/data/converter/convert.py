@@ -237,6 +237,14 @@ def _load_parquet_info(path: str) -> dict[str, Any]:
     return info
 
 
+def _checked_name(group: str, name: str, out_dir: str) -> str:
+    """``name`` as the dataset's folder under ``out_dir/group``: a plain name, never a path out of it."""
+    if not name or name in (".", "..") or "/" in name or os.sep in name:
+        raise ConvertError(f"{group}: dataset name {name!r} is not a folder name (it would write outside "
+                           f"{os.path.join(out_dir, group)}): pass --name with a plain name")
+    return name
+
+
 def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | None = None,
                   parquet_info_path: str | None = None, parquet_info: Mapping[str, Any] | None = None,
                   parquet_info_root: str | None = None, jsonl_path: str | None = None, image_dir: str | None = None,
@@ -270,7 +278,8 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
             raise ConvertError(f"{group}: data_dir is required")
         data_dir = os.fspath(data_dir)
         root = source_root or os.path.dirname(os.path.abspath(data_dir))
-        name = dataset_name or os.path.basename(os.path.normpath(os.path.abspath(data_dir)))
+        name = _checked_name(group, dataset_name or os.path.basename(os.path.normpath(os.path.abspath(data_dir))),
+                             out_dir)
         if group == T2I:
             reader: T2IReader | EditReader | VlmReader = T2IReader(data_dir, root, log)
         else:
@@ -288,7 +297,7 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
         jsonl_path, image_dir = os.fspath(jsonl_path), os.fspath(image_dir)
         common = os.path.commonpath([os.path.dirname(os.path.abspath(jsonl_path)), os.path.abspath(image_dir)])
         root = source_root or os.path.dirname(common)
-        name = dataset_name or os.path.splitext(os.path.basename(jsonl_path))[0]
+        name = _checked_name(group, dataset_name or os.path.splitext(os.path.basename(jsonl_path))[0], out_dir)
         reader = VlmReader(jsonl_path, image_dir, root, log, samples_per_shard)
         fingerprints = [jsonl_path]
     else:

@@ -326,8 +326,9 @@ class VlmReader:
         if not os.path.isfile(jsonl_path):
             raise ConvertError(f"{jsonl_path}: jsonl file does not exist")
         lines = _read_lines(jsonl_path)
-        if not os.path.isdir(image_dir):
-            log.warn(f"{image_dir}: image directory does not exist; every referenced image is recorded as an error")
+        if not os.path.isdir(image_dir):  # every image would be an error and every sample dropped at read time
+            raise ConvertError(f"{image_dir}: image directory does not exist (the jsonl's image names are read "
+                               "below it): check --image-dir / the entry's data_dir")
         self.image_dir, self.log = image_dir, log
         self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
         self.total = len(lines)

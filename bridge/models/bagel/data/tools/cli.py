@@ -109,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
         sp.add_argument("--out", required=True, help="output root; datasets go to OUT/<group>/<name>/")
         if named:
             sp.add_argument("--name", help="dataset name (default: data dir basename / jsonl stem)")
-            sp.add_argument("--source-root", help="root that stored paths are relative to (default: see docs)")
+            sp.add_argument("--source-root", help="root that stored paths are relative to (default: the parent of "
+                            "--data-dir; vlm: the parent of the folder holding both --jsonl and --image-dir)")
         sp.add_argument("--samples-per-shard", type=_at_least(1), default=DEFAULT_SAMPLES_PER_SHARD)
         sp.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
         sp.add_argument("--no-progress", action="store_true")
