@@ -190,6 +190,7 @@ def test_parallel_layout_is_validated() -> None:
         (TrainConfig(context_parallel_size=2, global_batch_size=3), 4, "global_batch_size 3 is not divisible"),
         (TrainConfig(pipeline_model_parallel_size=0), 4, "train.pipeline_model_parallel_size: must be a positive"),
         (TrainConfig(virtual_pipeline_model_parallel_size=2), 4, "needs train.pipeline_model_parallel_size >= 2"),
+        (TrainConfig(micro_batch_size=2, global_batch_size=4), 2, "train.micro_batch_size: must be 1 for BAGEL"),
         (TrainConfig(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, global_batch_size=2),
          4, "at least pipeline_model_parallel_size=2 micro-batches"),
     ]

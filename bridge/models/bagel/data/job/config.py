@@ -51,6 +51,11 @@ class TrainConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"train.{key}: must be a positive integer, got {value!r}")
+        if self.micro_batch_size != 1:  # the provider refuses collation: a micro-batch is one packed sequence
+            raise ConfigError(f"train.micro_batch_size: must be 1 for BAGEL (each micro-batch is one packed sequence "
+                              f"of up to data.packer.max_num_tokens tokens), got {self.micro_batch_size}; for more "
+                              "tokens per step raise data.packer.expected_num_tokens/max_num_tokens or "
+                              "train.global_batch_size")
         if not isinstance(self.save_interval, int) or self.save_interval < 0:
             raise ConfigError(f"train.save_interval: must be an integer >= 0, got {self.save_interval!r}")
         vpp = self.virtual_pipeline_model_parallel_size
