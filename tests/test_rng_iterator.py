@@ -86,6 +86,18 @@ def test_rank_seeds_give_different_streams():
     assert a["py"] != b["py"] and not torch.equal(a["torch"], b["torch"])
 
 
+def test_a_seed_that_is_not_an_integer_is_refused_at_construction():
+    """``"42"`` and ``1.5`` were taken (as 42 and 1) and ``2**70`` failed only at the first batch; numpy ints,
+    integral floats and the full uint64 range are seeds."""
+    for bad, kind in (("42", TypeError), (1.5, TypeError), (True, TypeError), (None, TypeError),
+                      (2**64, ValueError), (-(2**63) - 1, ValueError)):
+        with pytest.raises(kind, match="BagelRNGIterator: rank_seed"):
+            BagelRNGIterator(_Draws(), bad)
+    for good in (np.int64(7), 7.0, 2**64 - 1, -(2**63)):
+        next(BagelRNGIterator(_Draws(), good))
+    assert next(BagelRNGIterator(_Draws(), np.int64(7)))["py"] == next(BagelRNGIterator(_Draws(), 7))["py"]
+
+
 def test_wrapped_iterator_draws_from_private_streams():
     py, npy, tch = initial_worker_rng_states(7)
     r = random.Random()

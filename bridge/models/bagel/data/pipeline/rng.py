@@ -9,6 +9,7 @@ use never disturb each other and a resumed run continues the exact stream.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -53,6 +54,23 @@ def _torch_from_plain(value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
         raise StateError("BagelRNGIterator: torch_rng must be a 1-D uint8 tensor (torch.get_rng_state())")
     return value.detach().clone()
+
+
+#: What ``torch.Generator.manual_seed`` takes (an int64 or a uint64).
+_SEED_RANGE = (-(2**63), 2**64)
+
+
+def _checked_seed(rank_seed: Any) -> int:
+    """``rank_seed`` as an int, refused at construction (not at the first batch) when it is not an integer
+    (``"42"``, ``1.5``; an integral float is taken) or outside what torch seeds with."""
+    integral = isinstance(rank_seed, numbers.Integral) or (isinstance(rank_seed, float) and rank_seed.is_integer())
+    if isinstance(rank_seed, bool) or not integral:
+        raise TypeError(f"BagelRNGIterator: rank_seed must be an integer, got {rank_seed!r} "
+                        f"({type(rank_seed).__name__})")
+    seed = int(rank_seed)
+    if not _SEED_RANGE[0] <= seed < _SEED_RANGE[1]:
+        raise ValueError(f"BagelRNGIterator: rank_seed {seed} is outside [-2**63, 2**64), the seeds torch takes")
+    return seed
 
 
 def initial_worker_rng_states(rank_seed: int, worker_id: int = 0) -> tuple[tuple, tuple, torch.Tensor]:
@@ -110,7 +128,7 @@ class BagelRNGIterator(Stage):
 
     def __init__(self, iterator: Iterator[Any], rank_seed: int, *, worker_id: int = 0) -> None:
         self.inner = iterator
-        self.rank_seed = int(rank_seed)
+        self.rank_seed = _checked_seed(rank_seed)
         self.worker_id = int(worker_id)
         self.reset_state()
 
