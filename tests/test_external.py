@@ -122,6 +122,27 @@ def test_a_refused_restore_is_short_and_says_what_to_do(demo_setup):
         assert ("only data.order: elastic lets a run change DP size or data.num_workers" in msg) == elastic_hint
 
 
+def test_a_chain_that_cannot_be_saved_is_said_at_construction(caplog):
+    """A hand-wired chain with an upstream that has no state (a plain iterator under the RNG iterator) still
+    iterates, but the loader warns when it is built, naming the stage and field, not first at the first
+    checkpoint; a savable chain builds without that warning."""
+    import logging
+
+    from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
+
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.pipeline.loader"):
+        loader = BagelExternalLoader(BagelRNGIterator(iter([{"x": 1}, {"x": 2}]), 1), length=2)
+    [line] = [r.getMessage() for r in caplog.records if "save_state() will raise" in r.getMessage()]
+    assert "BagelRNGIterator.inner: list_iterator cannot save its state" in line, line
+    assert next(loader) == {"x": 1}
+    with pytest.raises(StateError, match="list_iterator .* has no state_dict"):
+        loader.save_state()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.pipeline.loader"):
+        golden_loader()
+    assert "save_state() will raise" not in caplog.text
+
+
 def _edit(state, path, value=None, *, drop=False):
     """A deep copy of ``state`` with the entry at ``path`` (keys) replaced (or removed when ``drop``)."""
     import copy
@@ -151,6 +172,9 @@ _PACKER = (*_RNG, "inner", "state")                # BagelPacker's state inside 
          "version 1 is not supported"),
         (lambda s: _edit(s, (*_PACKER, "sources"), lambda v: v[:2]), "source count differs"),
         (lambda s: {**s, "position": -1}, "position must be"),
+        (lambda s: {}, r"not a loader state \(no version, fingerprint, position, upstream, stateful_loaders; keys: "
+                       r"\[\]\): pass what save_state\(\) returned"),
+        (lambda s: {"model": 1}, r"not a loader state .*keys: \['model'\]"),
         (lambda s: _edit(s, (*_RNG, "python_rng"), [3, [0], None]), "python_rng"),
         (lambda s: _edit(s, (*_RNG, "inner"), drop=True), "'inner'"),
         (lambda s: _edit(s, ("upstream", "stage"), "PrefetchStage"), "belongs to a PrefetchStage"),

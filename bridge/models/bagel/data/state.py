@@ -32,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["RESIZABLE", "ResizeContext", "STATE_PROTOCOLS", "Savable", "register_resizable", "Stage", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
-           "energon_rank_state", "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "walk_stages"]
+           "energon_rank_state", "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "unsavable_fields", "walk_stages"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, range)
 
@@ -186,6 +186,21 @@ def walk_stages(stage: Any) -> Iterator[Any]:
         elif _is_stage_list(value):
             for v in value:
                 yield from walk_stages(v)
+
+
+def unsavable_fields(stage: Any) -> list[str]:
+    """``"Stage.field: Type"`` for every declared field under ``stage`` holding an iterator that speaks no state
+    protocol: ``state_dict()`` would raise ``StateError`` there (the chain cannot be checkpointed)."""
+    out = []
+    for s in walk_stages(stage):
+        for name in getattr(s, "_savable_fields", ()):
+            value = _nested(s, name)
+            if is_stateful(value) or _is_stage_list(value):
+                continue
+            items = value if isinstance(value, (list, tuple)) else [value]
+            out += [f"{type(s).__name__}.{name}: {type(v).__name__}" for v in items
+                    if hasattr(v, "__next__") and not is_stateful(v)]
+    return out
 
 
 def chain_fingerprint(stage: Any) -> dict[str, Any]:

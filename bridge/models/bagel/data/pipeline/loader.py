@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ..energon.workers import shutdown_workers
-from ..state import Stage, StateError, chain_fingerprint, check_restricted, is_stateful, walk_stages
+from ..state import (Stage, StateError, chain_fingerprint, check_restricted, is_stateful, unsavable_fields,
+                     walk_stages)
 from ..watchdog import batch_call
 
 __all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff"]
@@ -142,6 +143,11 @@ class BagelExternalLoader(Stage):
         check_restricted(self._config_fingerprint, "fingerprint")
         self._closed = False
         self.reset_state()
+        unsavable = unsavable_fields(self)
+        if unsavable:  # said now, not first at the first checkpoint (iterating without one still works)
+            logger.warning("BagelExternalLoader: save_state() will raise StateError: %s cannot save its state (no "
+                           "state_dict() / load_state_dict()); give it one, or do not checkpoint this loader",
+                           "; ".join(unsavable))
 
     def reset_state(self) -> None:
         self.position = 0
@@ -218,6 +224,11 @@ class BagelExternalLoader(Stage):
             raise StateError(f"BagelExternalLoader.restore_state: state must be a dict, got {type(state).__name__}")
         if "version" in state:
             self.version = state["version"]  # an old state gets the version message, not a field list
+        else:
+            missing = [f for f in self._savable_fields if f not in state]
+            raise StateError(f"BagelExternalLoader.restore_state: not a loader state (no {', '.join(missing)}; "
+                             f"keys: {sorted(map(str, state))[:8]}): pass what save_state() returned (Bridge keeps it "
+                             "as the 'dataloader_state_dict' of train_dataloader_dprankNNN.pt)")
         position = state.get("position")
         if not isinstance(position, int) or isinstance(position, bool) or position < 0:
             raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {position!r}")
