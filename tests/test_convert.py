@@ -302,6 +302,21 @@ def test_a_name_that_is_a_path_and_a_missing_image_dir_are_refused(tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+def test_verbose_after_the_subcommand_without_a_line_per_image(tmp_path, caplog):
+    """``convert t2i ... -v`` is accepted (it was refused after the subcommand) and debug logging does not
+    include PIL's lines for every image header the converter checks."""
+    import logging
+
+    from bridge.models.bagel.data.tools.cli import main
+
+    logging.getLogger("PIL").setLevel(logging.NOTSET)  # as in a fresh process: PIL's DEBUG would pass
+    with caplog.at_level(logging.DEBUG):
+        assert main(["convert", "t2i", "--data-dir", str(RAW / "t2i"), "--out", str(tmp_path / "o"), "--no-progress",
+                     "-v"]) == 0
+    assert not [r for r in caplog.records if r.name.startswith("PIL")], caplog.text[-2000:]
+    assert logging.getLogger("PIL").level == logging.NOTSET  # restored for an in-process caller
+
+
 def test_convert_config_with_a_broken_yaml_is_one_line(tmp_path, caplog):
     """``convert config`` on a grouped YAML / dataset_info that does not parse: exit 2 and one error line naming
     the file, what it is, and line and column (not PyYAML's multi-line snippet); nothing is written."""

@@ -240,3 +240,16 @@ def test_shuffled_vlm_subset_costs_four_bytes_per_line():
         tracemalloc.stop()
         assert sum(e - s for s, e, _ in runs) == 1000
     assert peaks[10**6] < 4 * 10**6 + 512 * 2**10, peaks
+
+
+def test_a_dataset_staged_but_not_published_says_to_resume_or_merge(tmp_path):
+    """No manifest yet, but the conversion's ``<name>.partial`` is there (a --part run without its merge, or a
+    killed run): the remedy is to resume or merge, not to convert again with --overwrite."""
+    ds = tmp_path / "energon" / "t2i_pretrain" / "t2i"
+    (tmp_path / "energon" / "t2i_pretrain" / "t2i.partial" / ".convert").mkdir(parents=True)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(ds)
+    msg = str(info.value)
+    assert msg == (f"{ds / MANIFEST_NAME}: dataset t2i_pretrain/t2i: unusable manifest (no such file); its "
+                   f"conversion is staged in {ds}.partial, not published yet: rerun the conversion to resume it (a "
+                   f"--part conversion: run every part, then `bagel-data convert merge --out {tmp_path / 'energon'}`)")

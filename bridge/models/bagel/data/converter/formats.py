@@ -91,7 +91,8 @@ def relpath(path: str, root: str) -> str:
 def _parquet_names(data_dir: str) -> list[str]:
     """Sorted ``*.parquet`` file names of a directory (other files are ignored, like the official lister)."""
     if not os.path.isdir(data_dir):
-        raise ConvertError(f"{data_dir}: parquet data directory does not exist")
+        what = "is not a directory" if os.path.exists(data_dir) else "does not exist"
+        raise ConvertError(f"{data_dir}: parquet data directory {what}")
     return sorted(n for n in os.listdir(data_dir) if n.endswith(".parquet") and os.path.isfile(os.path.join(data_dir, n)))
 
 

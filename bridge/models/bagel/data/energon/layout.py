@@ -112,6 +112,12 @@ def _manifest_error(path: str, cause: str, group: str | None = None) -> Manifest
     cause = " ".join(str(cause).split())
     if len(cause) > 80:
         cause = cause[:77] + "..."
+    if os.path.isdir(root.rstrip(os.sep) + ".partial"):  # staged, not published: resume or merge, not redo
+        out = os.path.dirname(os.path.dirname(root.rstrip(os.sep)))
+        return ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); its conversion is "
+                             f"staged in {root.rstrip(os.sep)}.partial, not published yet: rerun the conversion to "
+                             f"resume it (a --part conversion: run every part, then `bagel-data convert merge --out "
+                             f"{out}`)")
     return ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); convert it again: "
                          f"`bagel-data convert {cmd} ... --overwrite`")
 

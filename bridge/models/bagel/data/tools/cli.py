@@ -9,6 +9,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from ..converter.convert import (
     DEFAULT_MAX_IMAGE_PIXELS, ConvertError, ConvertSummary, convert_from_config, convert_group, merge_all,
@@ -44,9 +45,16 @@ def format_summary(summaries: Sequence[ConvertSummary]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", name: str, **kw: Any) -> argparse.ArgumentParser:
+    """A subcommand that also takes ``-v/--verbose`` after its name (``bagel-data convert t2i ... -v``)."""
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
+    return sub.add_parser(name, parents=[verbose], **kw)
+
+
 def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """``bagel-data inspect``: see ``inspection.run_inspect`` and docs/inspect.md."""
-    ins = sub.add_parser("inspect", help="build the job's loader and report/draw N packed batches")
+    ins = _add(sub, "inspect", help="build the job's loader and report/draw N packed batches")
     ins.add_argument("--config", required=True, help="job YAML (the one scripts/pretrain_bagel.py runs)")
     ins.add_argument("--batches", type=int, default=4, help="packed batches to inspect (default 4)")
     ins.add_argument("--out", default="runs/inspect", help="folder for batch_NNNN.png (default runs/inspect)")
@@ -102,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bagel-data", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
-    conv = sub.add_parser("convert", help="official raw format -> <out>/<group>/<name>/ crude WebDataset")
+    conv = _add(sub, "convert", help="official raw format -> <out>/<group>/<name>/ crude WebDataset")
     csub = conv.add_subparsers(dest="fmt", required=True)
 
     def common(sp: argparse.ArgumentParser, named: bool = True) -> None:
@@ -124,42 +132,42 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"count stored images with more pixels (header check; default {DEFAULT_MAX_IMAGE_PIXELS},"
                              " PIL's MAX_IMAGE_PIXELS)")
 
-    t2i = csub.add_parser("t2i", help="t2i_pretrain parquet folder")
+    t2i = _add(csub, "t2i", help="t2i_pretrain parquet folder")
     t2i.add_argument("--data-dir", required=True)
     common(t2i)
-    edit = csub.add_parser("edit", help="unified_edit parquet folder + parquet_info JSON")
+    edit = _add(csub, "edit", help="unified_edit parquet folder + parquet_info JSON")
     edit.add_argument("--data-dir", required=True)
     edit.add_argument("--parquet-info", required=True)
     edit.add_argument("--parquet-info-root", help="directory that relative parquet_info keys are relative to")
     common(edit)
-    vlm = csub.add_parser("vlm", help="vlm_sft jsonl + image folder")
+    vlm = _add(csub, "vlm", help="vlm_sft jsonl + image folder")
     vlm.add_argument("--jsonl", required=True)
     vlm.add_argument("--image-dir", required=True)
     common(vlm)
-    cfg = csub.add_parser("config", help="every sub-dataset a grouped YAML names, paths from dataset_info")
+    cfg = _add(csub, "config", help="every sub-dataset a grouped YAML names, paths from dataset_info")
     cfg.add_argument("--dataset-info", required=True, help="YAML/JSON {group: {name: {data_dir, ...}}}")
     cfg.add_argument("--groups", required=True, help="grouped YAML (official example.yaml format)")
     cfg.add_argument("--source-root", help="directory relative dataset_info paths are relative to (default: cwd)")
     common(cfg, named=False)
-    mrg = csub.add_parser("merge", help="join the parts of a --num-parts conversion under OUT and publish them")
+    mrg = _add(csub, "merge", help="join the parts of a --num-parts conversion under OUT and publish them")
     mrg.add_argument("--out", required=True, help="the --out of the part runs")
     mrg.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
 
     _add_inspect_parser(sub)
-    stats = sub.add_parser("stats", help="token estimates per group/dataset and a budget advisor for a job config")
+    stats = _add(sub, "stats", help="token estimates per group/dataset and a budget advisor for a job config")
     stats.add_argument("--config", required=True, help="job YAML (configs/demo.yaml format)")
     stats.add_argument("overrides", nargs="*", help="key=value job config overrides")
     stats.add_argument("--max-samples", type=int, help="read only the first N samples of each dataset")
     stats.add_argument("--histogram", default="bagel-data-stats.png", help="PNG to write ('' = none)")
     stats.add_argument("--no-progress", action="store_true")
 
-    rs = sub.add_parser("resize-state", help="rewrite a checkpoint's loader state files for another DP size "
+    rs = _add(sub, "resize-state", help="rewrite a checkpoint's loader state files for another DP size "
                         "(data.order: elastic), for Megatron-Bridge's pretrain(), which reads only its own rank's file")
     rs.add_argument("root", help="the checkpoint root (train.save / checkpoint.save: holds energon/iter_N/)")
     rs.add_argument("--dp-size", type=int, required=True, help="the DP size of the run that will resume")
     rs.add_argument("--step", type=int, help="the checkpoint step (default: latest_checkpointed_iteration.txt)")
 
-    demo = sub.add_parser("demo-data", help="generate the small procedural demo dataset (raw + converted)")
+    demo = _add(sub, "demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--scale", choices=("small", "medium"), default="small")
@@ -224,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pil = logging.getLogger("PIL")
+    pil_level = pil.level
+    pil.setLevel(logging.INFO)  # its DEBUG is a line or two per image header read, thousands with -v
     with _quiet_megatron(not args.verbose):
         try:
             return _command(args)
@@ -233,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             again = "; run the same command again: the conversion resumes where it stopped" if args.cmd == "convert" else ""
             logger.error("interrupted%s", again)
             return 130
+        finally:
+            pil.setLevel(pil_level)
 
 
 def _command(args: argparse.Namespace) -> int:
