@@ -225,6 +225,24 @@ def test_missing_column(tmp_path):
     assert not (tmp_path / "out" / T2I / "in").exists()
 
 
+def test_captions_the_reader_cannot_use_are_counted_at_conversion(tmp_path):
+    """t2i rows whose captions are not a JSON object of strings are stored as they are (the reader drops them as
+    ``bad_captions_json``) and now also counted, by reason, in the conversion's warnings."""
+    good = (RAW / "t2i" / "part-0000.parquet")
+    img = pq.read_table(good).column("image")[0].as_py()
+    caps = [json.dumps({"a": "a red square"}), "plain text caption not json", json.dumps(["a list"])]
+    d = _t2i_dir(tmp_path, pa.table({"image": pa.array([img] * 3, pa.binary()), "captions": pa.array(caps)}))
+    s = convert_t2i(str(d), tmp_path / "out", progress=False)
+    assert s.samples == 3
+    [w] = [w for w in s.warnings if "can never become a training sample" in w]
+    assert w.startswith("t2i_pretrain/in: 2 of 3 records can never become a training sample"), w
+    assert "captions not JSON: 1" in w and "captions not a JSON object of strings: 1" in w, w
+    (tmp_path / "b").mkdir()
+    bad = _t2i_dir(tmp_path / "b", pa.table({"image": pa.array([img], pa.binary()), "captions": pa.array(["x"])}))
+    with pytest.raises(ConvertError, match="none of the 1 records can become a training sample — captions not JSON"):
+        convert_t2i(str(bad), tmp_path / "out2", progress=False)
+
+
 def test_corrupt_parquet(tmp_path):
     d = tmp_path / "in"
     d.mkdir()

@@ -128,15 +128,31 @@ def _read_row_group(path: str, pf: pq.ParquetFile, g: int, columns: list[str]) -
         raise ConvertError(f"{path}: cannot read row group {g} ({type(e).__name__}: {e})") from e
 
 
+def _captions_problem(raw: Any) -> str | None:
+    """Why t2i ``captions`` can give no caption (the same rules as the reader's ``bad_captions_json``), or None."""
+    if not isinstance(raw, str):
+        return f"captions not JSON ({type(raw).__name__})"
+    try:
+        captions = json.loads(raw)
+    except ValueError:
+        return f"captions not JSON ({raw[:40]!r})"
+    if not isinstance(captions, dict) or not all(isinstance(v, str) for v in captions.values()):
+        return f"captions not a JSON object of strings ({raw[:40]!r})"
+    return None
+
+
 def record_problem(meta: Mapping[str, Any]) -> str | None:
     """Why a converted record can never become a training sample (the cooker will tombstone it), or None.
 
-    Only structural faults visible without decoding: a t2i row without image; a VLM line that is not a JSON
-    object or has no ``conversations`` list (the official ``SftJSONLIterableDataset`` schema:
+    Only structural faults visible without decoding: a t2i row without image, or whose ``captions`` are not a
+    JSON object of strings (the reader's ``bad_captions_json``, ``energon.cook_t2i``); a VLM line that is not a
+    JSON object or has no ``conversations`` list (the official ``SftJSONLIterableDataset`` schema:
     ``{"image": ..., "conversations": [{"from": "human"|"gpt", "value": str}, ...]}``).
     """
-    if meta.get("group") == T2I and meta.get("image_null"):
-        return "null image"
+    if meta.get("group") == T2I:
+        if meta.get("image_null"):
+            return "null image"
+        return _captions_problem(meta.get("captions"))
     if meta.get("group") == VLM:
         try:
             rec = json.loads(meta.get("raw_line") or "")
