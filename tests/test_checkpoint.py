@@ -77,7 +77,7 @@ def test_damaged_state_file_is_named_in_the_error(saved, tmp_path, rank: int, da
         restore_loader(root, 2, fresh, pg)
     message = str(info.value)
     assert path in message and other not in message, message
-    assert f"dp rank {rank}" in message
+    assert f"of DP rank {rank} cannot be read" in message
     assert fresh.iterable.position == 0  # nothing was restored
 
 
