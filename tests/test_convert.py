@@ -315,9 +315,15 @@ def test_a_name_that_is_a_path_and_a_missing_image_dir_are_refused(tmp_path):
     for name in ("../evil", "a/b", ".", ".."):
         with pytest.raises(ConvertError, match=rf"dataset name {re.escape(repr(name))} is not a folder name"):
             convert_t2i(str(RAW / "t2i"), tmp_path / "out", dataset_name=name, progress=False)
-    with pytest.raises(ConvertError, match=r"nope: image directory does not exist .*--image-dir"):
+    with pytest.raises(ConvertError, match=r"nope: image directory does not exist, and the jsonl names images below "
+                                           r"it \(e.g. line \d+\): check --image-dir"):
         convert_vlm(str(RAW / "vlm" / "vlm_sft.jsonl"), str(tmp_path / "nope"), tmp_path / "out", progress=False)
     assert sorted(os.listdir(tmp_path)) == []
+    text_only = tmp_path / "text.jsonl"  # nothing is read below the image dir: converted, with a warning
+    turn = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]
+    text_only.write_text(json.dumps({"conversations": turn}) + "\n")
+    s = convert_vlm(str(text_only), str(tmp_path / "nope"), tmp_path / "out", progress=False)
+    assert s.samples == 1 and any("no line names an image below it" in w for w in s.warnings), s.warnings
 
 
 def test_verbose_after_the_subcommand_without_a_line_per_image(tmp_path, caplog):

@@ -328,6 +328,9 @@ def test_a_part_run_with_other_options_refuses_to_discard_the_other_parts_work(t
     convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False, part=1, num_parts=2)
     merge_all(out)
     assert tree(out) == tree(tmp_path / "serial")
+    assert merge_all(out) == []  # a requeued merge job: nothing to do, not an error
+    with pytest.raises(ConvertError, match="no staged conversion"):
+        merge_all(tmp_path / "empty")
     shutil.rmtree(out)
     convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False, part=0, num_parts=2)
     s = convert_t2i(str(src["t2i"]), out, samples_per_shard=20, progress=False, part=1, num_parts=2, overwrite=True)
@@ -350,8 +353,11 @@ def test_ctrl_c_stops_a_conversion_with_one_line_and_a_rerun_resumes(tmp_path):
         assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before the first unit"
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGINT)
+    t0 = time.monotonic()
     _, err = proc.communicate(timeout=120)
+    took = time.monotonic() - t0
     assert proc.returncode == 130, err[-3000:]
+    assert "interrupted: stopping 2 converter worker processes" in err and took < 30, (took, err[-3000:])
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     [line] = [x for x in err.splitlines() if " ERROR " in x]
     assert line.endswith("interrupted; run the same command again: the conversion resumes where it stopped"), line
@@ -359,3 +365,33 @@ def test_ctrl_c_stops_a_conversion_with_one_line_and_a_rerun_resumes(tmp_path):
     r = subprocess.run(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 0 and "resuming" in r.stderr, r.stderr
     assert tree(out) == tree(tmp_path / "ref")
+
+
+def test_a_rerun_is_done_only_for_an_intact_dataset_of_the_same_plan(tmp_path):
+    """"Already converted" needs the same plan AND an intact dataset: a shard cut short or deleted since is
+    refused with --overwrite as the remedy (not reported done); a vlm image added to the folder changes the plan;
+    a merged-but-unpublished staging dir of another plan is converted again, not published as it is."""
+    src = make_corpus(tmp_path, files=4, rows=30, lines=20)
+    out = tmp_path / "o"
+    s = convert_t2i(str(src["t2i"]), out, samples_per_shard=25, progress=False)
+    shard = Path(s.path) / load_manifest(s.path)["shards"][0]["path"]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 3])  # inside the samples (a cut in the end padding loses nothing)
+    with pytest.raises(ConvertError, match=r"the published dataset of this conversion is damaged \(shards/.*shorter "
+                                           r"than its index .*\): pass --overwrite"):
+        convert_t2i(str(src["t2i"]), out, samples_per_shard=25, progress=False)
+    shard.unlink()
+    with pytest.raises(ConvertError, match="is damaged .*No such file.*--overwrite"):
+        convert_t2i(str(src["t2i"]), out, samples_per_shard=25, progress=False)
+    again = convert_t2i(str(src["t2i"]), out, samples_per_shard=25, progress=False, overwrite=True)
+    assert again.status == "published" and shard.read_bytes() == data
+    v = convert_vlm(str(src["jsonl"]), str(src["images"]), out, samples_per_shard=8, progress=False)
+    assert convert_vlm(str(src["jsonl"]), str(src["images"]), out, samples_per_shard=8,
+                       progress=False).status == "already converted"
+    (src["images"] / "new.png").write_bytes(_png(8, 8, 99))
+    with pytest.raises(ConvertError, match="holds another conversion"):
+        convert_vlm(str(src["jsonl"]), str(src["images"]), out, samples_per_shard=8, progress=False)
+    # a merged staging dir (the publish was cut off) of another plan: redone with this plan, not published as is
+    os.replace(v.path, v.path + ".partial")
+    redone = convert_vlm(str(src["jsonl"]), str(src["images"]), out, samples_per_shard=5, progress=False)
+    assert load_manifest(redone.path)["samples_per_shard"] == 5 and not Path(v.path + ".partial").exists()

@@ -22,8 +22,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .finalize import (build_manifest, load_records, manifest_path, publish, published_from, write_energon_index,
-                       write_index_uuid, write_plan_digest)
+from .finalize import (build_manifest, from_plan, load_records, manifest_path, publish, published_problem,
+                       write_energon_index, write_index_uuid, write_plan_digest)
 from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
 from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
@@ -105,7 +105,11 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                      progress: bool, overwrite: bool) -> ConvertSummary:
     group, name = plan["group"], plan["dataset_name"]
     mine = part_units(plan, part, num_parts)
-    if not overwrite and published_from(ds_dir, dumps_json(plan)):  # a rerun (requeued job, resumed config)
+    if not overwrite and from_plan(ds_dir, dumps_json(plan)):  # a rerun (requeued job, resumed config)
+        problem = published_problem(ds_dir)
+        if problem is not None:
+            raise ConvertError(f"{ds_dir}: the published dataset of this conversion is damaged ({problem}): pass "
+                               "--overwrite to convert it again")
         with open(manifest_path(ds_dir), encoding="utf-8") as f:
             man = json.load(f)
         logger.info("%s: already converted from the same sources and options; nothing to do", ds_dir)
@@ -299,7 +303,8 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
         root = source_root or os.path.dirname(common)
         name = _checked_name(group, dataset_name or os.path.splitext(os.path.basename(jsonl_path))[0], out_dir)
         reader = VlmReader(jsonl_path, image_dir, root, log, samples_per_shard)
-        fingerprints = [jsonl_path]
+        # the image folder's own size/mtime: images added, removed or renamed (not rewritten in place)
+        fingerprints = [jsonl_path] + ([image_dir] if os.path.isdir(image_dir) else [])
     else:
         raise ConvertError(f"unknown group {group!r} (expected one of {GROUPS})")
     plan = make_plan(group, name, reader, log, root, samples_per_shard, max_image_pixels, fingerprints)
@@ -317,6 +322,13 @@ def merge_all(out_dir: str | os.PathLike, *, overwrite: bool = False) -> list[Co
             found += [os.path.join(gdir, n[: -len(".partial")]) for n in sorted(os.listdir(gdir))
                       if n.endswith(".partial")]
     if not found:
+        published = [os.path.join(g, n) for g in GROUPS if os.path.isdir(os.path.join(out_dir, g))
+                     for n in sorted(os.listdir(os.path.join(out_dir, g)))
+                     if os.path.exists(manifest_path(os.path.join(out_dir, g, n)))]
+        if published:  # a requeued merge job after its merge succeeded
+            logger.info("%s: nothing to merge: no staged conversion, %d published datasets (%s)", out_dir,
+                        len(published), ", ".join(published[:5]))
+            return []
         raise ConvertError(f"{out_dir}: no staged conversion (<group>/<name>.partial) to merge")
     return [merge_dataset(ds, overwrite=overwrite) for ds in found]
 

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sqlite3
+import struct
 import uuid
 from collections import Counter
 from typing import Any
@@ -182,14 +183,36 @@ def write_plan_digest(staging: str, plan_bytes: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
-def published_from(ds_dir: str, plan_bytes: bytes) -> bool:
-    """Whether ``ds_dir`` is a published dataset converted from exactly this plan (same sources and options)."""
+def from_plan(ds_dir: str, plan_bytes: bytes) -> bool:
+    """Whether ``ds_dir`` (published or merged in staging) records exactly this plan (same sources and options)."""
     try:
         with open(plan_digest_path(ds_dir), encoding="ascii") as f:
             recorded = f.read().strip()
     except OSError:
         return False
-    return recorded == hashlib.sha256(plan_bytes).hexdigest() and os.path.exists(manifest_path(ds_dir))
+    return recorded == hashlib.sha256(plan_bytes).hexdigest()
+
+
+def published_problem(ds_dir: str) -> str | None:
+    """What is missing or cut short in a published dataset (manifest, a shard, its ``.tar.idx``, a shard shorter
+    than its index says), or None: the cheap O(shards) check a rerun makes before calling it done."""
+    try:
+        with open(manifest_path(ds_dir), encoding="utf-8") as f:
+            shards = json.load(f)["shards"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST_NAME}: {type(e).__name__}: {e}"
+    for sh in shards:
+        tar = os.path.join(ds_dir, sh["path"])
+        try:
+            size = os.path.getsize(tar)
+            with open(tar + ".idx", "rb") as f:
+                f.seek(-8, os.SEEK_END)
+                (end,) = struct.unpack("<Q", f.read(8))
+        except (OSError, struct.error) as e:
+            return f"{sh['path']}: {getattr(e, 'strerror', None) or e}"
+        if size < end:
+            return f"{sh['path']} is {size} bytes, shorter than its index ({end})"
+    return None
 
 
 def manifest_path(staging: str) -> str:

@@ -343,9 +343,12 @@ class VlmReader:
         if not os.path.isfile(jsonl_path):
             raise ConvertError(f"{jsonl_path}: jsonl file does not exist")
         lines = _read_lines(jsonl_path)
-        if not os.path.isdir(image_dir):  # every image would be an error and every sample dropped at read time
-            raise ConvertError(f"{image_dir}: image directory does not exist (the jsonl's image names are read "
-                               "below it): check --image-dir / the entry's data_dir")
+        if not os.path.isdir(image_dir):
+            line = _first_relative_image(lines)
+            if line is not None:  # every such image would be an error, its sample dropped at read time
+                raise ConvertError(f"{image_dir}: image directory does not exist, and the jsonl names images below it "
+                                   f"(e.g. line {line}): check --image-dir / the entry's data_dir")
+            log.warn(f"{image_dir}: image directory does not exist; no line names an image below it")
         self.image_dir, self.log = image_dir, log
         self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
         self.total = len(lines)
@@ -354,6 +357,20 @@ class VlmReader:
         step = max(1, lines_per_unit)
         self.units = [SourceUnit(jsonl_path, self.rel_file, 0, (), a, min(step, len(lines) - a))
                       for a in range(0, len(lines), step)]
+
+
+def _first_relative_image(lines: list[str]) -> int | None:
+    """The first line (0-based) whose record names an image by a relative path (read below the image dir)."""
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        names = rec.get("image") if isinstance(rec, dict) else None
+        for name in names if isinstance(names, list) else [names]:
+            if isinstance(name, str) and not os.path.isabs(name):
+                return i
+    return None
 
 
 def _iter_vlm(unit: SourceUnit, image_dir: str, rel_image_dir: str, warn: Callable[[str], None]) -> Iterator[RawSample]:

@@ -18,7 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .finalize import manifest_path
+from ..energon.layout import MANIFEST_FORMAT
+from .finalize import from_plan, manifest_path
 from .formats import ConvertError, EditReader, ScanLog, SourceUnit, T2IReader, VlmReader, dumps_json, relpath
 from .units import WORK_DIR, UnitJob, run_unit
 
@@ -48,7 +49,7 @@ def make_plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader,
         st = os.stat(p)
         sources.append([relpath(p, root), st.st_size, st.st_mtime_ns])
     vlm = isinstance(reader, VlmReader)
-    return {"plan_format": _PLAN_FORMAT, "group": group, "dataset_name": name, "source_root": root,
+    return {"plan_format": _PLAN_FORMAT, "manifest_format": MANIFEST_FORMAT, "group": group, "dataset_name": name, "source_root": root,
             "samples_per_shard": samples_per_shard, "max_image_pixels": max_image_pixels, "sources": sources,
             "image_dir": os.path.abspath(reader.image_dir) if vlm else "",
             "rel_image_dir": reader.rel_image_dir if vlm else "", "units": units,
@@ -78,6 +79,8 @@ def _plan_changes(old: bytes, new: dict[str, Any]) -> str:
         before = json.loads(old)
     except ValueError:
         return "unreadable staged plan"
+    if not isinstance(before, dict):
+        return "unreadable staged plan"
     keys = sorted(k for k in set(before) | set(new) if before.get(k) != json.loads(dumps_json(new.get(k))))
     inputs = [k for k in keys if k not in _DERIVED]  # name the cause, not what follows from it
     return ", ".join(inputs or keys) or "plan format"
@@ -98,15 +101,20 @@ def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool, num_parts: 
     plan_bytes = dumps_json(plan)
     plan_path = os.path.join(work, "plan.json")
     if os.path.isdir(staging):
-        if os.path.exists(manifest_path(staging)) and not os.path.exists(work):
-            return staging, True
-        try:
-            with open(plan_path, "rb") as f:
-                staged = f.read()
-        except FileNotFoundError:
-            staged = None
+        merged = os.path.exists(manifest_path(staging)) and not os.path.exists(work)
+        if merged and from_plan(staging, plan_bytes):
+            return staging, True  # merged by a run that was stopped before the publish: only that is left
+        staged = None
+        if not merged:
+            try:
+                with open(plan_path, "rb") as f:
+                    staged = f.read()
+            except FileNotFoundError:
+                if num_parts > 1:  # another part may be about to write it (parts start together): keep its dir
+                    staged = plan_bytes
         if staged != plan_bytes:
-            changed = _plan_changes(staged, plan) if staged is not None else "no staged plan"
+            changed = (_plan_changes(staged, plan) if staged is not None
+                       else "a merged dataset of another plan" if merged else "no staged plan")
             if num_parts > 1 and staged is not None and not overwrite:
                 raise ConvertError(
                     f"{staging}: staged work of a different conversion (differs in: {changed}); every --part must "
@@ -133,15 +141,30 @@ def run_jobs(jobs: list[UnitJob], workers: int, bar: tqdm) -> None:
             run_unit(job, on_rows=bar.update)
         return
     ctx = multiprocessing.get_context("fork")  # workers inherit the parsed inputs (vlm lines) for free
-    # Ctrl-C reaches the whole process group: only this process handles it (cancels what has not started, waits
-    # for the units in progress, each published whole), not every worker with a traceback of its own.
+    # Ctrl-C reaches the whole process group: only this process handles it, not every worker with a traceback of
+    # its own; it stops the workers at once (a unit in progress leaves only *.tmp files: a rerun redoes it).
     with ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=ctx,
                              initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as ex:
         futures = [ex.submit(run_unit, job) for job in jobs]
         try:
             for fut in as_completed(futures):
                 bar.update(fut.result()["num_samples"])
-        except BaseException:
+        except BaseException as exc:
             for fut in futures:
                 fut.cancel()
+            if isinstance(exc, KeyboardInterrupt):
+                _stop_pool(ex)
             raise
+
+
+def _stop_pool(ex: ProcessPoolExecutor) -> None:
+    """Terminate the pool's workers now instead of letting the executor wait for the units already handed out
+    (minutes on big files, and a second Ctrl-C then deadlocks multiprocessing's exit joins)."""
+    table = getattr(ex, "_processes", None)  # the executor's worker table (CPython 3.9-3.13: pid -> Process)
+    procs = list(table.values()) if isinstance(table, dict) else []
+    logger.warning("interrupted: stopping %d converter worker processes", len(procs))
+    ex.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.join(10)

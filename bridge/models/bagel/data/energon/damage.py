@@ -30,7 +30,7 @@ _NV_META = ".nv-meta"
 _NEEDED = ("dataset.yaml", ".info.json")
 _SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # Energon's base-name / extension split
 _DIAGNOSE_BUDGET_S = 60.0
-_CONVERT = "convert it again (bagel-data convert) or restore the file"
+_CONVERT = "convert it again with --overwrite or restore the file"
 
 
 def check_prepared(path: str) -> None:
@@ -41,7 +41,7 @@ def check_prepared(path: str) -> None:
     missing = [n for n in _NEEDED if not os.path.isfile(os.path.join(meta, n))]
     if missing:
         what = f"no {_NV_META}/" if not os.path.isdir(meta) else f"{_NV_META}/ lacks {', '.join(missing)}"
-        raise ValueError(f"damaged dataset {path}: {what} (its index): convert it again (bagel-data convert) "
+        raise ValueError(f"damaged dataset {path}: {what} (its index): convert it again with --overwrite "
                          "or `energon prepare` it")
     try:
         with open(os.path.join(meta, ".info.json"), encoding="utf-8") as fh:
