@@ -172,21 +172,30 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "bridge.models.bagel.data.tools.cli", "convert", *args]
 
 
-@pytest.mark.slow
-def test_killed_conversion_resumes_with_the_same_bytes(tmp_path):
+def _signal_after_first_unit(tmp_path: Path, sig: int) -> tuple[list[str], Path, Path, int, str, float]:
+    """A 2-worker CLI conversion of a 6,000-row corpus (and its uninterrupted reference in ``tmp_path/ref``),
+    sent ``sig`` (to its process group) once its first unit is done. Returns the CLI args, the output and work
+    dirs, the exit code, stderr, and the seconds from the signal to the exit."""
     src = make_corpus(tmp_path, files=40, rows=150, lines=10)
     args = ["t2i", "--data-dir", str(src["t2i"]), "--samples-per-shard", "50", "--no-progress"]
     subprocess.run(_cli(*args, "--out", str(tmp_path / "ref")), check=True, cwd=REPO, capture_output=True)
     out = tmp_path / "out"
     work = out / T2I / "t2i.partial" / ".convert"
     proc = subprocess.Popen(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not (work.is_dir() and any(work.glob("unit-*.json"))):
         assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before the first unit"
         time.sleep(0.002)
-    os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its worker processes
-    proc.wait()
+    os.killpg(proc.pid, sig)  # the CLI and its worker processes
+    t0 = time.monotonic()
+    _, err = proc.communicate(timeout=120)
+    return args, out, work, proc.returncode, err, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_killed_conversion_resumes_with_the_same_bytes(tmp_path):
+    args, out, work, _, _, _ = _signal_after_first_unit(tmp_path, signal.SIGKILL)
     done = len(list(work.glob("unit-*.json")))
     assert 0 < done < 40 and not (out / T2I / "t2i").exists()
     r = subprocess.run(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, capture_output=True, text=True)
@@ -339,24 +348,11 @@ def test_a_part_run_with_other_options_refuses_to_discard_the_other_parts_work(t
 
 @pytest.mark.slow
 def test_ctrl_c_stops_a_conversion_with_one_line_and_a_rerun_resumes(tmp_path):
-    """SIGINT to the process group (Ctrl-C) during a 2-worker conversion: exit 130 and one error line, no
-    traceback from the CLI or its workers; the rerun resumes and gives the bytes of an uninterrupted run."""
-    src = make_corpus(tmp_path, files=40, rows=150, lines=10)
-    args = ["t2i", "--data-dir", str(src["t2i"]), "--samples-per-shard", "50", "--no-progress"]
-    subprocess.run(_cli(*args, "--out", str(tmp_path / "ref")), check=True, cwd=REPO, capture_output=True)
-    out = tmp_path / "out"
-    work = out / T2I / "t2i.partial" / ".convert"
-    proc = subprocess.Popen(_cli(*args, "--out", str(out), "--workers", "2"), cwd=REPO, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (work.is_dir() and any(work.glob("unit-*.json"))):
-        assert proc.poll() is None and time.monotonic() < deadline, "conversion ended before the first unit"
-        time.sleep(0.002)
-    os.killpg(proc.pid, signal.SIGINT)
-    t0 = time.monotonic()
-    _, err = proc.communicate(timeout=120)
-    took = time.monotonic() - t0
-    assert proc.returncode == 130, err[-3000:]
+    """SIGINT to the process group (Ctrl-C) during a 2-worker conversion: the workers stop at once, exit 130 and
+    one error line, no traceback from the CLI or its workers; the rerun resumes and gives the bytes of an
+    uninterrupted run."""
+    args, out, _, rc, err, took = _signal_after_first_unit(tmp_path, signal.SIGINT)
+    assert rc == 130, err[-3000:]
     assert "interrupted: stopping 2 converter worker processes" in err and took < 30, (took, err[-3000:])
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     [line] = [x for x in err.splitlines() if " ERROR " in x]
