@@ -256,6 +256,12 @@ def test_stats_and_inspect_on_a_damaged_dataset_are_one_line(demo_setup, tmp_pat
         [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
         assert line.startswith(f"damaged shard {shard}: cut at byte"), (what, line)
         assert "convert" in line and "\n" not in line, line
+    whole = (out / "energon" / "t2i_pretrain" / "demo_t2i" / "shards" / "shard-000000.tar").read_bytes()
+    shard.write_bytes(whole[:1024])  # cut at a tar block boundary, after the first member: tarfile sees an end
+    caplog.clear()
+    assert cli.main(runs["stats"]) == 2
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert str(shard) in line and "damaged" in line, line
     shard.unlink()
     caplog.clear()
     assert cli.main(runs["stats"]) == 2

@@ -201,12 +201,18 @@ def _iter_samples(ds_root: str, manifest: dict) -> Iterator[tuple[str, dict[str,
     shard cannot be read (cut short, missing, unreadable storage), instead of tarfile's or the OS's error."""
     for shard in manifest["shards"]:
         path = os.path.join(ds_root, shard["path"])
+        n = 0
         try:
-            yield from _shard_samples(path)
+            for sample in _shard_samples(path):
+                n += 1
+                yield sample
         except (tarfile.TarError, EOFError, OSError) as exc:
             found = diagnose([ds_root], shard["path"])
             raise DataReadError(found or f"shard {path} cannot be read ({type(exc).__name__}: "
                                          f"{' '.join(str(exc).split())}): check its storage or convert again") from exc
+        if n != shard["count"]:  # cut at a tar block boundary: tarfile ends there as if the archive did
+            raise DataReadError(diagnose([ds_root], shard["path"]) or f"shard {path} holds {n} samples, the "
+                                f"manifest {shard['count']}: convert it again with --overwrite or restore the file")
 
 
 def _shard_samples(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
