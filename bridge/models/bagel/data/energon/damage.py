@@ -120,6 +120,11 @@ def _check_shard(dataset: str, tar: str) -> str | None:
     if not raw:
         return f"damaged shard index {idx_path}: empty: {remedy}"
     idx = list(struct.unpack(f"<{len(raw) // 8}Q", raw))
+    inside = [x for x in idx if x <= size]
+    if idx[-1] > size and inside and inside == starts[: len(inside)] and idx == sorted(idx):
+        # cut at a tar block boundary: the headers read fine up to there, and the (sound) index goes on past it
+        return (f"damaged shard {tar}: cut short at byte {size}, its index {os.path.basename(idx_path)} has samples "
+                f"up to byte {idx[-1]}: {_CONVERT}")
     expected = starts + [end]
     if idx != expected:
         k = next((i for i, (a, b) in enumerate(zip(idx, expected)) if a != b), min(len(idx), len(expected)))
