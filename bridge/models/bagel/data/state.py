@@ -32,7 +32,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 __all__ = ["RESIZABLE", "ResizeContext", "STATE_PROTOCOLS", "Savable", "register_resizable", "Stage", "StateError", "chain_fingerprint", "check_restricted", "is_stateful",
-           "energon_rank_state", "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state", "unsavable_fields", "walk_stages"]
+           "energon_rank_state", "load_tagged", "restore_of", "save_of", "state_protocol", "tagged_state",
+           "unsavable_fields", "walk_stages"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, range)
 
@@ -188,6 +189,12 @@ def walk_stages(stage: Any) -> Iterator[Any]:
                 yield from walk_stages(v)
 
 
+def _cannot_save(item: Any) -> bool:
+    """An entry of a declared field that is neither a stage nor a list of stages, and is an iterator (an
+    upstream stage with no state protocol): the stage holding it cannot be saved (``Savable._save_field``)."""
+    return hasattr(item, "__next__")
+
+
 def unsavable_fields(stage: Any) -> list[str]:
     """``"Stage.field: Type"`` for every declared field under ``stage`` holding an iterator that speaks no state
     protocol: ``state_dict()`` would raise ``StateError`` there (the chain cannot be checkpointed)."""
@@ -198,8 +205,7 @@ def unsavable_fields(stage: Any) -> list[str]:
             if is_stateful(value) or _is_stage_list(value):
                 continue
             items = value if isinstance(value, (list, tuple)) else [value]
-            out += [f"{type(s).__name__}.{name}: {type(v).__name__}" for v in items
-                    if hasattr(v, "__next__") and not is_stateful(v)]
+            out += [f"{type(s).__name__}.{name}: {type(v).__name__}" for v in items if _cannot_save(v)]
     return out
 
 
@@ -257,7 +263,7 @@ class Savable:
             return [tagged_state(v) for v in value]
         items = value if isinstance(value, (list, tuple)) else [value]
         for i, item in enumerate(items):
-            if hasattr(item, "__next__"):  # an upstream stage that cannot save itself: the state would be incomplete
+            if _cannot_save(item):  # an upstream stage that cannot save itself: the state would be incomplete
                 raise StateError(f"{type(self).__name__}.{name}: {type(item).__name__} (entry {i}) has no "
                                  "state_dict() / load_state_dict(), so this stage's state cannot be saved")
         return copy.deepcopy(value)

@@ -166,9 +166,9 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
             for issue in issues:
                 if issue.level == "error":
                     problems.add(f"packer budgets cannot work with these groups: {issue.message}")
-    if readers and ((config.num_workers and config.order != "official") or config.prefetch):
-        problem = socket_path_problem(workers=bool(config.num_workers and config.order != "official"),
-                                      prefetch=bool(config.prefetch))
+    workers = bool(config.num_workers) and config.order != "official"  # the official order's are emulated
+    if readers and (workers or config.prefetch):
+        problem = socket_path_problem(workers=workers, prefetch=bool(config.prefetch))
         if problem:
             problems.add(problem)
     problems.raise_if_any(str(config.groups))

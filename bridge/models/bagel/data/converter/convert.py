@@ -22,8 +22,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .finalize import (build_manifest, from_plan, load_records, manifest_path, publish, published_problem,
-                       write_energon_index, write_index_uuid, write_plan_digest)
+from .finalize import (build_manifest, from_plan, has_files, load_records, manifest_path, publish,
+                       published_problem, write_energon_index, write_index_uuid, write_plan_digest)
 from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
 from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
@@ -141,12 +141,8 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                               skipped=_skip_counts(plan["manifest"]["skipped"]), status=(
                                   f"part {part}/{num_parts} done; {len(missing)} of {len(plan['units'])} units "
                                   f"left" if missing else f"part {part}/{num_parts} done; all parts done, run merge"
-                                  + (" --overwrite (replaces the published dataset)" if _has_files(ds_dir) else "")))
+                                  + (" --overwrite (replaces the published dataset)" if has_files(ds_dir) else "")))
     return merge_dataset(ds_dir, overwrite=True)
-
-
-def _has_files(ds_dir: str) -> bool:
-    return os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or bool(os.listdir(ds_dir)))
 
 
 def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
@@ -156,7 +152,7 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
     ConvertWriteError when writing fails (rerun to resume).
     """
     staging = ds_dir.rstrip(os.sep) + ".partial"
-    if _has_files(ds_dir) and not overwrite:
+    if has_files(ds_dir) and not overwrite:
         raise ConvertError(f"{ds_dir}: output directory is not empty: pass --overwrite to replace the published "
                            f"dataset with the merged parts")
     try:

@@ -215,5 +215,10 @@ def published_problem(ds_dir: str) -> str | None:
     return None
 
 
+def has_files(ds_dir: str) -> bool:
+    """Whether ``ds_dir`` exists as anything but an empty directory (a published dataset, or something else)."""
+    return os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or bool(os.listdir(ds_dir)))
+
+
 def manifest_path(staging: str) -> str:
     return os.path.join(staging, MANIFEST_NAME)

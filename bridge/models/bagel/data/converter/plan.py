@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from ..energon.layout import MANIFEST_FORMAT
-from .finalize import from_plan, manifest_path
+from .finalize import from_plan, has_files, manifest_path
 from .formats import ConvertError, EditReader, ScanLog, SourceUnit, T2IReader, VlmReader, dumps_json, relpath
 from .units import WORK_DIR, UnitJob, run_unit
 
@@ -49,7 +49,8 @@ def make_plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader,
         st = os.stat(p)
         sources.append([relpath(p, root), st.st_size, st.st_mtime_ns])
     vlm = isinstance(reader, VlmReader)
-    return {"plan_format": _PLAN_FORMAT, "manifest_format": MANIFEST_FORMAT, "group": group, "dataset_name": name, "source_root": root,
+    return {"plan_format": _PLAN_FORMAT, "manifest_format": MANIFEST_FORMAT, "group": group, "dataset_name": name,
+            "source_root": root,
             "samples_per_shard": samples_per_shard, "max_image_pixels": max_image_pixels, "sources": sources,
             "image_dir": os.path.abspath(reader.image_dir) if vlm else "",
             "rel_image_dir": reader.rel_image_dir if vlm else "", "units": units,
@@ -93,7 +94,7 @@ def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool, num_parts: 
     Staged units of a different plan are discarded, except by a part run (``num_parts > 1``) without
     ``overwrite``: another part may own them, so it raises ConvertError naming the plan keys that differ.
     """
-    if os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or os.listdir(ds_dir)) and not overwrite:
+    if has_files(ds_dir) and not overwrite:
         raise ConvertError(f"{ds_dir}: output directory is not empty and holds another conversion (other sources "
                            f"or options, or one converted before plans were recorded): pass --overwrite to replace it")
     staging = ds_dir.rstrip(os.sep) + ".partial"

@@ -183,6 +183,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
         tele.close()
         loader.close()
     summary = tele.summary()
-    summary.update(start_step=start_step, steps=max(train.train_iters - start_step, 0), micro_batches_per_step=num_micro,
+    summary.update(start_step=start_step, steps=max(train.train_iters - start_step, 0),
+                   micro_batches_per_step=num_micro,
                    layout=layout, pipeline=loader.stats())
     return summary

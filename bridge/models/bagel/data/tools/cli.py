@@ -241,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
             if args.verbose:
                 raise
-            again = "; run the same command again: the conversion resumes where it stopped" if args.cmd == "convert" else ""
+            again = ("; run the same command again: the conversion resumes where it stopped"
+                     if args.cmd == "convert" else "")
             logger.error("interrupted%s", again)
             return 130
         finally:
