@@ -34,7 +34,7 @@ from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset
 from ..state import Savable, StateError, energon_rank_state
 from ..stats import DataStallError, DropCounter, StallWatch
 from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, DataTimeoutError, ReadWatch, describe_frame
-from . import compact_state, damage
+from . import compact, compact_state, damage
 from .cook_common import replaying
 from .cookers import BagelTaskEncoder
 from .identity import loader_identity
@@ -217,15 +217,22 @@ class BagelGroupReader(GroupSelection, Savable):
         self.seed, self.dp_rank, self.dp_size, self.num_workers = seed, dp_rank, dp_size, num_workers
         self._tmpdir: str | None = None
         whole = len(self.paths) == 1 and self.runs == [[(0, self._counts[0], 1)]]
-        ds_path = self.paths[0] if whole else self._write_blend()
         self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
         t_selection = _clocks()
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                           global_error_handler=reraise_exception)
+        if not whole:
+            self._log_ranges()
+        # Energon's pipeline without its O(shards) Python (compact.py); Energon's own opening otherwise
+        ds = compact.get_train_dataset([(self.paths[0], None)] if whole else list(zip(self.paths, self.runs)),
+                                       worker_config=wc, max_samples_per_sequence=max_samples_per_sequence,
+                                       task_encoder=self.task_encoder)
         try:
-            ds = get_train_dataset(ds_path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
-                                   max_samples_per_sequence=max_samples_per_sequence,
-                                   task_encoder=self.task_encoder, repeat=True)
+            if ds is None:
+                ds = get_train_dataset(self.paths[0] if whole else self._write_blend(), worker_config=wc,
+                                       batch_size=None, shuffle_buffer_size=None,
+                                       max_samples_per_sequence=max_samples_per_sequence,
+                                       task_encoder=self.task_encoder, repeat=True)
             self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
                                              checkpoint_every_sec=checkpoint_every_sec)
         finally:
@@ -246,13 +253,17 @@ class BagelGroupReader(GroupSelection, Savable):
                                 "workers)", self.group_name, self.paths, stall_warn_s=stall_warn_s,
                                 timeout_s=timeout_s, workers=num_workers > 0)
         t_identity = _clocks()
-        self._identity = self._compute_identity()
+        #: The resume fingerprint, made on the first ``identity()`` (the first save or restore), not here: it digests
+        #: Energon's ``config()``, O(this rank's slices) (10^5 at DP 1 over 10^7 samples); ``identity_seconds``: its
+        #: cost.
+        self._identity: dict[str, Any] | None = None
+        self.identity_seconds = 0.0
         t_end = _clocks()
         #: Seconds spent opening this reader: ``selection`` (index checks, manifests, official selection, blend
-        #: YAML: ours), ``energon`` (``get_train_dataset`` + ``get_savable_loader``: Energon's own, O(shards)),
-        #: ``identity`` (the resume fingerprint, Energon's ``config()`` included), ``other`` (the rest of
-        #: ``__init__``); wall clock, and the same as CPU seconds of this process in ``open_cpu_seconds`` (robust on
-        #: a shared machine). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP size.
+        #: YAML: ours), ``energon`` (``get_train_dataset`` + ``get_savable_loader``: Energon's pipeline, opened by
+        #: ``compact``), ``identity`` (0: the fingerprint is made lazily, see ``identity_seconds``), ``other`` (the
+        #: rest of ``__init__``); wall clock, and the same as CPU seconds of this process in ``open_cpu_seconds``
+        #: (robust on a shared machine). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP size.
         self.open_seconds, self.open_cpu_seconds = (
             {"selection": t_selection[i] - clock[i], "energon": t_energon[i] - t_selection[i],
              "identity": t_end[i] - t_identity[i], "other": t_identity[i] - t_energon[i]} for i in (0, 1))
@@ -260,6 +271,13 @@ class BagelGroupReader(GroupSelection, Savable):
                      t_end[0] - clock[0], ", ".join(f"{k} {v:.3f} s" for k, v in self.open_seconds.items()))
 
     # -- construction helpers -------------------------------------------------------------------
+    def _log_ranges(self) -> None:
+        n_ranges = sum(map(len, self.runs))
+        logger.log(logging.WARNING if n_ranges > 256 else logging.INFO,
+                   "reader %s: official selection = %d Energon sample ranges over %d datasets (a shuffled partial vlm "
+                   "selection costs one range per run of consecutive lines; many ranges make the reader slow to open)",
+                   self.group_name, n_ranges, len(self.paths))
+
     def _write_blend(self) -> str:
         """A MetadatasetV2 ``blend_epochized`` of the selection runs, in a private temporary directory."""
         self._tmpdir = tempfile.mkdtemp(prefix=f"bagel-blend-{self.group_name}-")
@@ -269,11 +287,6 @@ class BagelGroupReader(GroupSelection, Savable):
             for start, end, reps in runs:
                 lines += [f"      - repetitions: {reps}", f"        path: {json.dumps(p)}",
                           f"        subset: {{range: [{start}, {end}]}}"]
-        n_ranges = sum(map(len, self.runs))
-        logger.log(logging.WARNING if n_ranges > 256 else logging.INFO,
-                   "reader %s: official selection = %d Energon sample ranges over %d datasets (a shuffled partial vlm "
-                   "selection costs one range per run of consecutive lines; many ranges make the reader slow to open)",
-                   self.group_name, n_ranges, len(self.paths))
         path = os.path.join(self._tmpdir, "blend.yaml")
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
@@ -330,6 +343,10 @@ class BagelGroupReader(GroupSelection, Savable):
 
     def identity(self) -> dict[str, Any]:
         """Everything that must match for a saved state to resume this reader (JSON-able, no absolute paths)."""
+        if self._identity is None:
+            t0 = time.perf_counter()
+            self._identity = self._compute_identity()
+            self.identity_seconds = time.perf_counter() - t0
         return self._identity
 
     @property

@@ -1,0 +1,296 @@
+"""Open a converted dataset in Energon without Python work per shard: Energon's ``CrudeWebdataset`` pipeline, the same
+samples, order, state and ``config()``, with its shard list held as arrays and its slices cut in numpy.
+
+Energon 7.4.1 (pinned) opens a webdataset with O(shards) Python on every rank, whatever the rank reads:
+``WebdatasetMeta.from_config`` makes one ``ShardInfo`` with an ``EPath`` per shard (``pathlib`` parsing, ~30 µs
+each: 0.29 s at 10^4 shards), the sharder loops over shards and global workers (``sharding``), and
+``ShardInfosITarReader`` loops over shards again. Here instead:
+
+* :class:`ShardTable` — the split's shards as a name list and an int64 count array (``cumsum`` ``[n + 1]``); a
+  ``Sequence[ShardInfo]`` whose items (and ``EPath`` objects) are made only when asked for, i.e. for the shards a
+  worker actually opens. Read from the same ``.nv-meta`` files Energon reads (``.info.json``, ``split.yaml``) with
+  Energon's rules (brace expansion, excludes); the simple ``prefix{000000..009999}suffix`` ranges our converter
+  writes are expanded with one format string instead of ``braceexpand``'s generator.
+* :class:`CompactCrudeWebdataset` — Energon's ``CrudeWebdataset`` whose ``BaseWebdatasetFactory`` part takes a
+  ``ShardTable`` (cooperative ``__init__``: Energon's ``CrudeWebdataset`` / decoder / generic factory constructors
+  run unchanged) and whose ``build()`` / ``config()`` / ``__len__`` are Energon's, computed from the arrays: the
+  slices from :func:`sharding.shard_workers`, the reader a :class:`TableITarReader`.
+* :func:`get_train_dataset` — Energon's ``get_train_dataset`` for what the readers open (one dataset whole, or a
+  ``blend_epochized`` of ``(start, end, repetitions)`` sample ranges: ``subset: {range: [start, end]}``), built
+  from these factories and handed to Energon's own ``TaskEncoder.build_train_datasets``. Any dataset this module does
+  not recognise (another ``dataset.yaml`` class, no ``.info.json``, a split it cannot read) falls back to Energon's
+  own ``get_train_dataset``: same result, Energon's cost.
+
+``tests/test_compact_open.py`` checks, against Energon's own objects on real converted datasets: the factory's
+attributes and ``config()``, the slice offsets, every sample and restore key of the pipeline, and saved states.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from megatron.energon import CrudeWebdataset
+from megatron.energon.epathlib import EPath
+from megatron.energon.eyaml import load_yaml
+from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
+from megatron.energon.flavors.webdataset.itar import CachedItarOffsetReader, ITarSamplePointer
+from megatron.energon.flavors.webdataset.itar_reader import ITarReader
+from megatron.energon.flavors.webdataset.sample_loader import WebdatasetSampleLoaderDataset
+from megatron.energon.flavors.webdataset.structs import DatasetSubset, ShardInfo
+from megatron.energon.metadataset.loader_interface import DatasetBlendMode, LoadedDataset
+from megatron.energon.wrappers.map_dataset import MapDataset
+
+from . import sharding
+
+__all__ = ["CompactCrudeWebdataset", "ShardTable", "TableITarReader", "expand_braces", "get_train_dataset",
+           "read_shard_table"]
+
+logger = logging.getLogger(__name__)
+
+_META = ".nv-meta"
+_SIMPLE_RANGE = re.compile(r"^([^{}\\,]*)\{(\d+)\.\.(\d+)\}([^{}\\,]*)$")
+_PLAIN_NAME = re.compile(r"^(?!/)(?!.*//)(?!.*(?:^|/)\.\.?(?:/|$))[^\\]+$")  # relative, no '.', '..', '//'
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``list(braceexpand.braceexpand(pattern))``; a single ascending or descending integer range
+    ``prefix{A..B}suffix`` (what ``bracecollapse`` writes for numbered shards) without the generator."""
+    m = _SIMPLE_RANGE.match(pattern)
+    if m is None:
+        import braceexpand
+
+        return list(braceexpand.braceexpand(pattern))
+    prefix, a, b, suffix = m.groups()
+    pad = max(len(a), len(b)) if any(s.startswith("0") for s in (a, b) if s != "0") else 0
+    fmt = prefix.replace("%", "%%") + f"%0{pad}d" + suffix.replace("%", "%%")
+    lo, hi = int(a), int(b)
+    return [fmt % i for i in (range(lo, hi + 1) if lo <= hi else range(lo, hi - 1, -1))]
+
+
+class _LazyPaths(Sequence):
+    """``EPath`` of shard ``i`` (``base / names[i]``), made when first asked for (ITarReader's ``tar_filepaths``)."""
+
+    def __init__(self, base: EPath, names: Sequence[str]) -> None:
+        self._base, self._names = base, names
+        self._made: dict[int, EPath] = {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self._names))[i]
+        path = self._made.get(i)
+        if path is None:
+            path = self._made[i] = self._base / self._names[i]
+        return path
+
+
+class ShardTable(Sequence):
+    """A split's shards as arrays: ``names`` (list of str, relative to ``base``), ``counts`` (int64 ``[n]``, samples
+    per shard) and ``cumsum`` (int64 ``[n + 1]``: 0, then the running total). As a ``Sequence[ShardInfo]`` it is
+    what Energon's ``WebdatasetMeta.shards`` list holds, each ``ShardInfo`` made on first access."""
+
+    def __init__(self, base: EPath, names: list[str], counts: np.ndarray) -> None:
+        self.base, self.names = base, names
+        self.counts = np.asarray(counts, dtype=np.int64)
+        self.cumsum = np.concatenate(([0], np.cumsum(self.counts))).astype(np.int64)
+        self.paths = _LazyPaths(base, names)
+        self._infos: dict[int, ShardInfo] = {}
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self.names))[i]
+        info = self._infos.get(i)
+        if info is None:
+            info = self._infos[i] = ShardInfo(name=self.names[i], path=self.paths[i], count=int(self.counts[i]))
+        return info
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.cumsum[-1])
+
+    def shard_of(self, index: int) -> tuple[int, int]:
+        """``(shard, index within it)`` of global sample ``index``; IndexError outside ``[0, num_samples)``."""
+        shard = int(np.searchsorted(self.cumsum, index, side="right")) - 1
+        if not 0 <= shard < len(self.names) or index < 0:
+            raise IndexError(f"Index out of bounds: {index}")
+        return shard, int(index - self.cumsum[shard])
+
+
+def read_shard_table(path: str | EPath, split_part: str = "train", split_config: str = "split.yaml"
+                     ) -> tuple[ShardTable, set[str], list[str], list[str]] | None:
+    """``(shards, sample_excludes, split_part_files, info_shard_files)`` of a prepared webdataset, as Energon's
+    ``WebdatasetMeta.from_config`` computes them, or None when this module does not read this layout (no
+    ``.info.json``, a split file other than YAML, an unknown split part, a shard without a count, repeated or
+    non-plain shard names, an empty split): the caller then lets Energon open it (and report what is wrong)."""
+    root = os.fspath(str(path))
+    try:
+        with open(os.path.join(root, _META, ".info.json"), "rb") as f:
+            counts_by_name = json.load(f).get("shard_counts")
+        with open(os.path.join(root, _META, split_config), "rb") as f:
+            splits = load_yaml(f.read()) if split_config.endswith(".yaml") else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(counts_by_name, dict) or not isinstance(splits, dict):
+        return None
+    parts = splits.get("split_parts") or {}
+    if split_part not in parts or not isinstance(parts[split_part], list):
+        return None
+    excludes = {x for e in (splits.get("exclude") or []) for x in expand_braces(e)}
+    all_files = [name for entry in parts[split_part] for name in expand_braces(entry)]
+    files = [n for n in all_files if n not in excludes] if excludes else all_files
+    if not files or len(set(files)) != len(files) or not all(_PLAIN_NAME.match(n) for n in (files[0], files[-1])):
+        return None
+    try:
+        counts = np.fromiter(map(counts_by_name.__getitem__, files), dtype=np.int64, count=len(files))
+    except (KeyError, TypeError, ValueError):
+        return None
+    table = ShardTable(path if isinstance(path, EPath) else EPath(root), files, counts)
+    return table, {x for x in excludes if "/" in x}, all_files, list(counts_by_name)
+
+
+class _TableFactory(BaseWebdatasetFactory):
+    """Energon's ``BaseWebdatasetFactory`` over a :class:`ShardTable`: the same attributes, ``build()``, ``config()``
+    and ``__len__`` (``base_webdataset.py``), without ``WebdatasetMeta.from_config``'s per-shard objects."""
+
+    def __init__(self, path: EPath, *, split_part: str, training: bool, worker_config: Any,
+                 shuffle_over_epochs: int | None = 1, parallel_shard_iters: int | None = None,
+                 max_samples_per_sequence: int | None = None, subset: DatasetSubset | None = None,
+                 split_config: str | None = None, part_filter: Any = None,
+                 shard_table: tuple[ShardTable, set[str], list[str], list[str]]) -> None:
+        assert self.__sample_type__ is not None, f"Class {type(self)} must define __sample_type__"
+        shards, sample_excludes, split_part_files, _ = shard_table
+        self.path, self.paths, self.name = path, [path], path.display_name
+        self.shards, self.sample_excludes, self.split_part_files = shards, sample_excludes, split_part_files
+        self.training, self.worker_config = training, worker_config
+        self.shuffle_over_epochs, self.parallel_shard_iters = shuffle_over_epochs, parallel_shard_iters
+        self.max_samples_per_sequence, self.subset, self.part_filter = max_samples_per_sequence, subset, part_filter
+
+    def __len__(self) -> int:
+        return self.shards.num_samples
+
+    def build(self, worker_rotation_offset: int = 0) -> Any:
+        parallel = self.parallel_shard_iters
+        if parallel is None:
+            parallel = 16 if self.training else 1  # Energon's defaults
+        offsets = sharding.shard_workers(self.shards.cumsum, self.worker_config,
+                                         max_samples_per_sequence=self.max_samples_per_sequence,
+                                         rotation_offset=worker_rotation_offset, subset=self.subset)
+        reader = TableITarReader(self.path, self.shards, part_filter=self.part_filter,
+                                 sample_filter=self.sample_filter, itar_cache_size=parallel)
+        dataset = WebdatasetSampleLoaderDataset(
+            join_readers=[reader], workers_sample_slice_offsets=offsets, worker_config=self.worker_config,
+            shuffle_over_epochs=self.shuffle_over_epochs if self.training else None, parallel_slice_iters=parallel)
+        return MapDataset(dataset, self._load_sample_raw, stateless_map_fn=True, map_fn_config=self.config,
+                          worker_config=self.worker_config)
+
+    def config(self) -> dict[str, Any]:
+        base = str(self.path).rstrip("/") + "/"  # == str(path / name) for the plain names read_shard_table takes
+        return dict(
+            type=type(self).__qualname__, training=self.training, _path=str(self.path),
+            shards=[{"name": n, "count": c, "_path": base + n}
+                    for n, c in zip(self.shards.names, self.shards.counts.tolist())],
+            sample_excludes=list(self.sample_excludes), shuffle_over_epochs=self.shuffle_over_epochs,
+            parallel_shard_iters=self.parallel_shard_iters, max_samples_per_sequence=self.max_samples_per_sequence,
+            subset=self.subset.config() if self.subset is not None else None)
+
+
+class CompactCrudeWebdataset(CrudeWebdataset, _TableFactory):
+    """Energon's ``CrudeWebdataset`` on a :class:`ShardTable` (pass ``shard_table=read_shard_table(path)``).
+    ``type(self).__qualname__`` in ``config()`` is Energon's class name, so fingerprints and states match."""
+
+    def config(self) -> dict[str, Any]:
+        out = super().config()
+        out["type"] = CrudeWebdataset.__qualname__
+        return out
+
+
+class TableITarReader(ITarReader):
+    """Energon's ``ShardInfosITarReader`` over a :class:`ShardTable`: global sample index -> (shard, index in it)
+    by binary search on the cumulative counts; shard paths and ``ShardInfo`` made on first use."""
+
+    def __init__(self, base_path: EPath, table: ShardTable, part_filter: Any = None, itar_cache_size: int = 5,
+                 sample_filter: Any = None) -> None:
+        self.shard_table = table
+        self.cached_offset_reader = CachedItarOffsetReader(cache_size=itar_cache_size)
+        super().__init__(base_path=base_path, tar_filenames=table.names, tar_filepaths=table.paths,
+                         part_filter=part_filter, itar_cache_size=itar_cache_size, sample_filter=sample_filter)
+
+    def _get_itar_sample_pointer(self, idx: int) -> ITarSamplePointer:
+        shard, in_shard = self.shard_table.shard_of(idx)
+        byte_offset, byte_size = self.cached_offset_reader.get_itar_byte_offset(
+            self.shard_table[shard].path, in_shard)
+        return ITarSamplePointer(tar_file_id=shard, byte_offset=byte_offset, byte_size=byte_size)
+
+    def __len__(self) -> int:
+        return self.shard_table.num_samples
+
+    def __str__(self) -> str:
+        first = self.tar_filenames[0] if len(self.tar_filenames) else "N/A"
+        return (f"ShardInfosITarReader(len={len(self)}, base_path={self.base_path}, "
+                f"len(shards)={len(self.tar_filenames)}, shards=[{first}, ...])")
+
+
+def _crude_yaml(root: str) -> dict[str, Any] | None:
+    """The ``dataset.yaml`` keys of a plain Energon ``CrudeWebdataset`` (only ``subflavors`` besides the class), else
+    None."""
+    try:
+        with open(os.path.join(root, _META, "dataset.yaml"), "rb") as f:
+            data = load_yaml(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("__module__") != "megatron.energon" \
+            or data.get("__class__") != "CrudeWebdataset" or not set(data) <= {"__module__", "__class__", "subflavors"}:
+        return None
+    subflavors = data.get("subflavors")
+    return {"subflavors": subflavors} if subflavors is None or isinstance(subflavors, dict) else None
+
+
+def _factory(root: str, subset: DatasetSubset | None, *, worker_config: Any, max_samples_per_sequence: int | None,
+             decoder: Any) -> CompactCrudeWebdataset | None:
+    yaml_kwargs = _crude_yaml(root)
+    table = read_shard_table(root) if yaml_kwargs is not None else None
+    if table is None:
+        return None
+    return CompactCrudeWebdataset(EPath(root), split_config="split.yaml", split_part="train", training=True,
+                                  worker_config=worker_config, shuffle_over_epochs=1, subset=subset,
+                                  max_samples_per_sequence=max_samples_per_sequence, decoder=decoder,
+                                  shard_table=table, **yaml_kwargs)
+
+
+def get_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] | None]], *, worker_config: Any,
+                      max_samples_per_sequence: int | None, task_encoder: Any, repeat: bool = True) -> Any:
+    """Energon's ``get_train_dataset(path, batch_size=None, shuffle_buffer_size=None, repeat=repeat, ...)`` for
+    ``runs``: ``[(dataset root, None)]`` opens one dataset whole (Energon's ``DatasetLoader``); otherwise a
+    ``blend_epochized`` metadataset of every ``(start, end, repetitions)`` sample range of every dataset, in order
+    (Energon's ``MetadatasetV2`` with ``subset: {range: [start, end]}`` and ``repetitions``). Returns Energon's
+    ``SavableDataset`` (for ``get_savable_loader``), or None when a dataset is not one this module opens (the
+    caller then uses Energon's own ``get_train_dataset``)."""
+    kw = dict(worker_config=worker_config, max_samples_per_sequence=max_samples_per_sequence,
+              decoder=task_encoder.decoder)
+    datasets: list[LoadedDataset] = []
+    whole = len(runs) == 1 and runs[0][1] is None
+    for root, ranges in runs:
+        for start, end, reps in ([(None, None, None)] if ranges is None else ranges):
+            subset = None if start is None else DatasetSubset(absolute_range=(int(start), int(end)), range=(0, 1))
+            factory = _factory(root, subset, **kw)
+            if factory is None:
+                logger.debug("%s: not a plain converted crude webdataset; opened by Energon itself", root)
+                return None
+            datasets.append(LoadedDataset(dataset=factory, weight=None, repetitions=None if whole else reps))
+    return task_encoder.build_train_datasets(
+        datasets=datasets, worker_config=worker_config, batch_size=None, batch_drop_last=False,
+        packing_buffer_size=None, virtual_epoch_length=0, shuffle_buffer_size=None,
+        blend_mode=DatasetBlendMode.NONE if whole else DatasetBlendMode.SAMPLE_REPETITIONS, repeat=repeat)

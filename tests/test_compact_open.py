@@ -1,0 +1,181 @@
+"""compact.py / sharding.py against Energon itself: the numpy sharder returns Energon's slice offsets; a converted dataset
+opened from its shard table gives Energon's factory (attributes, config), the same samples, restore keys, loader
+config and saved state as Energon's own ``get_train_dataset``; datasets it does not recognise fall back to Energon."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, reraise_exception
+from megatron.energon.dataset_config import get_dataset_from_config
+from megatron.energon.flavors.webdataset.metadata import WebdatasetMeta
+from megatron.energon.flavors.webdataset.sharder import Sharder
+from megatron.energon.flavors.webdataset.structs import DatasetSubset, ShardInfo
+from megatron.energon.epathlib import EPath
+
+from bridge.models.bagel.data.converter.convert import convert_t2i
+from bridge.models.bagel.data.energon import compact, sharding
+from bridge.models.bagel.data.energon.cookers import BagelTaskEncoder
+from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
+
+VAE = dict(max_image_size=64, min_image_size=32, image_stride=16)
+N_ROWS = 47
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return add_special_tokens(build_qwen2_tokenizer())[0]
+
+
+@pytest.fixture(scope="module")
+def t2i(tmp_path_factory):
+    """A converted t2i dataset of 47 rows in shards of <= 5 samples (so slices cross shard boundaries)."""
+    import io
+
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("compact")
+    raw = root / "raw" / "t2i"
+    raw.mkdir(parents=True)
+    for f in range(3):
+        rows = []
+        for i in range(f * 16, min(N_ROWS, (f + 1) * 16)):
+            buf = io.BytesIO()
+            Image.new("RGB", (20 + i % 7, 18), (i * 5 % 256, 40, 90)).save(buf, "PNG")
+            rows.append({"image": buf.getvalue(), "captions": json.dumps({"a": f"caption {i}"})})
+        pq.write_table(pa.Table.from_pylist(rows), raw / f"part-{f:04d}.parquet", row_group_size=4)
+    return convert_t2i(str(raw), root / "out", samples_per_shard=5, progress=False).path
+
+
+def _energon_shards(counts):
+    return [ShardInfo(name=f"s{i}", path=None, count=c) for i, c in enumerate(counts)]
+
+
+def test_sharder_equals_energons_on_random_layouts():
+    rng = random.Random(0)
+    for n in list(range(1, 200)) + [1000, 1023, 8192]:
+        assert sharding.generalized_bit_reversal(n).tolist() == list(Sharder._generalized_bit_reversal(n)), n
+    for _ in range(1500):
+        counts = [rng.choice([0, 0, 1, 2, 3, 7, 50, 100, 149, 150, 151, 1000]) for _ in range(rng.choice([1, 2, 3, 5, 40]))]
+        counts[0] = counts[0] or 5
+        world = rng.choice([1, 2, 3, 4, 7, 16])
+        wc = WorkerConfig(rank=rng.randrange(world), world_size=world, num_workers=rng.choice([0, 1, 2, 3]))
+        msps, rot = rng.choice([None, 1, 2, 3, 10, 100]), rng.randrange(max(1, wc.num_workers) * world)
+        total, r, subset = sum(counts), rng.random(), None
+        if r < 0.3:
+            a = rng.randrange(total + 1)
+            subset = DatasetSubset(absolute_range=(a, rng.randrange(a, total + 1)), range=(0, 1))
+        elif r < 0.4:
+            subset = DatasetSubset(range=(0.25, 0.8))
+        want = Sharder.shard_workers(_energon_shards(counts), wc, max_samples_per_sequence=msps, subset=subset,
+                                     rotation_offset=rot)
+        cumsum = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        got = sharding.shard_workers(cumsum, wc, max_samples_per_sequence=msps, subset=subset, rotation_offset=rot)
+        assert got == tuple(map(tuple, want)), (counts, world, wc.rank, wc.num_workers, msps, rot, subset)
+        assert all(type(x) is int for w in got for x in w)
+
+
+@pytest.mark.parametrize("pattern", ["shards/shard-{000000..000123}.tar", "a{8..11}b", "a{08..11}b", "x{11..8}",
+                                     "p{0..3}", "{007..9}", "a{1..3}{x,y}", "plain.tar", "a{b,c}d", "w%{1..2}"])
+def test_brace_expansion_equals_braceexpand(pattern):
+    import braceexpand
+
+    assert compact.expand_braces(pattern) == list(braceexpand.braceexpand(pattern))
+
+
+def test_shard_table_is_energons_shard_list(t2i):
+    meta = WebdatasetMeta.from_config(path=EPath(t2i), split_part="train")
+    table, excludes, split_files, info_files = compact.read_shard_table(t2i)
+    assert len(table) == len(meta.shards) > 5 and list(table) == meta.shards
+    assert table[-1] == meta.shards[-1] and table[2:4] == meta.shards[2:4]
+    assert excludes == meta.sample_excludes and split_files == meta.split_part_files
+    assert info_files == meta.info_shard_files and table.num_samples == N_ROWS
+    last = meta.shards[-1]
+    assert table.shard_of(0) == (0, 0) and table.shard_of(N_ROWS - 1) == (len(table) - 1, last.count - 1)
+    for bad in (-1, N_ROWS):
+        with pytest.raises(IndexError):
+            table.shard_of(bad)
+
+
+def test_factory_and_config_are_energons(t2i):
+    wc = WorkerConfig(rank=1, world_size=3, num_workers=2)
+    subset = DatasetSubset(absolute_range=(3, 41), range=(0, 1))
+    kw = dict(training=True, split_part="train", worker_config=wc, shuffle_over_epochs=1, subset=subset,
+              max_samples_per_sequence=4)
+    theirs = get_dataset_from_config(EPath(t2i), **kw)
+    ours = compact._factory(str(t2i), subset, worker_config=wc, max_samples_per_sequence=4,
+                            decoder=theirs._decoder)
+    assert isinstance(ours, type(theirs))
+    skip = {"shards", "_sample_loader", "part_filter"}  # lambdas: equal by behaviour, not identity
+    assert {k: v for k, v in vars(ours).items() if k not in skip} == {k: v for k, v in vars(theirs).items()
+                                                                       if k not in skip}
+    assert list(ours.shards) == theirs.shards and len(ours) == len(theirs) == N_ROWS
+    assert ours.config() == theirs.config()  # machine paths (``_path``) included
+    for rot in (0, 1, 4):
+        assert ours.build(rot).config() == theirs.build(rot).config()
+
+
+def _blend(tmp_path, path, ranges):
+    lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:", "    blend_epochized:"]
+    for s, e, r in ranges:
+        lines += [f"      - repetitions: {r}", f"        path: {json.dumps(str(path))}",
+                  f"        subset: {{range: [{s}, {e}]}}"]
+    (tmp_path / "blend.yaml").write_text("\n".join(lines) + "\n")
+    return str(tmp_path / "blend.yaml")
+
+
+def _same_samples(a, b):
+    for x, y in zip(a, b):
+        assert x.__key__ == y.__key__ and x.restore_key == y.restore_key and x.data_indexes == y.data_indexes
+        assert x.text_ids_list == y.text_ids_list and x.sequence_plan == y.sequence_plan
+        for p, q in zip(x.image_tensor_list, y.image_tensor_list):
+            assert p.dtype == q.dtype and p.shape == q.shape and torch.equal(p, q)
+
+
+@pytest.mark.parametrize("ranges,workers", [(None, 0), ([(0, 20, 2), (25, 47, 1)], 0), ([(3, 30, 1)], 2)])
+def test_pipeline_gives_energons_samples_config_and_state(tok, t2i, tmp_path, ranges, workers):
+    loaders = []
+    for kind in ("energon", "compact"):
+        wc = WorkerConfig(rank=1, world_size=2, num_workers=workers, seed_offset=3,
+                          global_error_handler=reraise_exception)
+        te = BagelTaskEncoder(tok, {"t2i_pretrain": {"image_transform_args": VAE, "vit_image_transform_args": None}})
+        if kind == "energon":
+            ds = get_train_dataset(str(t2i) if ranges is None else _blend(tmp_path, t2i, ranges), worker_config=wc,
+                                   batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=4,
+                                   task_encoder=te, repeat=True)
+        else:
+            ds = compact.get_train_dataset([(str(t2i), ranges)], worker_config=wc, max_samples_per_sequence=4,
+                                           task_encoder=te)
+        loaders.append(get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None))
+    theirs, ours = loaders
+    assert ours.config() == theirs.config()
+    its = [iter(x) for x in loaders]
+    n = 40 if workers == 0 else 12
+    _same_samples([next(its[0]) for _ in range(n)], [next(its[1]) for _ in range(n)])
+    if workers == 0:  # a worker state is written by the worker process at its own pace: compared at 0 workers
+        assert pickle.dumps(ours.save_state_rank()) == pickle.dumps(theirs.save_state_rank())
+    for x in loaders:
+        from bridge.models.bagel.data.energon.workers import shutdown_workers
+
+        shutdown_workers(x)
+
+
+def test_datasets_it_does_not_read_are_left_to_energon(tok, t2i, tmp_path):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
+    te = BagelTaskEncoder(tok, {"t2i_pretrain": {"image_transform_args": VAE, "vit_image_transform_args": None}})
+    other = tmp_path / "other"
+    shutil.copytree(t2i, other)
+    yaml_path = other / ".nv-meta" / "dataset.yaml"
+    yaml_path.write_text(yaml_path.read_text() + "part_filter: [meta.json, img0]\n")
+    assert compact.get_train_dataset([(str(other), None)], worker_config=wc, max_samples_per_sequence=4,
+                                     task_encoder=te) is None
+    (other / ".nv-meta" / ".info.json").unlink()
+    assert compact.read_shard_table(other) is None
