@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import re
@@ -238,6 +237,7 @@ def _brute_force(ds_root: Path, group: str, tok, ctx_args: dict) -> tuple[int, l
 def test_stats_counts_equal_a_brute_force_count_over_the_demo_data(demo_setup, tmp_path: Path) -> None:
     from bridge.models.bagel.data.tools.budget_stats import collect_stats
     from bridge.models.bagel.data.config import load_dataset_info, resolve_groups
+    from bridge.models.bagel.data.energon.layout import load_manifest
 
     out, tok = demo_setup
     groups = resolve_groups(load_grouped_yaml(out / "groups.yaml"), load_dataset_info(out / "dataset_info.yaml"))
@@ -249,7 +249,7 @@ def test_stats_counts_equal_a_brute_force_count_over_the_demo_data(demo_setup, t
     for g in report.groups:
         (ds,) = g.datasets
         n, cooked = _brute_force(Path(ds.path), g.group.name, tok, raw[g.group.name])
-        assert ds.samples == ds.read == n == json.loads((Path(ds.path) / "manifest.json").read_text())["num_samples"]
+        assert ds.samples == ds.read == n == load_manifest(ds.path)["num_samples"]
         usable = [(k, e) for k, e in cooked if all(x is not None for x in e)]
         assert sum(ds.unusable.values()) == n - len(usable) and len(ds.estimates) == len(usable)
         over_always = over_some = 0

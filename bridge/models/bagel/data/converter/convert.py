@@ -27,7 +27,8 @@ from .finalize import (build_manifest, from_plan, has_files, load_records, manif
 from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
 from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
-from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, T2I, VLM, dataset_dir
+from ..energon.layout import (DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, T2I, VLM, dataset_dir, encode_manifest,
+                              load_manifest, write_manifest)
 from ..yaml_errors import yaml_problem
 
 logger = logging.getLogger(__name__)
@@ -110,8 +111,7 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
         if problem is not None:
             raise ConvertError(f"{ds_dir}: the published dataset of this conversion is damaged ({problem}): pass "
                                "--overwrite to convert it again")
-        with open(manifest_path(ds_dir), encoding="utf-8") as f:
-            man = json.load(f)
+        man = load_manifest(ds_dir)
         logger.info("%s: already converted from the same sources and options; nothing to do", ds_dir)
         return dataclasses.replace(_summary(man, ds_dir, [], [], man["skipped"]), status="already converted")
     try:
@@ -161,8 +161,7 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
         plan = json.loads(plan_bytes)
     except FileNotFoundError:
         if os.path.exists(manifest_path(staging)):  # merged before; only the publish was left
-            with open(manifest_path(staging), encoding="utf-8") as f:
-                man = json.load(f)
+            man = load_manifest(staging)
             publish(staging, ds_dir)
             return _summary(man, ds_dir, [], [], man["skipped"])
         raise ConvertError(f"{staging}: no staged conversion to merge (run `bagel-data convert ...` first)") from None
@@ -196,12 +195,10 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
     man = build_manifest(plan, records)
     try:
         write_energon_index(staging, man["shards"], n_units, group)
-        data = dumps_json(man) + b"\n"
-        write_index_uuid(staging, data)
+        encoded = encode_manifest(man, staging)  # manifest.json (the format-3 header) + its columns sidecar
+        write_index_uuid(staging, encoded[0])  # the header holds the sidecar's sha256
         write_plan_digest(staging, plan_bytes)  # before the manifest: a merged staging dir always has it
-        with open(manifest_path(staging) + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(manifest_path(staging) + ".tmp", manifest_path(staging))
+        write_manifest(staging, man, encoded)  # sidecar, then manifest.json: its presence means "merged"
         publish(staging, ds_dir)
     except (OSError, sqlite3.Error) as e:
         raise _write_error(e, staging) from e

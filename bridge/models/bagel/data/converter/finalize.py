@@ -26,7 +26,8 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from ..energon.layout import EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, crude_dataset_yaml
+from ..energon.layout import (EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, ManifestError, crude_dataset_yaml,
+                              load_manifest)
 from .units import WORK_DIR, unit_index_path, unit_record_path
 
 __all__ = ["write_energon_index", "build_manifest", "v1_samples"]
@@ -89,7 +90,8 @@ def write_energon_index(staging: str, shards: list[dict[str, Any]], n_units: int
 
 
 def write_index_uuid(staging: str, manifest_bytes: bytes) -> None:
-    """``.nv-meta/index.uuid``: a UUID derived from the manifest and ``.info.json`` (same content, same UUID)."""
+    """``.nv-meta/index.uuid``: a UUID derived from the manifest and ``.info.json`` (same content, same UUID).
+    ``manifest_bytes``: the ``manifest.json`` bytes (format 3: the header, which holds its sidecar's sha256)."""
     nv = os.path.join(staging, _NV)
     with open(os.path.join(nv, ".info.json"), "rb") as f:
         digest = hashlib.sha256(manifest_bytes + f.read()).digest()
@@ -108,7 +110,8 @@ def v1_samples(group: str, files: list[dict[str, Any]]) -> list[list[int]]:
 
 
 def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
-    """``manifest.json`` (format 2 fields, see docs/converting.md) from the plan and the unit records."""
+    """The manifest (the format-2-shaped dict ``layout.write_manifest`` stores as format 3, see
+    docs/converting.md) from the plan and the unit records."""
     base = plan["manifest"]
     files = [dict(f) for f in base["files"]]
     if plan["group"] in (T2I, EDIT):
@@ -194,13 +197,13 @@ def from_plan(ds_dir: str, plan_bytes: bytes) -> bool:
 
 
 def published_problem(ds_dir: str) -> str | None:
-    """What is missing or cut short in a published dataset (manifest, a shard, its ``.tar.idx``, a shard shorter
-    than its index says), or None: the cheap O(shards) check a rerun makes before calling it done."""
+    """What is missing or cut short in a published dataset (manifest or its sidecar, a shard, its ``.tar.idx``, a
+    shard shorter than its index says), or None: the cheap O(files + shards) check a rerun makes before calling
+    it done."""
     try:
-        with open(manifest_path(ds_dir), encoding="utf-8") as f:
-            shards = json.load(f)["shards"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST_NAME}: {type(e).__name__}: {e}"
+        shards = load_manifest(ds_dir)["shards"]
+    except ManifestError as e:
+        return f"{MANIFEST_NAME}: {e.cause}"
     for sh in shards:
         tar = os.path.join(ds_dir, sh["path"])
         try:

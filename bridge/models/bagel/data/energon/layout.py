@@ -2,15 +2,23 @@
 
 One Energon crude WebDataset per group and sub-dataset: ``<out>/<group>/<dataset_name>/`` holding
 ``shards/shard-000000.tar`` ..., a prepared ``.nv-meta/`` (crude ``dataset.yaml`` with subflavor
-``bagel_group: <group>``) and ``manifest.json``. Sample keys are ``%08d`` of the sample index; every
-sample has a ``meta.json`` part (group, official source coordinate, group fields) and image parts
-``img0``, ``img1``, ... holding the original encoded bytes.
+``bagel_group: <group>``), ``manifest.json`` and its sidecar ``manifest.columns.npy``. Sample keys are ``%08d``
+of the sample index; every sample has a ``meta.json`` part (group, official source coordinate, group fields)
+and image parts ``img0``, ``img1``, ... holding the original encoded bytes.
 
-Manifest format 2 (``MANIFEST_FORMAT``) is O(files + shards + row groups), never O(rows): a sample's
-official coordinate is arithmetic on the ``files`` entries (``first_sample`` / ``num_samples`` per file;
-:func:`file_sample_range`, :func:`sample_of`). vlm_sft: sample index == line number. ``skipped`` is
-aggregated per (file, row group, reason). Format 1 (one ``samples`` coordinate per row) is still read:
-:func:`load_manifest` upgrades it in memory (:func:`upgrade_manifest_v1`), at O(rows) cost, with a warning.
+The manifest is O(files + shards + row groups), never O(rows): a sample's official coordinate is arithmetic on
+the ``files`` entries (``first_sample`` / ``num_samples`` per file; :func:`file_sample_range`,
+:func:`sample_of`). vlm_sft: sample index == line number. ``skipped`` is aggregated per (file, row group,
+reason). Its in-memory form is the format-2 dict (``files`` / ``shards`` lists of dicts), whatever the file
+format: :func:`load_manifest` returns it, :func:`write_manifest` takes it.
+
+Format 3 (``MANIFEST_FORMAT``, written by :func:`write_manifest`): ``manifest.json`` is a small header (the
+dict's scalar keys, ``num_files``, ``num_shards``) and the per-file / per-shard tables are numpy columns in the
+sidecar (layout: :mod:`.manifest_columns`). :func:`load_manifest_index` gives a reader what it needs (group,
+sample / line counts, per-file ``first_sample`` / ``num_samples`` as int64 arrays) from the header and two
+columns: O(1) Python objects, no O(files) parse. Format 2 (the whole dict as JSON) is still read, at O(files).
+Format 1 (one ``samples`` coordinate per row) is still read: :func:`load_manifest` upgrades it in memory
+(:func:`upgrade_manifest_v1`), at O(rows) cost, with a warning.
 """
 
 from __future__ import annotations
@@ -19,9 +27,14 @@ import json
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .manifest_columns import (
+    COLUMNS_NAME, ColumnsError, dumps_canonical, join_manifest, read_file_ranges, split_manifest,
+)
 
 __all__ = [
     "GROUPS", "T2I", "EDIT", "VLM", "MANIFEST_FORMAT", "MANIFEST_NAME", "SHARDS_DIR", "META_PART",
@@ -29,7 +42,8 @@ __all__ = [
     "VIDEO_ERROR_KEY", "VIDEO_UNSUPPORTED",
     "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
     "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "file_sample_range",
-    "stored_row_groups", "sample_of", "aggregate_skipped",
+    "stored_row_groups", "sample_of", "aggregate_skipped", "READ_FORMATS", "COLUMNS_NAME", "ManifestIndex",
+    "load_manifest_index", "encode_manifest", "write_manifest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -40,10 +54,10 @@ VLM = "vlm_sft"
 #: The three official groups, in the order of the official example.yaml.
 GROUPS: tuple[str, ...] = (T2I, EDIT, VLM)
 
-#: Version of manifest.json (bumped on incompatible layout changes).
-MANIFEST_FORMAT = 2
-#: Formats :func:`load_manifest` reads (1 is upgraded in memory).
-READ_FORMATS = (1, 2)
+#: Version of manifest.json that :func:`write_manifest` writes (bumped on incompatible layout changes).
+MANIFEST_FORMAT = 3
+#: Formats :func:`load_manifest` reads (1 is upgraded in memory; 3 is the header + ``COLUMNS_NAME``).
+READ_FORMATS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"
 #: Tar member suffix of the per-sample metadata (the crude sample dict key).
@@ -97,8 +111,11 @@ def dataset_dir(out_root: str | os.PathLike, group: str, dataset_name: str) -> s
 class ManifestError(ValueError):
     """A converted dataset's ``manifest.json`` is missing, damaged or of an unreadable format.
 
-    The message is one line: the manifest path, the dataset, the cause and the remedy (convert again).
+    The message is one line: the manifest path, the dataset, the cause and the remedy (convert again);
+    ``cause`` is the cause alone.
     """
+
+    cause: str = ""
 
 
 _CONVERT_CMD = {T2I: "t2i", EDIT: "edit", VLM: "vlm"}
@@ -114,12 +131,15 @@ def _manifest_error(path: str, cause: str, group: str | None = None) -> Manifest
         cause = cause[:77] + "..."
     if os.path.isdir(root.rstrip(os.sep) + ".partial"):  # staged, not published: resume or merge, not redo
         out = os.path.dirname(os.path.dirname(root.rstrip(os.sep)))
-        return ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); its conversion is "
-                             f"staged in {root.rstrip(os.sep)}.partial, not published yet: rerun the conversion to "
-                             f"resume it (a --part conversion: run every part, then `bagel-data convert merge --out "
-                             f"{out}`)")
-    return ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); convert it again: "
-                         f"`bagel-data convert {cmd} ... --overwrite`")
+        err = ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); its conversion is "
+                            f"staged in {root.rstrip(os.sep)}.partial, not published yet: rerun the conversion to "
+                            f"resume it (a --part conversion: run every part, then `bagel-data convert merge --out "
+                            f"{out}`)")
+    else:
+        err = ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); convert it again: "
+                            f"`bagel-data convert {cmd} ... --overwrite`")
+    err.cause = cause
+    return err
 
 
 def stored_row_groups(group: str, entry: Mapping[str, Any]) -> int:
@@ -246,14 +266,8 @@ def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
     return man
 
 
-def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
-    """Read and check ``manifest.json`` of a converted dataset; always returns format 2.
-
-    Cost O(files + shards + row groups) for format 2. Format 1 is upgraded in memory (O(rows), logged as a
-    warning). Raises ManifestError (a ValueError; one line naming the file, the dataset, the cause and
-    ``bagel-data convert ...`` as remedy) when the file is missing, not JSON, lacks keys or has another format.
-    """
-    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
+def _read_header(path: str) -> Any:
+    """The parsed JSON of ``manifest.json`` (any format), or ManifestError (missing, not JSON, other format)."""
     try:
         with open(path, encoding="utf-8") as f:
             man = json.load(f)
@@ -266,13 +280,135 @@ def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
     fmt = man.get("format") if isinstance(man, dict) else None
     if isinstance(man, dict) and fmt not in READ_FORMATS and "format" in man:
         raise _manifest_error(path, f"unsupported format {fmt!r}, this version reads {READ_FORMATS}", man.get("group"))
+    return man
+
+
+def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
+    """Read and check the manifest of a converted dataset; always returns the format-2 dict.
+
+    The dict has ``files`` / ``shards`` lists of dicts (Python ints / strs / None) and the same keys, values and
+    key order whichever format is on disk; ``format`` says which it was (1 is upgraded: ``MANIFEST_FORMAT``).
+    Cost O(files + shards + row groups) for formats 2 and 3 (3: the sidecar's size and sha256 are checked).
+    Format 1 is upgraded in memory (O(rows), logged as a warning). Raises ManifestError (a ValueError; one line
+    naming the file, the dataset, the cause and ``bagel-data convert ...`` as remedy) when the file or its
+    sidecar is missing or damaged, lacks keys or has another format.
+    """
+    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
+    return _manifest_of(path, _read_header(path))
+
+
+def _manifest_of(path: str, man: Any) -> dict[str, Any]:
+    """:func:`load_manifest` of the parsed ``manifest.json`` at ``path``."""
+    fmt = man.get("format") if isinstance(man, dict) else None
     if fmt == 1:
         if "samples" not in man or "group" not in man or "files" not in man:
             raise _manifest_error(path, "format 1 without 'samples'/'group'/'files'", man.get("group"))
         logger.warning("%s: format 1 manifest (one entry per sample) upgraded in memory at O(rows) cost; convert "
                        "the dataset again (bagel-data convert) to get format %d", path, MANIFEST_FORMAT)
         man = upgrade_manifest_v1(man, path)
+    elif fmt == 3:
+        try:
+            man = join_manifest(man, os.path.dirname(path))
+        except ColumnsError as e:
+            raise _manifest_error(path, str(e), man.get("group")) from None
     return check_manifest(man, path)
+
+
+def encode_manifest(man: dict[str, Any], ds_root: str | os.PathLike = "") -> tuple[bytes, bytes]:
+    """``(manifest.json bytes, manifest.columns.npy bytes)`` of a format-2-shaped manifest, as format
+    ``MANIFEST_FORMAT``: the same dict always gives the same bytes. Raises ManifestError (naming ``ds_root``) when
+    ``man`` does not pass :func:`check_manifest`, ValueError when it cannot be stored
+    (:func:`.manifest_columns.split_manifest`)."""
+    check_manifest(man, os.path.join(os.fspath(ds_root), MANIFEST_NAME))
+    header, columns = split_manifest(man, MANIFEST_FORMAT)
+    return dumps_canonical(header) + b"\n", columns
+
+
+def write_manifest(ds_root: str | os.PathLike, man: dict[str, Any],
+                   encoded: tuple[bytes, bytes] | None = None) -> bytes:
+    """Write ``man`` (a format-2-shaped dict) as the format-3 manifest of ``ds_root``: the sidecar first, then
+    ``manifest.json``, each to a temporary name and renamed (a reader never sees a header without its sidecar).
+    ``encoded``: what :func:`encode_manifest` returned for ``man`` (when the caller needed the bytes first).
+    Returns the ``manifest.json`` bytes. Raises OSError (writing), ManifestError / ValueError (see
+    :func:`encode_manifest`)."""
+    header, columns = encoded if encoded is not None else encode_manifest(man, ds_root)
+    root = os.fspath(ds_root)
+    for name, data in ((COLUMNS_NAME, columns), (MANIFEST_NAME, header)):
+        path = os.path.join(root, name)
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+    return header
+
+
+@dataclass(frozen=True, eq=False)
+class ManifestIndex:
+    """What a reader needs of a converted dataset's manifest, without its O(files) tables as Python objects.
+
+    ``file_first_sample`` / ``file_num_samples``: int64 ``[num_files]``, read-only; file ``i`` holds samples
+    ``first[i] .. first[i] + num[i] - 1``, consecutive from 0, summing to ``num_samples``. ``num_lines`` equals
+    ``num_samples`` except for vlm_sft (its line count, equal too for a converted dataset).
+    """
+
+    root: str
+    group: str
+    num_samples: int
+    num_lines: int
+    file_first_sample: np.ndarray
+    file_num_samples: np.ndarray
+
+    @property
+    def num_files(self) -> int:
+        return len(self.file_first_sample)
+
+
+def load_manifest_index(ds_root: str | os.PathLike) -> ManifestIndex:
+    """The :class:`ManifestIndex` of a converted dataset.
+
+    Format 3: the header and the sidecar's two ``files`` range columns, O(1) Python objects; checked with numpy
+    (lengths ``num_files``, ranges consecutive from 0 summing to ``num_samples``, vlm ``num_lines`` equal), not
+    the other columns nor the sidecar's hash (:func:`load_manifest` checks everything). Formats 1 / 2 (and a
+    format-3 header with inline tables): through :func:`load_manifest`, O(files). Raises ManifestError (one
+    line naming the file, the dataset, the cause and the remedy): the manifest or its sidecar missing, cut
+    short, of another dtype or inconsistent.
+    """
+    root = os.fspath(ds_root)
+    path = os.path.join(root, MANIFEST_NAME)
+    head = _read_header(path)
+    if not (isinstance(head, dict) and head.get("format") == 3 and "columns" in head):
+        man = _manifest_of(path, head)
+        try:
+            first = np.array([f["first_sample"] for f in man["files"]], dtype=np.int64)
+            num = np.array([f["num_samples"] for f in man["files"]], dtype=np.int64)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise _manifest_error(path, f"files: {type(e).__name__}: {e}", man["group"]) from None
+        first.flags.writeable = num.flags.writeable = False
+        total = int(man["num_samples"])
+        return ManifestIndex(root, man["group"], total, int(man.get("num_lines", total)) if man["group"] == VLM
+                             else total, first, num)
+    group, total = head.get("group"), head.get("num_samples")
+    if group not in GROUPS:
+        raise _manifest_error(path, f"unknown group {group!r}" if "group" in head else "missing key 'group'")
+    lines = head.get("num_lines", total) if group == VLM else total
+    if not all(type(v) is int and v >= 0 for v in (total, lines, head.get("num_files"))):
+        raise _manifest_error(path, f"num_samples {total!r}, num_lines {lines!r}, num_files {head.get('num_files')!r}"
+                              " are not counts", group)
+    try:
+        first, num = read_file_ranges(head, root)
+    except ColumnsError as e:
+        raise _manifest_error(path, str(e), group) from None
+    ends = first + num  # (no other int64 temporary: peak 3 x 8 bytes per file)
+    bad = num < 0
+    bad[1:] |= first[1:] != ends[:-1]
+    bad[:1] |= first[:1] != 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise _manifest_error(path, f"file #{i}: first_sample {int(first[i])}, num_samples {int(num[i])}, expected "
+                              f"first_sample {int(ends[i - 1]) if i else 0}", group)
+    held = int(ends[-1]) if len(ends) else 0
+    if held != total or lines != total:
+        raise _manifest_error(path, f"files hold {held} samples, num_samples is {total}, num_lines {lines}", group)
+    return ManifestIndex(root, group, total, lines, first, num)
 
 
 def crude_dataset_yaml(group: str) -> str:
