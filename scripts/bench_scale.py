@@ -5,7 +5,7 @@ Two kinds of corpora, both t2i_pretrain with tiny images (8x8 PNG) so the disk s
 
 * ``real``: official raw parquet (``--real`` rows: 10^4, 10^5, 10^6; ``--quick``: 10^3, 10^4) converted with
   the parallel converter (2 workers; ``scripts/bench_convert.py`` measures it against the tar-write floor), then read.
-* ``scaled``: manifests of 10^4 .. 10^7 rows (format 2, 1000 rows per file, 2 row groups) over a synthetic but
+* ``scaled``: manifests of 10^4 .. 10^7 rows (format 3, 1000 rows per file, 2 row groups) over a synthetic but
   valid Energon dataset: one real 1000-sample shard (+ its Energon ``.tar.idx``) linked as every shard, and an
   ``.nv-meta`` whose ``.info.json`` / ``split.yaml`` list them all. Energon therefore sees the full shard count
   and sample count (what its start-up depends on); sample *content* repeats, which nothing measured depends on.
@@ -14,10 +14,12 @@ Two kinds of corpora, both t2i_pretrain with tiny images (8x8 PNG) so the disk s
 Each case builds the project's loader (``build_bagel_train_loader``, the groups YAML with ``num_used_data`` set as
 the official YAML does, order ``energon``, 0 workers) for the LAST DP rank of W in {1, 64, 1024, 8192}.
 Targets: build time and peak RSS grow <= 1.5x from the smallest to the largest manifest and from DP 1 to 8192.
-The build is split into Energon's own opening of the datasets (``energon_s``: ``get_train_dataset`` +
-``get_savable_loader``, O(shards) by Energon's design, measured by the readers: ``BagelGroupReader.open_seconds``)
-and ours (``ours_s``: everything else of ``build_bagel_train_loader``), in wall seconds and in CPU seconds of the
-process (``*_cpu``: robust when other jobs share the cores). Each case runs ``--repeat`` times (default 3) in fresh
+The build is split into the opening of Energon's pipeline (``energon_s``: ``energon.compact.get_train_dataset`` +
+``get_savable_loader``; Energon's own ``get_train_dataset`` is O(shards) Python, see docs/upstream.md; measured by
+the readers: ``BagelGroupReader.open_seconds``) and ours (``ours_s``: everything else of
+``build_bagel_train_loader``), in wall seconds and in CPU seconds of the process (``*_cpu``: robust when other jobs
+share the cores). The readers' resume fingerprints are made at the first save, not in the build: ``save1_s`` (the
+first ``save_state()``) includes them, ``ident_s`` is their part; both are reported with their growth. Each case runs ``--repeat`` times (default 3) in fresh
 processes, every number the minimum. ``ok``: our CPU part and RSS within the target; ``ok_total``: the whole build.
 Last line: ``bench_scale: ours_cpu_growth_rows=… energon_cpu_growth_rows=… … build_growth_rows=… rss_growth_rows=…
 … ok=… ok_wall=… ok_total=… repeat=… quick=…``.
@@ -76,11 +78,11 @@ def convert(raw_dir: str, out: str, workers: int = 2) -> tuple[str, float, str]:
 
 
 def make_scaled(base: str, out: str, rows: int) -> str:
-    """A valid Energon dataset of ``rows`` samples: base's first shard linked rows/1000 times + format-2 manifest."""
-    from bridge.models.bagel.data.converter.convert import dumps_json
-    from bridge.models.bagel.data.energon.layout import crude_dataset_yaml, shard_relpath
+    """A valid Energon dataset of ``rows`` samples: base's first shard linked rows/1000 times + a manifest of
+    rows/1000 files, written as the converter writes it (``layout.write_manifest``: format 3, header + columns)."""
+    from bridge.models.bagel.data.energon.layout import crude_dataset_yaml, load_manifest, shard_relpath, write_manifest
 
-    man0 = json.load(open(os.path.join(base, "manifest.json")))
+    man0 = load_manifest(base)
     shard0 = os.path.join(base, man0["shards"][0]["path"])
     per = man0["shards"][0]["count"]
     assert per == ROWS_PER_FILE, per
@@ -114,8 +116,7 @@ def make_scaled(base: str, out: str, rows: int) -> str:
     files = [{"file": f"t2i/part-{fi:06d}.parquet", "file_index": fi, "num_rows": ROWS_PER_FILE, "row_groups": rg,
               "first_sample": fi * ROWS_PER_FILE, "num_samples": ROWS_PER_FILE} for fi in range(n_shards)]
     man = dict(man0, files=files, shards=shards, num_samples=rows, skipped=[], dataset_name=os.path.basename(out))
-    with open(os.path.join(out, "manifest.json"), "wb") as f:
-        f.write(dumps_json(man) + b"\n")
+    write_manifest(out, man)
     return out
 
 
@@ -140,15 +141,15 @@ def _case(tok, dataset: str, dp: int, workers: int = 0) -> dict:
 
     from bridge.models.bagel.data.build import build_bagel_train_loader
     from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
-    from bridge.models.bagel.data.energon.layout import load_manifest
+    from bridge.models.bagel.data.energon.layout import load_manifest_index
 
     from bridge.models.bagel.data.energon.reader import BagelGroupReader
     from bridge.models.bagel.data.energon.selection import manifest_runs
     from bridge.models.bagel.data.state import walk_stages
 
     t = time.perf_counter()  # the part the manifest format decides: load + official selection runs
-    files = len(load_manifest(dataset)["files"])
-    manifest_runs(load_manifest(dataset), files)
+    files = load_manifest_index(dataset).num_files  # what a reader reads of the manifest (format 3: O(1) objects)
+    manifest_runs(load_manifest_index(dataset), files)
     select_s = time.perf_counter() - t
     groups = {"t2i_pretrain": {"dataset_names": ["ds"], "image_transform_args": VAE, "is_mandatory": True,
                                "num_used_data": [files], "weight": 1}}
@@ -178,16 +179,19 @@ def _case(tok, dataset: str, dp: int, workers: int = 0) -> dict:
     except ImportError:
         procs, pss_self, pss_kids, rss_now = -1, -1.0, -1.0, -1.0
     readers = [s for s in walk_stages(loader) if isinstance(s, BagelGroupReader)]
-    opened = {k: sum(r.open_seconds[k] for r in readers) for k in ("selection", "energon", "identity")}
+    opened = {k: sum(r.open_seconds[k] for r in readers) for k in ("selection", "energon")}
     opened_cpu = sum(r.open_cpu_seconds["energon"] for r in readers)
-    state = len(pickle.dumps(loader.save_state()))
+    t3 = time.perf_counter()
+    state = len(pickle.dumps(loader.save_state()))  # the first save also makes the readers' resume fingerprints
+    save1_s = time.perf_counter() - t3
+    opened["identity"] = sum(r.identity_seconds for r in readers)
     loader.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     shutil.rmtree(tmp, ignore_errors=True)
     return {"select_s": select_s, "build_s": t1 - t0, "energon_s": opened["energon"],
             "ours_s": t1 - t0 - opened["energon"], "build_cpu_s": c1 - c0, "energon_cpu_s": opened_cpu,
             "ours_cpu_s": c1 - c0 - opened_cpu, "reader_selection_s": opened["selection"],
-            "reader_identity_s": opened["identity"], "first_batch_s": t2 - t1, "rss_mb": rss / 1024,
+            "reader_identity_s": opened["identity"], "first_save_s": save1_s, "first_batch_s": t2 - t1, "rss_mb": rss / 1024,
             "rss_build_mb": (rss - rss0) / 1024, "rss_now_mb": rss_now,
             "procs": procs, "state_bytes": state, "pss_self_mb": pss_self, "pss_workers_mb": pss_kids}
 
@@ -211,7 +215,7 @@ def measure_best(dataset: str, dp: int, repeat: int) -> dict:
 
 def _row(kind: str, rows: int, dp: int, m: dict, extra: str = "") -> None:
     print(f"{kind:7s} {rows:>10,d} {dp:>5d} {m['select_s']:8.3f} {m['build_s']:8.3f} {m['ours_s']:8.3f} "
-          f"{m['energon_s']:8.3f} {m['ours_cpu_s']:8.3f} {m['energon_cpu_s']:8.3f} {m['reader_identity_s']:8.4f} {m['first_batch_s']:8.2f} {m['rss_mb']:8.0f} "
+          f"{m['energon_s']:8.3f} {m['ours_cpu_s']:8.3f} {m['energon_cpu_s']:8.3f} {m['reader_identity_s']:8.4f} {m['first_save_s']:8.3f} {m['first_batch_s']:8.2f} {m['rss_mb']:8.0f} "
           f"{m['rss_build_mb']:8.0f} {m['rss_now_mb']:8.0f} {m['procs']:5d} {m['state_bytes']:8d} {extra}", flush=True)
 
 
@@ -239,10 +243,10 @@ def main() -> int:
     work = args.work or tempfile.mkdtemp(prefix="bench-scale-")
     repeat = args.repeat if args.repeat is not None else (1 if args.quick else 3)
     print(f"{'corpus':7s} {'rows':>10s} {'DP':>5s} {'select_s':>8s} {'build_s':>8s} {'ours_s':>8s} {'energon_s':>8s} "
-          f"{'ours_cpu':>8s} {'en_cpu':>8s} {'ident_s':>8s} {'batch1_s':>8s} {'rss_MB':>8s} {'dRSS_MB':>8s} {'RSSnow':>8s} {'procs':>5s} "
+          f"{'ours_cpu':>8s} {'en_cpu':>8s} {'ident_s':>8s} {'save1_s':>8s} {'batch1_s':>8s} {'rss_MB':>8s} {'dRSS_MB':>8s} {'RSSnow':>8s} {'procs':>5s} "
           f"{'state_B':>8s}")
     print(f"(build_s = ours_s + energon_s; energon_s = Energon's get_train_dataset + get_savable_loader in the "
-          f"readers; *_cpu: the same in CPU seconds of the process; ident_s = the readers' resume fingerprint, in ours_s; min over {repeat} fresh process(es))")
+          f"readers; *_cpu: the same in CPU seconds of the process; ident_s = the readers' resume fingerprints, made at the first save (in save1_s, the first save_state(), not in build_s); min over {repeat} fresh process(es))")
     try:
         base = None
         for rows in real:
@@ -287,6 +291,7 @@ def main() -> int:
              "energon_build_growth_dp": d1["energon_s"] / d0["energon_s"],
              "build_growth_dp": d1["build_s"] / d0["build_s"], "rss_growth_dp": d1["rss_mb"] / d0["rss_mb"],
              "first_batch_growth_rows": r1["first_batch_s"] / r0["first_batch_s"],
+             "first_save_growth_rows": r1["first_save_s"] / r0["first_save_s"],
              "state_growth_dp": d1["state_bytes"] / d0["state_bytes"]}
         ra, rb = scaled[-2], scaled[-1]
         per_row_s = max(0.0, (res_rows[rb]["build_s"] - res_rows[ra]["build_s"]) / (rb - ra))
