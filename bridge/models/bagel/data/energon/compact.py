@@ -73,49 +73,54 @@ def expand_braces(pattern: str) -> list[str]:
     return [fmt % i for i in (range(lo, hi + 1) if lo <= hi else range(lo, hi - 1, -1))]
 
 
-class _LazyPaths(Sequence):
-    """``EPath`` of shard ``i`` (``base / names[i]``), made when first asked for (ITarReader's ``tar_filepaths``)."""
+class _Lazy(Sequence):
+    """A sequence whose item ``i`` is made by ``_make(i)`` on first access and kept (slices give lists)."""
 
-    def __init__(self, base: EPath, names: Sequence[str]) -> None:
-        self._base, self._names = base, names
-        self._made: dict[int, EPath] = {}
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._items: dict[int, Any] = {}
 
     def __len__(self) -> int:
-        return len(self._names)
+        return self._n
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = range(len(self._names))[i]
-        path = self._made.get(i)
-        if path is None:
-            path = self._made[i] = self._base / self._names[i]
-        return path
+            return [self[j] for j in range(*i.indices(self._n))]
+        i = range(self._n)[i]
+        item = self._items.get(i)
+        if item is None:
+            item = self._items[i] = self._make(i)
+        return item
+
+    def _make(self, i: int) -> Any:
+        raise NotImplementedError
 
 
-class ShardTable(Sequence):
+class _LazyPaths(_Lazy):
+    """``EPath`` of shard ``i`` (``base / names[i]``), made when first asked for (ITarReader's ``tar_filepaths``)."""
+
+    def __init__(self, base: EPath, names: Sequence[str]) -> None:
+        super().__init__(len(names))
+        self._base, self._names = base, names
+
+    def _make(self, i: int) -> EPath:
+        return self._base / self._names[i]
+
+
+class ShardTable(_Lazy):
     """A split's shards as arrays: ``names`` (list of str, relative to ``base``), ``counts`` (int64 ``[n]``, samples
     per shard) and ``cumsum`` (int64 ``[n + 1]``: 0, then the running total). As a ``Sequence[ShardInfo]`` it is
     what Energon's ``WebdatasetMeta.shards`` list holds, each ``ShardInfo`` made on first access."""
 
     def __init__(self, base: EPath, names: list[str], counts: np.ndarray) -> None:
+        super().__init__(len(names))
         self.base, self.names = base, names
         self.counts = np.asarray(counts, dtype=np.int64)
         self.cumsum = np.concatenate(([0], np.cumsum(self.counts))).astype(np.int64)
         self.paths = _LazyPaths(base, names)
-        self._infos: dict[int, ShardInfo] = {}
 
-    def __len__(self) -> int:
-        return len(self.names)
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = range(len(self.names))[i]
-        info = self._infos.get(i)
-        if info is None:
-            info = self._infos[i] = ShardInfo(name=self.names[i], path=self.paths[i], count=int(self.counts[i]))
-        return info
+    def _make(self, i: int) -> ShardInfo:
+        return ShardInfo(name=self.names[i], path=self.paths[i], count=int(self.counts[i]))
 
     @property
     def num_samples(self) -> int:
