@@ -105,6 +105,40 @@ def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, 
     assert not _others(before), "a process of the stuck loader was left behind"
 
 
+@pytest.mark.parametrize("expected", [True, False])
+def test_workers_the_reader_killed_are_not_an_error_at_close(expected):
+    """After a time-out the reader SIGKILLs its stuck workers; torch's SIGCHLD handler then raises 'killed by signal'
+    wherever the main thread is (fresh-clone CI: inside the close's worker join). A close step inside
+    ``killed_workers_expected(True)`` goes on; without it (nothing killed on purpose) the error still propagates."""
+    import signal
+
+    from torch.utils.data import DataLoader, IterableDataset
+
+    from bridge.models.bagel.data.energon.workers import killed_workers_expected, shutdown_workers
+
+    class Forever(IterableDataset):
+        def __iter__(self):
+            while True:
+                time.sleep(60)
+                yield 0
+
+    loader = DataLoader(Forever(), batch_size=None, num_workers=1, persistent_workers=True,
+                        multiprocessing_context="fork")
+    iter(loader)  # starts the worker, stuck in the dataset
+    pid = loader._iterator._workers[0].pid
+    os.kill(pid, signal.SIGKILL)
+    raised = None
+    try:
+        with killed_workers_expected(expected):
+            time.sleep(2)  # the SIGCHLD handler runs here
+            shutdown_workers(loader)
+    except RuntimeError as e:
+        raised = e
+    finally:
+        shutdown_workers(loader)
+    assert (raised is None) == expected and (expected or "killed by signal" in str(raised)), raised
+
+
 def test_a_slow_but_healthy_source_is_not_cut_off(caplog):
     """First item takes 2x the warning time, the time-out is above that: the read completes, nothing raised."""
     def source():

@@ -376,8 +376,10 @@ class ElasticGroupReader(GroupSelection, Savable):
         it, self._it = self._it, None
         watch = self._watch
         if watch.busy:
+            killed = bool(watch.stuck_pids)  # (kill_stuck forgets them)
             watch.kill_stuck()
-            watch.stop(wait_s=15.0 if watch.stuck_pids else 0.0)
+            with killed_workers_expected(killed):
+                watch.stop(wait_s=15.0 if killed else 0.0)
         elif it is not None:
             self._stop_workers()  # once; workers.py says why not leave it to the garbage collector
         watch.stop()

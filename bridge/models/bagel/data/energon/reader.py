@@ -41,7 +41,7 @@ from .identity import loader_identity
 from .layout import MANIFEST_NAME, ManifestIndex, load_manifest_index
 from .sample import BagelSample
 from .selection import manifest_runs
-from .workers import close_tar_files, shutdown_workers
+from .workers import close_tar_files, killed_workers_expected, shutdown_workers
 
 __all__ = ["BagelGroupReader", "DataReadError", "GroupSelection", "dataset_num_samples", "read_error"]
 
@@ -400,15 +400,19 @@ class BagelGroupReader(GroupSelection, Savable):
         self._closed = True
         it, self._it = getattr(self, "_it", None), None
         watch = getattr(self, "_watch", None)
+        killed = False
         if watch is not None and watch.busy:  # timed out: end the stuck workers, then the loader can close
-            workers = bool(watch.stuck_pids)
+            killed = bool(watch.stuck_pids)
             watch.kill_stuck()
-            watch.stop(wait_s=15.0 if workers else 0.0)  # torch notices a dead worker within 5 s
+            with killed_workers_expected(killed):
+                watch.stop(wait_s=15.0 if killed else 0.0)  # torch notices a dead worker within 5 s
         if not (watch is not None and watch.busy):
             if it is not None:
-                it.close()
+                with killed_workers_expected(killed):
+                    it.close()
             if getattr(self, "_stop_workers", None) is not None:
-                self._stop_workers()  # now, not in a later garbage collection (5 s per worker there); once
+                with killed_workers_expected(killed):
+                    self._stop_workers()  # now, not in a later garbage collection (5 s per worker there); once
         if watch is not None:
             watch.stop()
         self._remove_blend()
