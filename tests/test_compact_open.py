@@ -179,3 +179,26 @@ def test_datasets_it_does_not_read_are_left_to_energon(tok, t2i, tmp_path):
                                      task_encoder=te) is None
     (other / ".nv-meta" / ".info.json").unlink()
     assert compact.read_shard_table(other) is None
+
+
+@pytest.mark.parametrize("edit", ["reversed", "excluded", "twice"])
+def test_other_split_orders_and_excludes_read_as_energon_reads_them(t2i, tmp_path, edit):
+    import yaml
+
+    other = tmp_path / "other"
+    shutil.copytree(t2i, other)
+    names = list(json.loads((other / ".nv-meta" / ".info.json").read_text())["shard_counts"])
+    split = {"split_parts": {"train": names[::-1]}, "exclude": []}
+    if edit == "excluded":
+        split = {"split_parts": {"train": names}, "exclude": [names[2], f"{names[0]}/00000001"]}
+    elif edit == "twice":
+        split = {"split_parts": {"train": names + names[:1]}, "exclude": []}
+    (other / ".nv-meta" / "split.yaml").write_text(yaml.safe_dump(split))
+    got = compact.read_shard_table(other)
+    if edit == "twice":  # one tar id for two entries in Energon's reader: left to Energon
+        assert got is None
+        return
+    meta = WebdatasetMeta.from_config(path=EPath(str(other)), split_part="train")
+    table, excludes, split_files, _ = got
+    assert list(table) == meta.shards and excludes == meta.sample_excludes and split_files == meta.split_part_files
+    assert len(table) == len(names) - (edit == "excluded")

@@ -156,10 +156,15 @@ def read_shard_table(path: str | EPath, split_part: str = "train", split_config:
     excludes = {x for e in (splits.get("exclude") or []) for x in expand_braces(e)}
     all_files = [name for entry in parts[split_part] for name in expand_braces(entry)]
     files = [n for n in all_files if n not in excludes] if excludes else all_files
-    if not files or len(set(files)) != len(files) or not all(_PLAIN_NAME.match(n) for n in (files[0], files[-1])):
+    if not files or not all(_PLAIN_NAME.match(n) for n in (files[0], files[-1])):
         return None
     try:
-        counts = np.fromiter(map(counts_by_name.__getitem__, files), dtype=np.int64, count=len(files))
+        if list(counts_by_name) == files:  # the split lists every indexed shard in index order (the converter's)
+            counts = np.fromiter(counts_by_name.values(), dtype=np.int64, count=len(files))  # unique: dict keys
+        elif len(set(files)) == len(files):
+            counts = np.fromiter(map(counts_by_name.__getitem__, files), dtype=np.int64, count=len(files))
+        else:  # a shard listed twice: Energon's reader shares one tar id between its entries
+            return None
     except (KeyError, TypeError, ValueError):
         return None
     table = ShardTable(path if isinstance(path, EPath) else EPath(root), files, counts)
