@@ -68,10 +68,10 @@ def _others(before: set[int]) -> list[str]:
     return left
 
 
-@pytest.mark.parametrize("workers,prefetch", [(0, 0), pytest.param(2, 0, marks=pytest.mark.slow),
-                                              pytest.param(0, 2, marks=pytest.mark.slow),
-                                              pytest.param(2, 2, marks=pytest.mark.slow)])
-def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, prefetch):
+@pytest.mark.parametrize("workers,prefetch,order", [(0, 0, "energon")] + [
+    pytest.param(w, p, o, marks=pytest.mark.slow) for w, p, o in ((2, 0, "energon"), (0, 2, "energon"),
+                                                                  (2, 2, "energon"), (2, 0, "elastic"))])
+def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, prefetch, order):
     path = _dataset(tmp_path)
     shard = _stuck_mount(path)
     log = tmp_path / "watch.log"
@@ -80,7 +80,7 @@ def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, 
     logging.getLogger("bridge.models.bagel.data").addHandler(handler)
     before = set(_descendants(os.getpid()))
     cfg = _config(tmp_path, "t2i_pretrain", path, T2I_ARGS, workers=workers, prefetch=prefetch)
-    cfg.stall_warn_s, cfg.timeout_s = WARN_S, TIMEOUT_S
+    cfg.stall_warn_s, cfg.timeout_s, cfg.order = WARN_S, TIMEOUT_S, order
     try:
         loader = build_bagel_train_loader(cfg, tok, (0, 1), length=4)
         t0 = time.monotonic()

@@ -42,7 +42,7 @@ from .cookers import BagelTaskEncoder
 from .elastic_order import DEFAULT_CHUNK, GroupLayout, PartitionOrder, owned_partitions
 from .reader import GroupSelection, read_error
 from .sample import BagelSample
-from .workers import close_tar_files, shutdown_workers
+from .workers import close_tar_files, killed_workers_expected, shutdown_workers
 
 __all__ = ["ElasticGroupReader", "KEY_TAG"]
 
