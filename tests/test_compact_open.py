@@ -1,5 +1,5 @@
-"""compact.py / sharding.py against Energon itself: the numpy sharder returns Energon's slice offsets; a converted dataset
-opened from its shard table gives Energon's factory (attributes, config), the same samples, restore keys, loader
+"""compact.py / sharding.py against Energon itself: the numpy sharder returns Energon's slice offsets; a converted
+dataset opened from its shard table gives Energon's factory (attributes, config), the same samples, restore keys, loader
 config and saved state as Energon's own ``get_train_dataset``; datasets it does not recognise fall back to Energon."""
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def test_sharder_equals_energons_on_random_layouts():
     for n in list(range(1, 200)) + [1000, 1023, 8192]:
         assert sharding.generalized_bit_reversal(n).tolist() == list(Sharder._generalized_bit_reversal(n)), n
     for _ in range(1500):
-        counts = [rng.choice([0, 0, 1, 2, 3, 7, 50, 100, 149, 150, 151, 1000]) for _ in range(rng.choice([1, 2, 3, 5, 40]))]
+        counts = [rng.choice([0, 0, 1, 2, 3, 7, 50, 100, 149, 150, 151, 1000])
+                  for _ in range(rng.choice([1, 2, 3, 5, 40]))]
         counts[0] = counts[0] or 5
         world = rng.choice([1, 2, 3, 4, 7, 16])
         wc = WorkerConfig(rank=rng.randrange(world), world_size=world, num_workers=rng.choice([0, 1, 2, 3]))
@@ -111,8 +112,8 @@ def test_factory_and_config_are_energons(t2i):
     kw = dict(training=True, split_part="train", worker_config=wc, shuffle_over_epochs=1, subset=subset,
               max_samples_per_sequence=4)
     theirs = get_dataset_from_config(EPath(t2i), **kw)
-    ours = compact._factory(str(t2i), subset, worker_config=wc, max_samples_per_sequence=4,
-                            decoder=theirs._decoder)
+    ours = compact._factory(str(t2i), compact._opened(str(t2i)), subset, worker_config=wc,
+                            max_samples_per_sequence=4, decoder=theirs._decoder)
     assert isinstance(ours, type(theirs))
     skip = {"shards", "_sample_loader", "part_filter"}  # lambdas: equal by behaviour, not identity
     assert {k: v for k, v in vars(ours).items() if k not in skip} == {k: v for k, v in vars(theirs).items()
@@ -166,6 +167,32 @@ def test_pipeline_gives_energons_samples_config_and_state(tok, t2i, tmp_path, ra
         from bridge.models.bagel.data.energon.workers import shutdown_workers
 
         shutdown_workers(x)
+
+
+@pytest.mark.parametrize("damage", ["excludes: [x]\n", "exclude: null\n", "count as str", "count as float",
+                                    "info key", "middle name ./", "brace"])
+def test_metadata_energon_refuses_is_left_to_energon(t2i, tmp_path, damage):
+    """What Energon's strict parser refuses (or normalises) is not read here either: Energon opens it, and says."""
+    import yaml
+
+    other = tmp_path / "other"
+    shutil.copytree(t2i, other)
+    info_path, split_path = other / ".nv-meta" / ".info.json", other / ".nv-meta" / "split.yaml"
+    info = json.loads(info_path.read_text())
+    names = list(info["shard_counts"])
+    if damage.startswith("exclude"):
+        split_path.write_text(split_path.read_text() + damage)
+    elif damage.startswith("count"):
+        info["shard_counts"][names[1]] = "5" if damage.endswith("str") else 5.0
+    elif damage == "info key":
+        info["extra"] = 1
+    elif damage == "middle name ./":
+        info["shard_counts"] = {("./" + n if i == 1 else n): c for i, (n, c) in enumerate(info["shard_counts"].items())}
+        split_path.write_text(yaml.safe_dump({"split_parts": {"train": list(info["shard_counts"])}, "exclude": []}))
+    else:
+        split_path.write_text(yaml.safe_dump({"split_parts": {"train": ["shards/shard-{000000..000003.tar"]}}))
+    info_path.write_text(json.dumps(info))
+    assert compact.read_shard_table(other) is None
 
 
 def test_datasets_it_does_not_read_are_left_to_energon(tok, t2i, tmp_path):

@@ -31,19 +31,22 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from megatron.energon import CrudeWebdataset
 from megatron.energon.epathlib import EPath
 from megatron.energon.eyaml import load_yaml
+from megatron.energon.flavors.base_dataset import SavableDataset
 from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 from megatron.energon.flavors.webdataset.itar import CachedItarOffsetReader, ITarSamplePointer
 from megatron.energon.flavors.webdataset.itar_reader import ITarReader
+from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 from megatron.energon.flavors.webdataset.sample_loader import WebdatasetSampleLoaderDataset
 from megatron.energon.flavors.webdataset.structs import DatasetSubset, ShardInfo
 from megatron.energon.metadataset.loader_interface import DatasetBlendMode, LoadedDataset
+from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.map_dataset import MapDataset
 
 from . import sharding
@@ -55,12 +58,14 @@ logger = logging.getLogger(__name__)
 
 _META = ".nv-meta"
 _SIMPLE_RANGE = re.compile(r"^([^{}\\,]*)\{(\d+)\.\.(\d+)\}([^{}\\,]*)$")
-_PLAIN_NAME = re.compile(r"^(?!/)(?!.*//)(?!.*(?:^|/)\.\.?(?:/|$))[^\\]+$")  # relative, no '.', '..', '//'
+#: A shard name ``EPath`` would normalise (absolute, ``//``, trailing ``/``, ``.`` / ``..`` segments, ``\``, empty).
+_BAD_NAME = re.compile(r"^/|//|/$|(?:^|/)\.\.?(?:/|$)|\\|^$", re.MULTILINE)
 
 
 def expand_braces(pattern: str) -> list[str]:
     """``list(braceexpand.braceexpand(pattern))``; a single ascending or descending integer range
-    ``prefix{A..B}suffix`` (what ``bracecollapse`` writes for numbered shards) without the generator."""
+    ``prefix{A..B}suffix`` (what ``bracecollapse`` writes for numbered shards) without the generator. Raises what
+    ``braceexpand`` raises on a malformed pattern."""
     m = _SIMPLE_RANGE.match(pattern)
     if m is None:
         import braceexpand
@@ -134,38 +139,61 @@ class ShardTable(_Lazy):
         return shard, int(index - self.cumsum[shard])
 
 
+def _strings(items: Any) -> bool:
+    return isinstance(items, list) and set(map(type, items)) <= {str}
+
+
+def _typed_like_energon(info: Any, splits: Any) -> bool:
+    """What Energon's ``JsonParser(strict=True)`` accepts as ``WebdatasetInfo`` / ``WebdatasetSplits`` (no other
+    keys; shard counts ints, split parts and excludes lists of strings), checked in C loops."""
+    if not isinstance(info, dict) or not set(info) <= {"energon_version", "shard_counts"} \
+            or not isinstance(info.get("energon_version"), (str, type(None))):
+        return False
+    counts = info.get("shard_counts")
+    if not isinstance(counts, dict) or not set(map(type, counts.values())) <= {int}:
+        return False
+    if not isinstance(splits, dict) or not set(splits) <= {"split_parts", "exclude"}:
+        return False
+    parts = splits.get("split_parts")
+    return isinstance(parts, dict) and all(map(_strings, parts.values())) and _strings(splits.get("exclude", []))
+
+
+def _plain_names(names: list[str]) -> bool:
+    """Every name relative, without ``.`` / ``..`` segments, ``//``, backslashes or newlines: then ``path + "/" +
+    name`` is what ``EPath(path) / name`` normalises to. One regex over the joined names (C speed)."""
+    text = "\n".join(names)
+    return text.count("\n") == len(names) - 1 and _BAD_NAME.search(text) is None
+
+
 def read_shard_table(path: str | EPath, split_part: str = "train", split_config: str = "split.yaml"
                      ) -> tuple[ShardTable, set[str], list[str], list[str]] | None:
     """``(shards, sample_excludes, split_part_files, info_shard_files)`` of a prepared webdataset, as Energon's
-    ``WebdatasetMeta.from_config`` computes them, or None when this module does not read this layout (no
-    ``.info.json``, a split file other than YAML, an unknown split part, a shard without a count, repeated or
-    non-plain shard names, an empty split): the caller then lets Energon open it (and report what is wrong)."""
+    ``WebdatasetMeta.from_config`` computes them (same files, brace expansion and excludes), or None when this
+    module does not read it the same way: no ``.info.json``, a split file other than YAML, anything Energon's strict
+    parser would refuse (other keys, a count that is not an int, ...), an unknown or empty split part, a shard
+    without a count, a shard listed twice, a name that is not plain. The caller then lets Energon open the dataset
+    (and report what is wrong). Never raises for a bad dataset."""
     root = os.fspath(str(path))
     try:
         with open(os.path.join(root, _META, ".info.json"), "rb") as f:
-            counts_by_name = json.load(f).get("shard_counts")
+            info = json.load(f)
         with open(os.path.join(root, _META, split_config), "rb") as f:
             splits = load_yaml(f.read()) if split_config.endswith(".yaml") else None
-    except (OSError, ValueError):
-        return None
-    if not isinstance(counts_by_name, dict) or not isinstance(splits, dict):
-        return None
-    parts = splits.get("split_parts") or {}
-    if split_part not in parts or not isinstance(parts[split_part], list):
-        return None
-    excludes = {x for e in (splits.get("exclude") or []) for x in expand_braces(e)}
-    all_files = [name for entry in parts[split_part] for name in expand_braces(entry)]
-    files = [n for n in all_files if n not in excludes] if excludes else all_files
-    if not files or not all(_PLAIN_NAME.match(n) for n in (files[0], files[-1])):
-        return None
-    try:
+        if not _typed_like_energon(info, splits) or split_part not in splits["split_parts"]:
+            return None
+        counts_by_name = info["shard_counts"]
+        excludes = {x for e in splits.get("exclude", []) for x in expand_braces(e)}
+        all_files = [name for entry in splits["split_parts"][split_part] for name in expand_braces(entry)]
+        files = [n for n in all_files if n not in excludes] if excludes else all_files
+        if not files or not _plain_names(files):
+            return None
         if list(counts_by_name) == files:  # the split lists every indexed shard in index order (the converter's)
             counts = np.fromiter(counts_by_name.values(), dtype=np.int64, count=len(files))  # unique: dict keys
         elif len(set(files)) == len(files):
             counts = np.fromiter(map(counts_by_name.__getitem__, files), dtype=np.int64, count=len(files))
         else:  # a shard listed twice: Energon's reader shares one tar id between its entries
             return None
-    except (KeyError, TypeError, ValueError):
+    except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return None
     table = ShardTable(path if isinstance(path, EPath) else EPath(root), files, counts)
     return table, {x for x in excludes if "/" in x}, all_files, list(counts_by_name)
@@ -175,11 +203,14 @@ class _TableFactory(BaseWebdatasetFactory):
     """Energon's ``BaseWebdatasetFactory`` over a :class:`ShardTable`: the same attributes, ``build()``, ``config()``
     and ``__len__`` (``base_webdataset.py``), without ``WebdatasetMeta.from_config``'s per-shard objects."""
 
-    def __init__(self, path: EPath, *, split_part: str, training: bool, worker_config: Any,
+    def __init__(self, path: EPath, *, split_part: str, training: bool, worker_config: WorkerConfig,
                  shuffle_over_epochs: int | None = 1, parallel_shard_iters: int | None = None,
                  max_samples_per_sequence: int | None = None, subset: DatasetSubset | None = None,
-                 split_config: str | None = None, part_filter: Any = None,
+                 split_config: str | None = None, part_filter: Callable[[str], bool] | None = None,
                  shard_table: tuple[ShardTable, set[str], list[str], list[str]]) -> None:
+        """``BaseWebdatasetFactory.__init__``'s arguments, plus ``shard_table`` (:func:`read_shard_table`'s result)
+        in place of what ``WebdatasetMeta.from_config`` would read; ``split_part`` / ``split_config`` are taken for
+        the signature (the table was read for them)."""
         assert self.__sample_type__ is not None, f"Class {type(self)} must define __sample_type__"
         shards, sample_excludes, split_part_files, _ = shard_table
         self.path, self.paths, self.name = path, [path], path.display_name
@@ -189,9 +220,12 @@ class _TableFactory(BaseWebdatasetFactory):
         self.max_samples_per_sequence, self.subset, self.part_filter = max_samples_per_sequence, subset, part_filter
 
     def __len__(self) -> int:
+        """Samples in the whole split (not the subset), as Energon's ``sum(shard.count ...)``."""
         return self.shards.num_samples
 
-    def build(self, worker_rotation_offset: int = 0) -> Any:
+    def build(self, worker_rotation_offset: int = 0) -> SavableDataset:
+        """Energon's ``BaseWebdatasetFactory.build``: this rank's worker slices (:func:`sharding.shard_workers`), a
+        :class:`TableITarReader`, ``WebdatasetSampleLoaderDataset`` and ``MapDataset`` of ``_load_sample_raw``."""
         parallel = self.parallel_shard_iters
         if parallel is None:
             parallel = 16 if self.training else 1  # Energon's defaults
@@ -207,6 +241,7 @@ class _TableFactory(BaseWebdatasetFactory):
                           worker_config=self.worker_config)
 
     def config(self) -> dict[str, Any]:
+        """Energon's ``BaseWebdatasetFactory.config()``, equal key for key (``_path`` strings included)."""
         base = str(self.path).rstrip("/") + "/"  # == str(path / name) for the plain names read_shard_table takes
         return dict(
             type=type(self).__qualname__, training=self.training, _path=str(self.path),
@@ -231,14 +266,15 @@ class TableITarReader(ITarReader):
     """Energon's ``ShardInfosITarReader`` over a :class:`ShardTable`: global sample index -> (shard, index in it)
     by binary search on the cumulative counts; shard paths and ``ShardInfo`` made on first use."""
 
-    def __init__(self, base_path: EPath, table: ShardTable, part_filter: Any = None, itar_cache_size: int = 5,
-                 sample_filter: Any = None) -> None:
+    def __init__(self, base_path: EPath, table: ShardTable, part_filter: Callable[[str], bool] | None = None,
+                 itar_cache_size: int = 5, sample_filter: Callable[[str], bool] | None = None) -> None:
         self.shard_table = table
         self.cached_offset_reader = CachedItarOffsetReader(cache_size=itar_cache_size)
         super().__init__(base_path=base_path, tar_filenames=table.names, tar_filepaths=table.paths,
                          part_filter=part_filter, itar_cache_size=itar_cache_size, sample_filter=sample_filter)
 
     def _get_itar_sample_pointer(self, idx: int) -> ITarSamplePointer:
+        """Shard and byte range of global sample ``idx`` (its shard's ``.tar.idx``); IndexError outside."""
         shard, in_shard = self.shard_table.shard_of(idx)
         byte_offset, byte_size = self.cached_offset_reader.get_itar_byte_offset(
             self.shard_table[shard].path, in_shard)
@@ -268,20 +304,28 @@ def _crude_yaml(root: str) -> dict[str, Any] | None:
     return {"subflavors": subflavors} if subflavors is None or isinstance(subflavors, dict) else None
 
 
-def _factory(root: str, subset: DatasetSubset | None, *, worker_config: Any, max_samples_per_sequence: int | None,
-             decoder: Any) -> CompactCrudeWebdataset | None:
+def _opened(root: str) -> tuple[dict[str, Any], tuple[ShardTable, set[str], list[str], list[str]]] | None:
+    """``(dataset.yaml keyword arguments, read_shard_table(root))`` of a converted dataset, or None."""
     yaml_kwargs = _crude_yaml(root)
     table = read_shard_table(root) if yaml_kwargs is not None else None
-    if table is None:
-        return None
+    return None if table is None else (yaml_kwargs, table)
+
+
+def _factory(root: str, opened: tuple[dict[str, Any], tuple], subset: DatasetSubset | None, *,
+             worker_config: WorkerConfig, max_samples_per_sequence: int | None,
+             decoder: SampleDecoder | None) -> CompactCrudeWebdataset:
+    """The factory Energon's ``get_dataset_from_config`` makes for ``root`` (training, split ``train``,
+    ``shuffle_over_epochs=1``), over the shard table in ``opened`` (shared by every range of the dataset)."""
+    yaml_kwargs, table = opened
     return CompactCrudeWebdataset(EPath(root), split_config="split.yaml", split_part="train", training=True,
                                   worker_config=worker_config, shuffle_over_epochs=1, subset=subset,
                                   max_samples_per_sequence=max_samples_per_sequence, decoder=decoder,
                                   shard_table=table, **yaml_kwargs)
 
 
-def get_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] | None]], *, worker_config: Any,
-                      max_samples_per_sequence: int | None, task_encoder: Any, repeat: bool = True) -> Any:
+def get_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] | None]], *,
+                      worker_config: WorkerConfig, max_samples_per_sequence: int | None, task_encoder: Any,
+                      repeat: bool = True) -> SavableDataset | None:
     """Energon's ``get_train_dataset(path, batch_size=None, shuffle_buffer_size=None, repeat=repeat, ...)`` for
     ``runs``: ``[(dataset root, None)]`` opens one dataset whole (Energon's ``DatasetLoader``); otherwise a
     ``blend_epochized`` metadataset of every ``(start, end, repetitions)`` sample range of every dataset, in order
@@ -292,14 +336,18 @@ def get_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] |
               decoder=task_encoder.decoder)
     datasets: list[LoadedDataset] = []
     whole = len(runs) == 1 and runs[0][1] is None
+    opened: dict[str, Any] = {}  # per dataset root: read once, shared by all its ranges
     for root, ranges in runs:
+        if root not in opened:
+            opened[root] = _opened(root)
+        if opened[root] is None:
+            logger.info("%s: not a plain converted crude webdataset (dataset.yaml / .info.json / split.yaml); opened "
+                        "by Energon itself, at O(shards) Python per rank", root)
+            return None
         for start, end, reps in ([(None, None, None)] if ranges is None else ranges):
             subset = None if start is None else DatasetSubset(absolute_range=(int(start), int(end)), range=(0, 1))
-            factory = _factory(root, subset, **kw)
-            if factory is None:
-                logger.debug("%s: not a plain converted crude webdataset; opened by Energon itself", root)
-                return None
-            datasets.append(LoadedDataset(dataset=factory, weight=None, repetitions=None if whole else reps))
+            datasets.append(LoadedDataset(dataset=_factory(root, opened[root], subset, **kw), weight=None,
+                                          repetitions=None if whole else reps))
     return task_encoder.build_train_datasets(
         datasets=datasets, worker_config=worker_config, batch_size=None, batch_drop_last=False,
         packing_buffer_size=None, virtual_epoch_length=0, shuffle_buffer_size=None,
