@@ -319,6 +319,35 @@ def test_a_finished_conversion_run_again_is_done_not_refused(tmp_path, capsys):
     assert tree(Path(first.path)) == ref
 
 
+def test_the_same_conversion_published_as_manifest_format_2_is_done_with_a_warning(tmp_path, caplog):
+    """A dataset converted by the release that wrote manifest format 2 (its plan recorded with manifest_format 2):
+    rerunning the same command after the upgrade (a requeued job) is done, exit 0, with a warning that says how to
+    get format 3; nothing is rewritten. Other sources or options are still refused."""
+    import logging
+
+    from bridge.models.bagel.data.converter.formats import dumps_json
+
+    src = make_corpus(tmp_path, files=4, rows=30, lines=10)
+    out = tmp_path / "o"
+    for part in range(2):  # a part conversion keeps its plan in the staging dir until the merge
+        convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False, part=part, num_parts=2)
+    staging = next((out / "t2i_pretrain").glob("*.partial"))
+    plan = json.loads((staging / ".convert" / "plan.json").read_text())
+    merge_all(str(out))
+    ds = out / "t2i_pretrain" / staging.name.removesuffix(".partial")
+    man = dict(load_manifest(ds), format=2)  # as the format-2 release wrote it: one JSON, its plan's digest
+    (ds / "manifest.columns.npy").unlink()
+    (ds / "manifest.json").write_bytes(dumps_json(man) + b"\n")
+    (ds / ".plan.sha256").write_text(hashlib.sha256(dumps_json({**plan, "manifest_format": 2})).hexdigest() + "\n")
+    ref = tree(ds)
+    with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.converter"):
+        again = convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False)
+    assert again.status == "already converted" and tree(ds) == ref
+    assert any("manifest format 2" in r.getMessage() and "--overwrite" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConvertError, match="not empty and holds another conversion"):
+        convert_t2i(str(src["t2i"]), out, samples_per_shard=20, progress=False)
+
+
 def test_a_part_run_with_other_options_refuses_to_discard_the_other_parts_work(tmp_path):
     """Parts must share one plan: a part started with other options (or, for `convert config`, another working
     directory) is refused with the keys that differ, and the other parts' finished units stay; with

@@ -106,13 +106,21 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                      progress: bool, overwrite: bool) -> ConvertSummary:
     group, name = plan["group"], plan["dataset_name"]
     mine = part_units(plan, part, num_parts)
-    if not overwrite and from_plan(ds_dir, dumps_json(plan)):  # a rerun (requeued job, resumed config)
+    # a rerun (requeued job, resumed config); or the same conversion published by a release writing manifest format 2
+    older = not overwrite and not from_plan(ds_dir, dumps_json(plan)) and from_plan(
+        ds_dir, dumps_json({**plan, "manifest_format": 2}))
+    if not overwrite and (older or from_plan(ds_dir, dumps_json(plan))):
         problem = published_problem(ds_dir)
         if problem is not None:
             raise ConvertError(f"{ds_dir}: the published dataset of this conversion is damaged ({problem}): pass "
                                "--overwrite to convert it again")
         man = load_manifest(ds_dir)
-        logger.info("%s: already converted from the same sources and options; nothing to do", ds_dir)
+        if older:
+            logger.warning("%s: already converted from the same sources and options, with manifest format 2: it is "
+                           "read as it is, but every rank parses its whole manifest at start-up (O(files)); pass "
+                           "--overwrite to convert it again as format 3", ds_dir)
+        else:
+            logger.info("%s: already converted from the same sources and options; nothing to do", ds_dir)
         return dataclasses.replace(_summary(man, ds_dir, [], [], man["skipped"]), status="already converted")
     try:
         staging, merged = open_staging(ds_dir, plan, overwrite, num_parts)
