@@ -374,7 +374,7 @@ class ElasticGroupReader(GroupSelection, Savable):
     def close(self) -> None:
         self._closed = True
         it, self._it = self._it, None
-        watch = self._watch
+        watch, killed = self._watch, False
         if watch.busy:
             killed = bool(watch.stuck_pids)  # (kill_stuck forgets them)
             watch.kill_stuck()
@@ -382,7 +382,8 @@ class ElasticGroupReader(GroupSelection, Savable):
                 watch.stop(wait_s=15.0 if killed else 0.0)
         elif it is not None:
             self._stop_workers()  # once; workers.py says why not leave it to the garbage collector
-        watch.stop()
+        with killed_workers_expected(killed):
+            watch.stop()
 
     def __del__(self) -> None:
         try:

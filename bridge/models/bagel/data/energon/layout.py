@@ -375,7 +375,7 @@ def load_manifest_index(ds_root: str | os.PathLike) -> ManifestIndex:
     root = os.fspath(ds_root)
     path = os.path.join(root, MANIFEST_NAME)
     head = _read_header(path)
-    if not (isinstance(head, dict) and head.get("format") == 3 and "columns" in head):
+    if not (isinstance(head, dict) and head.get("format") == 3 and "columns" in head and "files" not in head):
         man = _manifest_of(path, head)
         try:
             first = np.array([f["first_sample"] for f in man["files"]], dtype=np.int64)

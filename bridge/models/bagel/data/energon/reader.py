@@ -414,7 +414,8 @@ class BagelGroupReader(GroupSelection, Savable):
                 with killed_workers_expected(killed):
                     self._stop_workers()  # now, not in a later garbage collection (5 s per worker there); once
         if watch is not None:
-            watch.stop()
+            with killed_workers_expected(killed):
+                watch.stop()
         self._remove_blend()
 
     def _remove_blend(self) -> None:
