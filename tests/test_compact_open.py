@@ -204,6 +204,17 @@ def test_datasets_it_does_not_read_are_left_to_energon(tok, t2i, tmp_path):
     yaml_path.write_text(yaml_path.read_text() + "part_filter: [meta.json, img0]\n")
     assert compact.get_train_dataset([(str(other), None)], worker_config=wc, max_samples_per_sequence=4,
                                      task_encoder=te) is None
+    import tempfile
+    from pathlib import Path
+
+    before = set(Path(tempfile.gettempdir()).glob("bagel-blend-t2i-*"))
+    for runs in ([(str(other), None)], [(str(other), [(0, 20, 2), (30, 40, 1)])]):  # Energon opens them itself
+        loader = get_savable_loader(compact.open_train_dataset(runs, worker_config=wc, max_samples_per_sequence=4,
+                                                               task_encoder=te, name="t2i"),
+                                    gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)
+        it = iter(loader)
+        assert [next(it).__key__ for _ in range(3)]
+    assert set(Path(tempfile.gettempdir()).glob("bagel-blend-t2i-*")) == before  # its blend YAML is removed
     (other / ".nv-meta" / ".info.json").unlink()
     assert compact.read_shard_table(other) is None
 

@@ -31,6 +31,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,7 +54,7 @@ from megatron.energon.wrappers.map_dataset import MapDataset
 from . import sharding
 
 __all__ = ["CompactCrudeWebdataset", "ShardTable", "TableITarReader", "expand_braces", "get_train_dataset",
-           "read_shard_table"]
+           "open_train_dataset", "read_shard_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -354,3 +356,46 @@ def get_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] |
         datasets=datasets, worker_config=worker_config, batch_size=None, batch_drop_last=False,
         packing_buffer_size=None, virtual_epoch_length=0, shuffle_buffer_size=None,
         blend_mode=DatasetBlendMode.NONE if whole else DatasetBlendMode.SAMPLE_REPETITIONS, repeat=repeat)
+
+
+def _blend_yaml(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]]]]) -> str:
+    """Text of the MetadatasetV2 ``blend_epochized`` of every ``(start, end, repetitions)`` range of every dataset."""
+    lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:", "    blend_epochized:"]
+    for root, ranges in runs:
+        for start, end, reps in ranges:
+            lines += [f"      - repetitions: {reps}", f"        path: {json.dumps(root)}",
+                      f"        subset: {{range: [{start}, {end}]}}"]
+    return "\n".join(lines) + "\n"
+
+
+def open_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] | None]], *,
+                       worker_config: WorkerConfig, max_samples_per_sequence: int | None, task_encoder: Any,
+                       repeat: bool = True, name: str = "") -> SavableDataset:
+    """What the readers open: :func:`get_train_dataset` for ``runs``, or, for a dataset it does not read, Energon's
+    own ``get_train_dataset`` on the same thing (the dataset root, or a ``blend_epochized`` metadataset YAML written
+    to a private temporary directory, removed once Energon has read it). ``name`` (the group) labels the log line
+    and the temporary directory. Raises what Energon raises for a dataset it cannot open."""
+    whole = len(runs) == 1 and runs[0][1] is None
+    if not whole:
+        n_ranges = sum(len(r) for _, r in runs)
+        logger.log(logging.WARNING if n_ranges > 256 else logging.INFO,
+                   "reader %s: official selection = %d Energon sample ranges over %d datasets (a shuffled partial vlm "
+                   "selection costs one range per run of consecutive lines; many ranges make the reader slow to open)",
+                   name, n_ranges, len(runs))
+    kw = dict(worker_config=worker_config, max_samples_per_sequence=max_samples_per_sequence,
+              task_encoder=task_encoder)
+    ds = get_train_dataset(runs, repeat=repeat, **kw)
+    if ds is not None:
+        return ds
+    from megatron.energon import get_train_dataset as energon_get_train_dataset
+
+    if whole:
+        return energon_get_train_dataset(runs[0][0], batch_size=None, shuffle_buffer_size=None, repeat=repeat, **kw)
+    tmp = tempfile.mkdtemp(prefix=f"bagel-blend-{name}-")
+    try:
+        path = os.path.join(tmp, "blend.yaml")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(_blend_yaml(runs))
+        return energon_get_train_dataset(path, batch_size=None, shuffle_buffer_size=None, repeat=repeat, **kw)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -31,7 +31,7 @@ from typing import Any
 
 import megatron.energon as energon
 import numpy as np
-from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, reraise_exception
+from megatron.energon import WorkerConfig, get_savable_loader, reraise_exception
 
 from ..state import StateError, Savable, register_resizable
 from ..stats import DataStallError, DropCounter, StallWatch, merge_counts
@@ -212,8 +212,10 @@ class ElasticGroupReader(GroupSelection, Savable):
                                else dict(vit_image_transform_args)}
         task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
         wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
-        loaders = [get_savable_loader(self._open(p, wc, task_encoder), gc_collect_every_n_steps=0,
-                                      watchdog_timeout_seconds=None) for p in self.paths]
+        loaders = [get_savable_loader(compact.open_train_dataset([(p, None)], worker_config=wc, repeat=False,
+                                                                 max_samples_per_sequence=None,
+                                                                 task_encoder=task_encoder),
+                                      gc_collect_every_n_steps=0, watchdog_timeout_seconds=None) for p in self.paths]
         self._reads = _Reads(loaders, self.group_name, self.seed)
         self.drops = DropCounter(f"reader {self.group_name} (dp rank {dp_rank}, elastic)", logger)
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank}, elastic)", logger,
@@ -226,15 +228,6 @@ class ElasticGroupReader(GroupSelection, Savable):
         self._closed = False
         self.generation = 0
         self.reset_state()
-
-    @staticmethod
-    def _open(path: str, wc: WorkerConfig, task_encoder: BagelTaskEncoder) -> Any:
-        """One whole dataset, read by index: Energon's pipeline opened without per-shard Python (``compact``), or
-        by Energon itself for a dataset ``compact`` does not read."""
-        kw = dict(worker_config=wc, max_samples_per_sequence=None, task_encoder=task_encoder)
-        ds = compact.get_train_dataset([(path, None)], repeat=False, **kw)
-        return ds if ds is not None else get_train_dataset(path, batch_size=None, shuffle_buffer_size=None,
-                                                           repeat=False, **kw)
 
     # -- declared state --------------------------------------------------------------------------
     def reset_state(self) -> None:

@@ -1,15 +1,15 @@
 """The per-group sample reader the packer consumes: Energon loader + BAGEL cookers, exact save/restore.
 
 One :class:`BagelGroupReader` per group and DP rank. It reads the group's converted datasets through
-``get_train_dataset`` (unbatched, no shuffle buffer, endless) and a savable loader, cooks every crude
-sample into a :class:`BagelSample`, counts tombstones by reason and yields the rest.
+Energon's ``get_train_dataset`` pipeline (unbatched, no shuffle buffer, endless; opened by
+``compact.open_train_dataset`` without Python work per shard) and a savable loader, cooks every crude sample
+into a :class:`BagelSample`, counts tombstones by reason and yields the rest.
 
 The group's official selection (``num_used_data`` per dataset: t2i / edit files repeated or subset, vlm
 first-n lines after ``shuffle_lines``; see ``selection``) is expressed as an Energon ``MetadatasetV2``
 ``blend_epochized`` over sample-index ranges of the converted datasets with ``repetitions``, so one
 Energon epoch of the DP rank set reads exactly the rows the official loader selects (each as often). A
-single dataset read whole and once is opened directly. The metadataset YAML is written to a private
-temporary directory, removed as soon as Energon has opened it.
+single dataset read whole and once is opened directly.
 Sharding is by DP rank only (``WorkerConfig(rank=dp_rank, world_size=dp_size)``): TP/CP peers that
 pass the same DP rank read identical data.
 """
@@ -20,8 +20,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 import time
 import warnings
 import weakref
@@ -29,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import megatron.energon as energon
-from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, reraise_exception
+from megatron.energon import WorkerConfig, get_savable_loader, reraise_exception
 
 from ..state import Savable, StateError, energon_rank_state
 from ..stats import DataStallError, DropCounter, StallWatch
@@ -215,28 +213,16 @@ class BagelGroupReader(GroupSelection, Savable):
                                "vit_image_transform_args": None if vit_image_transform_args is None
                                else dict(vit_image_transform_args)}
         self.seed, self.dp_rank, self.dp_size, self.num_workers = seed, dp_rank, dp_size, num_workers
-        self._tmpdir: str | None = None
-        whole = len(self.paths) == 1 and self.runs == [[(0, self._counts[0], 1)]]
         self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
         t_selection = _clocks()
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                           global_error_handler=reraise_exception)
-        if not whole:
-            self._log_ranges()
-        # Energon's pipeline without its O(shards) Python (compact.py); Energon's own opening otherwise
-        ds = compact.get_train_dataset([(self.paths[0], None)] if whole else list(zip(self.paths, self.runs)),
-                                       worker_config=wc, max_samples_per_sequence=max_samples_per_sequence,
-                                       task_encoder=self.task_encoder)
-        try:
-            if ds is None:
-                ds = get_train_dataset(self.paths[0] if whole else self._write_blend(), worker_config=wc,
-                                       batch_size=None, shuffle_buffer_size=None,
-                                       max_samples_per_sequence=max_samples_per_sequence,
-                                       task_encoder=self.task_encoder, repeat=True)
-            self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
-                                             checkpoint_every_sec=checkpoint_every_sec)
-        finally:
-            self._remove_blend()  # Energon has read it (or failed); a trainer never closes the reader
+        whole = len(self.paths) == 1 and self.runs == [[(0, self._counts[0], 1)]]
+        ds = compact.open_train_dataset([(self.paths[0], None)] if whole else list(zip(self.paths, self.runs)),
+                                        worker_config=wc, max_samples_per_sequence=max_samples_per_sequence,
+                                        task_encoder=self.task_encoder, name=self.group_name)
+        self.loader = get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None,
+                                         checkpoint_every_sec=checkpoint_every_sec)
         # stops the workers when the reader is closed or collected; holding the loader keeps its queues out of
         # a cyclic collection of the reader, so the workers still get their stop message (workers.py)
         self._stop_workers = weakref.finalize(self, shutdown_workers, self.loader)
@@ -259,8 +245,8 @@ class BagelGroupReader(GroupSelection, Savable):
         self._identity: dict[str, Any] | None = None
         self.identity_seconds = 0.0
         t_end = _clocks()
-        #: Seconds spent opening this reader: ``selection`` (index checks, manifests, official selection, blend
-        #: YAML: ours), ``energon`` (``get_train_dataset`` + ``get_savable_loader``: Energon's pipeline, opened by
+        #: Seconds spent opening this reader: ``selection`` (index checks, manifests, official selection: ours),
+        #: ``energon`` (``get_train_dataset`` + ``get_savable_loader``: Energon's pipeline, opened by
         #: ``compact``), ``identity`` (0: the fingerprint is made lazily, see ``identity_seconds``), ``other`` (the
         #: rest of ``__init__``); wall clock, and the same as CPU seconds of this process in ``open_cpu_seconds``
         #: (robust on a shared machine). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP size.
@@ -271,27 +257,6 @@ class BagelGroupReader(GroupSelection, Savable):
                      t_end[0] - clock[0], ", ".join(f"{k} {v:.3f} s" for k, v in self.open_seconds.items()))
 
     # -- construction helpers -------------------------------------------------------------------
-    def _log_ranges(self) -> None:
-        n_ranges = sum(map(len, self.runs))
-        logger.log(logging.WARNING if n_ranges > 256 else logging.INFO,
-                   "reader %s: official selection = %d Energon sample ranges over %d datasets (a shuffled partial vlm "
-                   "selection costs one range per run of consecutive lines; many ranges make the reader slow to open)",
-                   self.group_name, n_ranges, len(self.paths))
-
-    def _write_blend(self) -> str:
-        """A MetadatasetV2 ``blend_epochized`` of the selection runs, in a private temporary directory."""
-        self._tmpdir = tempfile.mkdtemp(prefix=f"bagel-blend-{self.group_name}-")
-        lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:",
-                 "    blend_epochized:"]
-        for p, runs in zip(self.paths, self.runs):
-            for start, end, reps in runs:
-                lines += [f"      - repetitions: {reps}", f"        path: {json.dumps(p)}",
-                          f"        subset: {{range: [{start}, {end}]}}"]
-        path = os.path.join(self._tmpdir, "blend.yaml")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
-        return path
-
     def _compute_identity(self) -> dict:
         return {
             "group": self.group_name,
@@ -391,7 +356,7 @@ class BagelGroupReader(GroupSelection, Savable):
         return sample
 
     def close(self) -> None:
-        """Stop iterating (and remove the blend's temporary directory, if still there).
+        """Stop iterating.
 
         Closes the loader's generator and stops its (persistent) worker processes at once
         (``workers.shutdown_workers``); left to the cyclic garbage collector, torch waits 5 s per worker
@@ -416,12 +381,6 @@ class BagelGroupReader(GroupSelection, Savable):
         if watch is not None:
             with killed_workers_expected(killed):
                 watch.stop()
-        self._remove_blend()
-
-    def _remove_blend(self) -> None:
-        if getattr(self, "_tmpdir", None) is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
 
     def __del__(self) -> None:
         try:
