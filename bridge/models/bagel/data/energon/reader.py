@@ -249,7 +249,8 @@ class BagelGroupReader(GroupSelection, Savable):
         #: ``energon`` (``get_train_dataset`` + ``get_savable_loader``: Energon's pipeline, opened by
         #: ``compact``), ``identity`` (0: the fingerprint is made lazily, see ``identity_seconds``), ``other`` (the
         #: rest of ``__init__``); wall clock, and the same as CPU seconds of this process in ``open_cpu_seconds``
-        #: (robust on a shared machine). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP size.
+        #: (robust on a shared machine). Logged at DEBUG; ``scripts/bench_scale.py`` reports them per corpus and DP
+        #: size.
         self.open_seconds, self.open_cpu_seconds = (
             {"selection": t_selection[i] - clock[i], "energon": t_energon[i] - t_selection[i],
              "identity": t_end[i] - t_identity[i], "other": t_identity[i] - t_energon[i]} for i in (0, 1))
