@@ -16,10 +16,9 @@ each: 0.29 s at 10^4 shards), the sharder loops over shards and global workers (
   run unchanged) and whose ``build()`` / ``config()`` / ``__len__`` are Energon's, computed from the arrays: the
   slices from :func:`sharding.shard_workers`, the reader a :class:`TableITarReader`.
 * :func:`get_train_dataset` — Energon's ``get_train_dataset`` for what the readers open (one dataset whole, or a
-  ``blend_epochized`` of ``(start, end, repetitions)`` sample ranges: ``subset: {range: [start, end]}``), built
-  from these factories and handed to Energon's own ``TaskEncoder.build_train_datasets``. Any dataset this module does
-  not recognise (another ``dataset.yaml`` class, no ``.info.json``, a split it cannot read) falls back to Energon's
-  own ``get_train_dataset``: same result, Energon's cost.
+  ``blend_epochized`` of ``(start, end, repetitions)`` sample ranges: ``subset: {range: [start, end]}``) from these
+  factories and Energon's own ``TaskEncoder.build_train_datasets``; None for a dataset it does not read as Energon
+  does. :func:`open_train_dataset` (what the readers call) then uses Energon's own ``get_train_dataset``.
 
 ``tests/test_compact_open.py`` checks, against Energon's own objects on real converted datasets: the factory's
 attributes and ``config()``, the slice offsets, every sample and restore key of the pipeline, and saved states.
