@@ -369,8 +369,7 @@ class ElasticGroupReader(GroupSelection, Savable):
         it, self._it = self._it, None
         watch, killed = self._watch, False
         if watch.busy:
-            killed = bool(watch.stuck_pids)  # (kill_stuck forgets them)
-            watch.kill_stuck()
+            killed = watch.kill_stuck()
             with killed_workers_expected(killed):
                 watch.stop(wait_s=15.0 if killed else 0.0)
         elif it is not None:

@@ -368,8 +368,7 @@ class BagelGroupReader(GroupSelection, Savable):
         watch = getattr(self, "_watch", None)
         killed = False
         if watch is not None and watch.busy:  # timed out: end the stuck workers, then the loader can close
-            killed = bool(watch.stuck_pids)
-            watch.kill_stuck()
+            killed = watch.kill_stuck()
             with killed_workers_expected(killed):
                 watch.stop(wait_s=15.0 if killed else 0.0)  # torch notices a dead worker within 5 s
         if not (watch is not None and watch.busy):

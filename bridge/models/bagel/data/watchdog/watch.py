@@ -163,14 +163,17 @@ class ReadWatch:
             brief=f"data time-out in {where}")
         raise self.stuck
 
-    def kill_stuck(self) -> None:
-        """After a time-out: SIGKILL the worker processes that were stuck (so none is left behind)."""
+    def kill_stuck(self) -> bool:
+        """After a time-out: SIGKILL the worker processes that were stuck (so none is left behind). True if there
+        were any (then torch reports their deaths: see ``energon.workers.killed_workers_expected``)."""
+        killed = bool(self.stuck_pids)
         for pid in self.stuck_pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
         self.stuck_pids = []
+        return killed
 
     def stop(self, wait_s: float = 0.0) -> bool:
         """End the reader thread (idle: at once; stuck: waits up to ``wait_s``). True if it ended.
