@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,8 +42,8 @@ __all__ = [
     "VIDEO_ERROR_KEY", "VIDEO_UNSUPPORTED",
     "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
     "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "file_sample_range",
-    "stored_row_groups", "sample_of", "aggregate_skipped", "READ_FORMATS", "COLUMNS_NAME", "ManifestIndex",
-    "load_manifest_index", "encode_manifest", "write_manifest",
+    "stored_row_groups", "sample_of", "aggregate_skipped", "file_ranges", "READ_FORMATS", "COLUMNS_NAME",
+    "ManifestIndex", "load_manifest_index", "encode_manifest", "write_manifest",
 ]
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,13 @@ def stored_row_groups(group: str, entry: Mapping[str, Any]) -> int:
         declared = entry.get("declared_row_groups")
         return 0 if declared is None else min(int(declared), len(rgs))
     return len(rgs)
+
+
+def file_ranges(files: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """``(first_sample, num_samples)`` of format-2 ``files`` entries as int64 ``[len(files)]`` arrays (C loops,
+    ~0.2 µs per file). Raises KeyError / TypeError / ValueError / OverflowError for an entry without int values."""
+    return (np.array([f["first_sample"] for f in files], dtype=np.int64),
+            np.array([f["num_samples"] for f in files], dtype=np.int64))
 
 
 def file_sample_range(entry: Mapping[str, Any]) -> tuple[int, int]:
@@ -378,8 +385,7 @@ def load_manifest_index(ds_root: str | os.PathLike) -> ManifestIndex:
     if not (isinstance(head, dict) and head.get("format") == 3 and "columns" in head and "files" not in head):
         man = _manifest_of(path, head)
         try:
-            first = np.array([f["first_sample"] for f in man["files"]], dtype=np.int64)
-            num = np.array([f["num_samples"] for f in man["files"]], dtype=np.int64)
+            first, num = file_ranges(man["files"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise _manifest_error(path, f"files: {type(e).__name__}: {e}", man["group"]) from None
         first.flags.writeable = num.flags.writeable = False
