@@ -14,13 +14,13 @@ Two kinds of corpora, both t2i_pretrain with tiny images (8x8 PNG) so the disk s
 Each case builds the project's loader (``build_bagel_train_loader``, the groups YAML with ``num_used_data`` set as
 the official YAML does, order ``energon``, 0 workers) for the LAST DP rank of W in {1, 64, 1024, 8192}.
 Targets: build time and peak RSS grow <= 1.5x from the smallest to the largest manifest and from DP 1 to 8192.
-The build is split into the opening of Energon's pipeline (``energon_s``: ``energon.compact.get_train_dataset`` +
-``get_savable_loader``; Energon's own ``get_train_dataset`` is O(shards) Python, see docs/upstream.md; measured by
-the readers: ``BagelGroupReader.open_seconds``) and ours (``ours_s``: everything else of
+The build is split into the opening of Energon's pipeline (``energon_s``: ``energon.compact.open_train_dataset``
++ ``get_savable_loader``; Energon's own ``get_train_dataset`` is O(shards) Python, see docs/upstream.md; measured
+by the readers: ``BagelGroupReader.open_seconds``) and ours (``ours_s``: everything else of
 ``build_bagel_train_loader``), in wall seconds and in CPU seconds of the process (``*_cpu``: robust when other jobs
 share the cores). The readers' resume fingerprints are made at the first save, not in the build: ``save1_s`` (the
-first ``save_state()``) includes them, ``ident_s`` is their part; both are reported with their growth. Each case runs ``--repeat`` times (default 3) in fresh
-processes, every number the minimum. ``ok``: our CPU part and RSS within the target; ``ok_total``: the whole build.
+first ``save_state()``) includes them, ``ident_s`` is their part; both are reported with their growth. Each case
+runs ``--repeat`` times (default 3) in fresh processes, every number the minimum. ``ok``: our CPU part and RSS within the target; ``ok_total``: the whole build.
 Last line: ``bench_scale: ours_cpu_growth_rows=… energon_cpu_growth_rows=… … build_growth_rows=… rss_growth_rows=…
 … ok=… ok_wall=… ok_total=… repeat=… quick=…``.
 """
@@ -148,8 +148,9 @@ def _case(tok, dataset: str, dp: int, workers: int = 0) -> dict:
     from bridge.models.bagel.data.state import walk_stages
 
     t = time.perf_counter()  # the part the manifest format decides: load + official selection runs
-    files = load_manifest_index(dataset).num_files  # what a reader reads of the manifest (format 3: O(1) objects)
-    manifest_runs(load_manifest_index(dataset), files)
+    index = load_manifest_index(dataset)  # what a reader reads of the manifest (format 3: O(1) objects), once
+    files = index.num_files
+    manifest_runs(index, files)
     select_s = time.perf_counter() - t
     groups = {"t2i_pretrain": {"dataset_names": ["ds"], "image_transform_args": VAE, "is_mandatory": True,
                                "num_used_data": [files], "weight": 1}}

@@ -24,15 +24,14 @@ from megatron.energon.epathlib import EPath
 from bridge.models.bagel.data.converter.convert import convert_t2i
 from bridge.models.bagel.data.energon import compact, sharding
 from bridge.models.bagel.data.energon.cookers import BagelTaskEncoder
-from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
 
 VAE = dict(max_image_size=64, min_image_size=32, image_stride=16)
 N_ROWS = 47
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return add_special_tokens(build_qwen2_tokenizer())[0]
+def tok(tokenizer):
+    return tokenizer  # conftest's session tokenizer (BAGEL's special tokens added)
 
 
 @pytest.fixture(scope="module")
