@@ -13,7 +13,7 @@ from bridge.models.bagel.data.tools.budget_stats import simulate_packing
 from bridge.models.bagel.data.build import build_upstream
 from bridge.models.bagel.data.config import PackerConfig, validate_data
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource, SPECIAL_TOKEN_KEYS
-from bridge.models.bagel.data.packing.lengths import estimate
+from bridge.models.bagel.data.config.lengths import estimate
 from bridge.models.bagel.data.packing.step import ADD, BUFFER, DROP_REASONS, GroupDraw, PackBudgets, step
 from bridge.models.bagel.data.tokenizer import add_special_tokens
 from _external_common import demo_config

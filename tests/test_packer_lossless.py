@@ -18,7 +18,7 @@ from bridge.models.bagel.data.build import build_bagel_train_loader, build_upstr
 from bridge.models.bagel.data.config import ConfigError, PackerConfig, validate_data
 from bridge.models.bagel.data.config.budgets import budget_issues
 from bridge.models.bagel.data.packing import SPECIAL_TOKEN_KEYS, BagelPacker, ListGroupSource
-from bridge.models.bagel.data.packing.lengths import estimate
+from bridge.models.bagel.data.config.lengths import estimate
 from bridge.models.bagel.data.packing.packer import ledger_errors
 from bridge.models.bagel.data.packing.step import CARRY, PackBudgets, PackLoop, step
 from bridge.models.bagel.data.tokenizer import add_special_tokens

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from ...config.budgets import FLEX_BLOCK, image_grids, table_side
 from ...config import PackerConfig
-from ...packing.lengths import is_overlength, mandatory_tokens
+from ...config.lengths import is_overlength, mandatory_tokens
 from ...packing.step import PackBudgets, PackLoop
 from .estimate import GroupStats
 
