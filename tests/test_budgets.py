@@ -193,10 +193,10 @@ def test_check_batch_flags_out_of_range_position_ids() -> None:
 def _brute_force(ds_root: Path, group: str, tok, ctx_args: dict) -> tuple[int, list[tuple[int, list]]]:
     """Count the samples in the shards and cook each one with the real cooker core (pixel decode, the transform's
     size rule) for several random choices: the packer's estimate of each draw."""
-    from bridge.models.bagel.data.energon.cook_common import CookContext, Draws, DropSample, load_meta
-    from bridge.models.bagel.data.energon.cook_edit import cook_edit_core
-    from bridge.models.bagel.data.energon.cook_t2i import cook_t2i_core
-    from bridge.models.bagel.data.energon.cook_vlm import cook_vlm_core
+    from bridge.models.bagel.data.energon.cooking.common import CookContext, Draws, DropSample, load_meta
+    from bridge.models.bagel.data.energon.cooking.edit import cook_edit_core
+    from bridge.models.bagel.data.energon.cooking.t2i import cook_t2i_core
+    from bridge.models.bagel.data.energon.cooking.vlm import cook_vlm_core
     from bridge.models.bagel.data.transforms import ImageTransform
 
     class ShapeOnly(ImageTransform):

@@ -102,7 +102,7 @@ def _layer(name: str) -> int | None:
 
 
 def test_graph_sees_the_package(graph):
-    assert len(graph) > 30 and "external" in graph and "energon.reader" in graph
+    assert len(graph) > 30 and "external" in graph and "energon.readers.core" in graph
     assert "pipeline.loader" in graph["external"] and "state" in graph["pipeline.loader"]  # the parser finds real edges
 
 

@@ -28,9 +28,9 @@ from bridge.models.bagel.data.converter.convert import dumps_json
 from bridge.models.bagel.data.energon.layout import (
     EDIT, MANIFEST_NAME, T2I, VLM, ManifestError, load_manifest, sample_of,
 )
-from bridge.models.bagel.data.energon.official_order import official_units, shard_units
-from bridge.models.bagel.data.energon.reader import BagelGroupReader
-from bridge.models.bagel.data.energon.selection import manifest_runs, select_files, selection_runs, shuffled_range
+from bridge.models.bagel.data.energon.readers.official import official_units, shard_units
+from bridge.models.bagel.data.energon.readers.core import BagelGroupReader
+from bridge.models.bagel.data.energon.readers.selection import manifest_runs, select_files, selection_runs, shuffled_range
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 

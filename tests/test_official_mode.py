@@ -19,8 +19,8 @@ import yaml
 
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import OFFICIAL_NON_PACKER_KEYS, BagelDataConfig, ConfigError, PackerConfig
-from bridge.models.bagel.data.energon.cookers import make_cook_context
-from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
+from bridge.models.bagel.data.energon.cooking.groups import make_cook_context
+from bridge.models.bagel.data.energon.readers.official import OfficialOrderReader
 from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.pipeline.official_mode import OfficialWorkers
 from bridge.models.bagel.data.packing import BagelPacker

@@ -18,9 +18,9 @@ from megatron.energon.epathlib import EPath
 from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
 
 from bridge.models.bagel.data.energon.layout import load_manifest
-from bridge.models.bagel.data.energon.official_order import official_units
-from bridge.models.bagel.data.energon.reader import BagelGroupReader
-from bridge.models.bagel.data.energon.selection import selection_counts, selection_runs
+from bridge.models.bagel.data.energon.readers.official import official_units
+from bridge.models.bagel.data.energon.readers.core import BagelGroupReader
+from bridge.models.bagel.data.energon.readers.selection import selection_counts, selection_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 

@@ -21,7 +21,7 @@ import torch
 
 from _external_common import assert_same, demo_config, single_process_pg_collection
 from bridge.models.bagel.data.build import build_bagel_train_loader
-from bridge.models.bagel.data.energon.reader import BagelGroupReader
+from bridge.models.bagel.data.energon.readers.core import BagelGroupReader
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
 from bridge.models.bagel.data.packing import BagelPacker
 from bridge.models.bagel.data.pipeline.prefetch import PrefetchStage, live_producers

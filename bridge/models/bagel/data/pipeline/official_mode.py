@@ -55,9 +55,15 @@ class OfficialWorkers(Stage):
 
     def stats(self) -> dict[str, Any]:
         """The packer counters summed over workers (``num_batches``, ``consumed`` per group, ``buffer_len``,
-        ``drops``, ``packer_drops``, ``source_drops`` per group) and each worker's own (``workers``)."""
+        ``drops``, ``packer_drops``, ``source_drops`` per group, the per-group ``ledger``) and each worker's own
+        (``workers``)."""
         per = [w.stats() if callable(getattr(w, "stats", None)) else {} for w in self.source]
         groups = list(per[0].get("source_drops", {})) if per else []
+        ledgers = [s.get("ledger", {}) for s in per]
+        ledger = {g: {"consumed": sum(int(x[g]["consumed"]) for x in ledgers if g in x),
+                      "packed": sum(int(x[g]["packed"]) for x in ledgers if g in x),
+                      "dropped": merge_counts([x[g]["dropped"] for x in ledgers if g in x]),
+                      "buffered": sum(int(x[g]["buffered"]) for x in ledgers if g in x)} for g in groups}
         return {"num_batches": sum(int(s.get("num_batches", 0)) for s in per),
                 "consumed": merge_counts([s.get("consumed", {}) for s in per]),
                 "buffer_len": sum(int(s.get("buffer_len", 0)) for s in per),
@@ -65,7 +71,7 @@ class OfficialWorkers(Stage):
                 "unused": merge_counts([s.get("unused", {}) for s in per]),
                 "packer_drops": merge_counts([s.get("packer_drops", {}) for s in per]),
                 "source_drops": {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups},
-                "workers": per}
+                "ledger": ledger, "workers": per}
 
     def __next__(self) -> Any:
         batch = next(self.source[self.next_worker])

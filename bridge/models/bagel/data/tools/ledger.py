@@ -11,8 +11,10 @@ each open or queued block (``energon.readers.elastic.reads_taken``). Exactly onc
   rank 0 carries across resizes).
 
 So every taken read is packed once, dropped with a counted reason, or waiting — never lost, never repeated.
-``epoch_complete`` tells whether every block of epoch 0 is finished (then epoch 0's taken set is the whole official
-selection, so the property covers the epoch exactly).
+``complete_groups`` names the groups whose every block of epoch 0 is finished (then epoch 0's taken set is the whole
+official selection, so the property covers that epoch exactly); ``epoch_complete``: all of them. A group some rank
+rarely reads (a non-mandatory group on a rank whose packs fill up with mandatory samples) can keep an epoch-0 block
+open for long while other ranks read later epochs: each (position, epoch) is still read once.
 """
 
 from __future__ import annotations
@@ -35,8 +37,13 @@ class LedgerReport:
 
     groups: dict[str, dict[str, int]] = field(default_factory=dict)
     dropped: int = 0
-    epoch_complete: bool = False
+    complete_groups: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def epoch_complete(self) -> bool:
+        """Every group's epoch 0 is finished."""
+        return len(self.complete_groups) == len(self.groups)
 
     @property
     def ok(self) -> bool:
@@ -97,10 +104,10 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
             for key in plan["pending"]:
                 waiting[g][_identity(key)] += 1
             plans[g].append(plan)
-    complete = True
     for g in groups:
         taken[g], done = reads_taken(plans[g], orders[g])
-        complete &= done
+        if done:
+            report.complete_groups.append(g)
     packed: dict[str, Counter] = {g: Counter() for g in groups}
     for index in batch_indexes:
         packed[index["dataset_name"]][(int(index["position"]), int(index["epoch"]))] += 1
@@ -123,5 +130,4 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
     if total_taken != total_kept + report.dropped:
         report.problems.append(f"taken {total_taken} != packed + waiting {total_kept} + dropped {report.dropped}: "
                                f"{total_taken - total_kept - report.dropped} reads unaccounted for")
-    report.epoch_complete = complete
     return report

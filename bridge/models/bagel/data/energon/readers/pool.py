@@ -22,6 +22,8 @@ import os
 import signal
 import threading
 import time
+import warnings
+import weakref
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
@@ -30,6 +32,7 @@ __all__ = ["ReadPool"]
 logger = logging.getLogger(__name__)
 
 _worker_readers: list[Any] = []  # the registered readers, in a worker process (set by _init_worker)
+_forking: list[Any] = []  # the readers of the pool whose workers are being forked right now (parent, one call)
 _PARENT_POLL_S = 1.0
 
 
@@ -40,12 +43,13 @@ def _watch_parent(parent: int) -> None:
             os._exit(0)
 
 
-def _init_worker(readers: list[Any], parent: int) -> None:
-    """Worker start-up (forked: ``readers`` are this process's copies, not pickled)."""
+def _init_worker(parent: int) -> None:
+    """Worker start-up: the readers are this forked process's copies of the ones being forked (never pickled; the
+    parent does not pass them as arguments, which the executor would keep alive for as long as its workers run)."""
     import torch
 
     global _worker_readers
-    _worker_readers = readers
+    _worker_readers = list(_forking)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork (as in torch's DataLoader workers)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -67,7 +71,7 @@ class ReadPool:
 
     def __init__(self, num_workers: int) -> None:
         self.num_workers = int(num_workers)
-        self._readers: list[Any] = []
+        self._readers: list[weakref.ref] = []  # weak: a reader's finalizer releases it (this pool must not keep it)
         self._released: set[int] = set()
         self._executor: ProcessPoolExecutor | None = None
         self._owner = os.getpid()
@@ -81,7 +85,7 @@ class ReadPool:
         if self._executor is not None:
             raise RuntimeError("ReadPool: a reader was registered after the read workers started; build every group "
                                "reader of the rank before the first read")
-        self._readers.append(reader)
+        self._readers.append(weakref.ref(reader))
         return len(self._readers) - 1
 
     def submit(self, reader_id: int, item: Any) -> Future:
@@ -89,7 +93,17 @@ class ReadPool:
         if self._executor is None or self._owner != os.getpid():
             self._owner = os.getpid()
             self._executor = ProcessPoolExecutor(self.num_workers, mp_context=mp.get_context("fork"),
-                                                 initializer=_init_worker, initargs=(self._readers, os.getpid()))
+                                                 initializer=_init_worker, initargs=(os.getpid(),))
+            # With "fork" every worker is forked inside this first submit (the executor does not spawn later ones),
+            # so the readers are handed over through a module global for the duration of the call only.
+            _forking[:] = [ref() for ref in self._readers]
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="This process .* is multi-threaded",
+                                            category=DeprecationWarning)
+                    return self._executor.submit(_read, reader_id, item)
+            finally:
+                _forking.clear()
         return self._executor.submit(_read, reader_id, item)
 
     def pids(self) -> list[int]:
