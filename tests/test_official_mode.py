@@ -63,7 +63,7 @@ def test_production_builder_official_order_is_bit_exact(name, converted, tokeniz
     case = _load(name)
     loader = build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1))
     try:
-        assert isinstance(loader.upstream, OfficialWorkers)
+        assert isinstance(loader.source, OfficialWorkers)
         got = [ce.stored_batch(next(loader)) for _ in range(len(case["batches"]))]
     finally:
         loader.close()
@@ -94,8 +94,8 @@ def test_official_order_resume_is_bit_exact(cut, converted, tokenizer, tmp_path)
         state = first.save_state()
     # small: per worker the RNG streams, the buffer as restore keys and one [unit, row] cursor per group
     assert len(pickle.dumps(state)) < 64_000
-    workers = state["upstream"]["state"]["workers"]
-    assert [w["state"]["inner"]["state"]["sources"][0]["state"]["cursor"] for w in workers][0][0] >= 0
+    workers = state["source"]["state"]["workers"]
+    assert [w["state"]["source"]["state"]["source"][0]["state"]["cursor"] for w in workers][0][0] >= 0
     with build_bagel_train_loader(_config(case, converted, tmp_path, num_workers=2), tokenizer, (0, 1)) as resumed:
         resumed.restore_state(state)
         got = [ce.stored_batch(next(resumed)) for _ in range(n - cut)]

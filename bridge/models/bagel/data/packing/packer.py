@@ -244,7 +244,7 @@ class BagelPacker(Stage):
             if not isinstance(value, (list, tuple)) or len(value) != len(self.source):
                 n = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
                 raise StateError(f"BagelPacker.load_state_dict: state has {n} {field} entries, this packer has "
-                                 f"{len(self.source)} groups")
+                                 f"{len(self.source)} groups (group or source count differs)")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the sources, then rebuild the buffer and carry from their restore keys."""

@@ -124,12 +124,13 @@ def is_stateful_list(value: Any) -> bool:
 
 
 def unsavable_entries(value: Any) -> list[str]:
-    """Type names of the entries of a field value that are iterators without a state protocol: a stage holding
-    one cannot be saved (its state would be incomplete)."""
+    """``"Type (entry i)"`` for each entry of a field value that is an iterator without a state protocol: a stage
+    holding one cannot be saved (its state would be incomplete)."""
     if is_stateful(value) or is_stateful_list(value):
         return []
     items = value if isinstance(value, (list, tuple)) else [value]
-    return [type(v).__name__ for v in items if hasattr(v, "__next__") and not is_stateful(v)]
+    return [f"{type(v).__name__} (entry {i})" for i, v in enumerate(items) if hasattr(v, "__next__")
+            and not is_stateful(v)]
 
 
 def save_value(value: Any, where: str) -> Any:

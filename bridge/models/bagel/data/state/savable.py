@@ -151,5 +151,5 @@ def unsavable_fields(obj: Any) -> list[str]:
     out = []
     for s in walk(obj):
         for name in getattr(s, "_savable_fields", ()):
-            out += [f"{type(s).__name__}.{name}: {t}" for t in unsavable_entries(getattr(s, name, None))]
+            out += [f"{type(s).__name__}.{name}: {t.split(' (entry')[0]}" for t in unsavable_entries(getattr(s, name, None))]
     return out
