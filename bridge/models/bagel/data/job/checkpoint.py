@@ -12,6 +12,7 @@ import pickle
 import re
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -122,12 +123,14 @@ def read_loader_states(root: str, step: int) -> list[dict[str, Any]]:
     return states
 
 
-def resize_checkpoint(root: str, step: int, dp_size: int, loader: Any) -> list[str]:
+def resize_checkpoint(root: str, step: int, dp_size: int, open_loader: Callable[[], Any]) -> list[str]:
     """Rewrite ``step``'s loader state files for ``dp_size`` DP ranks (elastic order), for Bridge's ``pretrain()``
     (which opens only its own rank's file): the old files move to ``iter_N/resized_from_dpW/``; returns the new
-    paths. ``loader``: a ``BagelExternalLoader`` built from the run's data configuration (any DP rank of the new size):
+    paths. ``open_loader()``: a context manager giving a ``BagelExternalLoader`` built from the run's data
+    configuration (any DP rank of the new size), called only once the old files have been read and need resizing:
     its live chain resizes each stage's part (``BagelExternalLoader.resize_states``). Idempotent on a checkpoint
-    already of that size (nothing is written)."""
+    already of that size (nothing is written, no loader built). A damaged state file raises ``ConfigError`` naming
+    it before anything is built."""
     import shutil
 
     import torch
@@ -135,7 +138,8 @@ def resize_checkpoint(root: str, step: int, dp_size: int, loader: Any) -> list[s
     olds = read_loader_states(root, step)
     if len(olds) == dp_size:
         return []
-    new = [loader.resize_states(olds, r, dp_size) for r in range(dp_size)]
+    with open_loader() as loader:
+        new = [loader.resize_states(olds, r, dp_size) for r in range(dp_size)]
     iter_dir = os.path.dirname(rank_state_file(os.path.join(root, "energon"), step, 0))
     backup = os.path.join(iter_dir, f"resized_from_dp{len(olds)}")
     os.makedirs(backup, exist_ok=False)

@@ -203,9 +203,12 @@ def _resize_state(args: argparse.Namespace) -> int:
 
     try:
         step = args.step if args.step is not None else read_step(args.root)
-        cfg = load_job_config(args.config, args.overrides)
-        with build_bagel_train_loader(cfg.data, load_tokenizer(cfg.data.tokenizer), (0, args.dp_size)) as loader:
-            paths = resize_checkpoint(args.root, step, args.dp_size, loader)
+
+        def open_loader():
+            cfg = load_job_config(args.config, args.overrides)
+            return build_bagel_train_loader(cfg.data, load_tokenizer(cfg.data.tokenizer), (0, args.dp_size))
+
+        paths = resize_checkpoint(args.root, step, args.dp_size, open_loader)
     except (ConfigError, StateError, FileExistsError) as e:
         logger.error("%s", e)
         return 2

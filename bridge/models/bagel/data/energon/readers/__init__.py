@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...config.schema import ORDERS
 from ...watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S
 from ..cooking import CookContext
 from ..layout import load_manifest
@@ -27,9 +28,6 @@ from .pool import ReadPool
 
 __all__ = ["DEFAULT_PARTITIONS", "ORDERS", "DataReadError", "GroupDatasets", "GroupReader", "ReadPool",
            "open_group_reader", "read_error"]
-
-#: The stream orders (``data.order``): the default first.
-ORDERS: tuple[str, ...] = ("elastic", "official")
 
 
 def open_group_reader(order: str, datasets: GroupDatasets | str | Sequence[str], ctx: CookContext, *,
