@@ -105,11 +105,12 @@ def test_dataset_provider_for_pretrain_builds_the_rank_loader(bridge, tmp_path):
     assert provider.build_datasets(bridge.DatasetBuildContext(0, 0, 0, pg_collection=pgs)) == (None, None, None)
     train, valid, test = provider.build_datasets(ctx)
     assert valid is None and test is None and len(train) == 12
-    fp = train.fingerprint["loader"]
+    fp = train.fingerprint()["loader"]
     assert (fp["dp_rank"], fp["dp_size"], fp["seed"]) == (0, 1, 5)
     assert [g["name"] for g in fp["groups"]] == ["t2i_pretrain", "unified_edit", "vlm_sft"]
-    assert train.fingerprint["upstream"]["rank_seed"] == build.rank_seed(5, 0, 1) == 5
-    assert build.rank_seed(5, 3, 8) == 43
+    from bridge.models.bagel.data.pipeline.rng import elastic_rank_seed
+    assert train.fingerprint()["source"]["rank_seed"] == elastic_rank_seed(5, 0)  # the default (elastic) order
+    assert build.rank_seed(5, 3, 8) == 43  # the official order: global_seed * world_size + rank
     with train, build.build_bagel_train_loader(cfg, tok, (0, 1)) as direct:
         it = RerunDataIterator(bridge.build_pretraining_data_loader(train, 0, "external", 1, 0, True))
         for i in range(2):

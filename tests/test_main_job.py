@@ -54,12 +54,14 @@ def _error_lines(proc: subprocess.CompletedProcess) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("error")]
 
 
-def test_restore_with_a_different_dp_size_fails_clearly(demo_run: Path) -> None:
+def test_restore_under_another_order_fails_clearly(demo_run: Path) -> None:
+    """A checkpoint of the default (elastic) order resumed under data.order: official (on 1 rank: the official
+    order cannot resize either) is refused in one line naming the order."""
     proc = _run(["scripts/pretrain_bagel.py", f"train.load={demo_run / 'ckpt_b'}", "train.global_batch_size=1",
-                 "train.train_iters=5", "train.progress=false"])
+                 "train.train_iters=5", "train.progress=false", "data.order=official", "data.num_workers=1"])
     assert proc.returncode != 0
     lines = _error_lines(proc)
-    assert len(lines) == 1 and "dp" in lines[0].lower(), proc.stderr[-3000:]
+    assert len(lines) == 1 and "order" in lines[0].lower(), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr.split(lines[0])[-1]
 
 

@@ -68,9 +68,9 @@ def _others(before: set[int]) -> list[str]:
     return left
 
 
-@pytest.mark.parametrize("workers,prefetch,order", [(0, 0, "energon")] + [
-    pytest.param(w, p, o, marks=pytest.mark.slow) for w, p, o in ((2, 0, "energon"), (0, 2, "energon"),
-                                                                  (2, 2, "energon"), (2, 0, "elastic"))])
+@pytest.mark.parametrize("workers,prefetch,order", [(0, 0, "elastic")] + [
+    pytest.param(w, p, o, marks=pytest.mark.slow) for w, p, o in ((2, 0, "elastic"), (0, 2, "elastic"),
+                                                                  (2, 2, "elastic"))])
 def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, prefetch, order):
     path = _dataset(tmp_path)
     shard = _stuck_mount(path)
@@ -94,7 +94,7 @@ def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, 
         _release(shard)
     msg = str(err.value)
     assert "group 't2i_pretrain'" in msg and "dataset 't2i'" in msg and f"shard file {shard}" in msg, msg
-    assert ("in Energon worker" in msg) == (workers > 0), msg
+    assert ("in read worker" in msg) == (workers > 0), msg
     assert ("in prefetch producer" in msg) == (prefetch > 0 and workers == 0), msg
     assert TIMEOUT_S <= took < TIMEOUT_S + 8, took  # within the bound (plus the agents' report time)
     warnings = [x for x in log.read_text().splitlines() if "has waited" in x]
@@ -212,7 +212,7 @@ def test_two_rank_job_every_rank_ends_with_the_time_out(tmp_path):
     for line in lines:
         assert "DataTimeoutError" in line and "'t2i_pretrain'" in line and "shard-000000.tar" in line, line
     assert sum("has waited" in x for x in proc.stderr.splitlines()) >= 1, proc.stderr[-3000:]
-    assert took < 90, took
+    assert took < 90, (took, proc.stderr[-3000:])
     time.sleep(1)
     left = [p for p in os.listdir("/proc") if p.isdigit() and str(tmp_path) in _cmdline(p)]
     assert not left, f"processes of the job left behind: {left}"

@@ -23,6 +23,7 @@ as the original exception, with the producer's traceback attached; ``close()`` s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import ctypes
 import gc
@@ -204,6 +205,12 @@ def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, ou
             out.put(("error", exc, tb, None))
         except Exception:  # the exception itself does not pickle
             out.put(("error", PrefetchError(f"{type(exc).__name__}: {exc}"), tb, None))
+    finally:
+        # The upstream's own close: after a data time-out it kills the stuck read workers of this process (the
+        # interpreter's exit would otherwise wait on them and the trainer's close() would have to terminate us).
+        if upstream is not None:
+            with contextlib.suppress(Exception):
+                upstream.close()
     while not release.wait(_POLL_S):
         if not parent.is_alive():
             return

@@ -27,7 +27,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["collect_reports", "describe_frame", "enable_agents", "process_role", "summarize", "wait_line"]
+__all__ = ["collect_reports", "describe_frame", "enable_agents", "process_role", "set_process_role", "summarize",
+           "wait_line"]
 
 _REPORT_WAIT_S = 1.0
 _AGENT_POLL_S = 0.25
@@ -66,8 +67,20 @@ def describe_frame(frame: Any) -> dict[str, Any]:
     return out
 
 
+_role: str | None = None  # set in a process that has a role of its own (``set_process_role``)
+
+
+def set_process_role(role: str) -> None:
+    """Name this process in the watch's reports (e.g. ``"read worker"`` in a rank's read pool); the pid is added."""
+    global _role
+    _role = role
+
+
 def process_role() -> str:
-    """Which process this is, in words: an Energon worker, the prefetch producer, or a reader thread (with pid)."""
+    """Which process this is, in words: a read worker of the rank's pool, an Energon worker, the prefetch producer,
+    or a reader thread (with pid)."""
+    if _role is not None:
+        return f"{_role} (pid {os.getpid()})"
     try:
         from torch.utils.data import get_worker_info
 

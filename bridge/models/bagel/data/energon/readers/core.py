@@ -364,8 +364,11 @@ class GroupReader(Stage):
             if killed or watch.busy:
                 self._pool.shutdown(wait=False)
             self._released()
-        watch.stop(wait_s=15.0 if killed else 0.0)
-        self.datasets.close_files()
+        stopped = watch.stop(wait_s=15.0 if killed else 0.0)
+        if stopped:
+            # a read still stuck in this process holds its file's lock: closing the file would block on it (the
+            # process's exit releases the file instead)
+            self.datasets.close_files()
 
     def __del__(self) -> None:
         try:

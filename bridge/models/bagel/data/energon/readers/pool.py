@@ -48,8 +48,11 @@ def _init_worker(parent: int) -> None:
     parent does not pass them as arguments, which the executor would keep alive for as long as its workers run)."""
     import torch
 
+    from ...watchdog.stacks import set_process_role
+
     global _worker_readers
     _worker_readers = list(_forking)
+    set_process_role("read worker")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork (as in torch's DataLoader workers)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
