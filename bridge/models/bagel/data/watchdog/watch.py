@@ -35,6 +35,21 @@ _local = threading.local()  # .batch: the _BatchThread this thread runs for (set
 _live: weakref.WeakSet = weakref.WeakSet()  # the enabled, not stopped ReadWatches of this process
 
 
+def _serve(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+    """A watched thread's loop (the reader thread of a ``ReadWatch``, a batch thread): run each ``(fn, args)`` job,
+    hand ``(True, result)`` or ``(False, exception)`` to the waiting thread; ``None`` ends it."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, args = job
+        try:
+            done.put((True, fn(*args)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            done.put((False, exc))
+        del job, fn, args
+
+
 class ReadWatch:
     """Waits for blocking reads with ``stall_warn_s`` / ``timeout_s``: per batch or on a reader thread.
 
@@ -66,18 +81,6 @@ class ReadWatch:
         """A read is still running on the reader or batch thread (a stuck one after a time-out)."""
         return self.stuck is not None and self._stuck_thread is not None and self._stuck_thread.is_alive()
 
-    def _loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, args = job
-            try:
-                self._done.put((True, fn(*args)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                self._done.put((False, exc))
-            del job, fn, args
-
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` under the watchdog; raises what it raises, or the time-out.
 
@@ -94,7 +97,8 @@ class ReadWatch:
         if self._thread is None or self._owner != os.getpid() or not self._thread.is_alive():
             self._owner = os.getpid()
             self._jobs, self._done = queue.SimpleQueue(), queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._loop, name="bagel-data-read", daemon=True)
+            self._thread = threading.Thread(target=_serve, args=(self._jobs, self._done), name="bagel-data-read",
+                                            daemon=True)
             self._thread.start()
             _live.add(self)
         self._jobs.put((fn, args))
@@ -196,16 +200,7 @@ class _BatchThread:
 
     def _loop(self) -> None:
         _local.batch = self
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            fn, args = job
-            try:
-                self.done.put((True, fn(*args)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                self.done.put((False, exc))
-            del job, fn, args
+        _serve(self.jobs, self.done)
 
     def read(self, watch: ReadWatch, fn: Callable[..., Any], args: tuple) -> Any:
         """A read on this thread: inline, stamped for the waiter (nested reads stack)."""
