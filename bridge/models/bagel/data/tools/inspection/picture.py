@@ -225,6 +225,16 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
             f"({100.0 * view.sequence_length / max(view.length, 1):.1f}% full)")
     draw.text((_MARGIN, _MARGIN), f"{title}  {head}" if title else head, fill=BOUNDARY, font=font)
     canvas.paste(Image.fromarray(_matrix(view, size), "RGB"), (x0, y0))
+    _draw_bars(canvas, draw, view, size, x0, y0)
+    ly = y0 + size + _MARGIN
+    _draw_legend(draw, font, width, ly)
+    thumbs = _thumbnails(batch, vae_image_downsample, vit_patch_size, max_num_patch_per_side, vae_norm, vit_norm)
+    _draw_thumbnails(canvas, draw, font, thumbs, width, ly + _LEGEND_H)
+    return canvas
+
+
+def _draw_bars(canvas: Image.Image, draw: ImageDraw.ImageDraw, view: Any, size: int, x0: int, y0: int) -> None:
+    """The token-colour bars on the top and left of the matrix, the CE/MSE strip and the sample-boundary ticks."""
     pos = sampled_positions(view, size)
     colours = _token_colours(view, pos)
     bar = Image.fromarray(np.ascontiguousarray(np.broadcast_to(colours[None], (_BAR, size, 3))), "RGB")
@@ -243,8 +253,10 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
         if 0 < p < size:
             draw.line([x0 + p, y0 - _GAP - _BAR - _TICK, x0 + p, y0 - _GAP - 1], fill=BOUNDARY)
             draw.line([x0 - _GAP - _BAR - _TICK, y0 + p, x0 - _GAP - 1, y0 + p], fill=BOUNDARY)
-    # legend
-    ly = y0 + size + _MARGIN
+
+
+def _draw_legend(draw: ImageDraw.ImageDraw, font: Any, width: int, ly: int) -> None:
+    """The colour legend, four entries a row, from ``ly`` down."""
     items = [("text causal", PALETTE[(TEXT, CAUSAL)]), ("soi/eoi", PALETTE[(TEXT, FULL)]),
              ("soi/eoi noised", PALETTE[(TEXT, NOISE)]), ("ViT full", PALETTE[(VIT, FULL)]),
              ("VAE clean", PALETTE[(VAE, FULL)]), ("VAE noised", PALETTE[(VAE, NOISE)]),
@@ -256,10 +268,12 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
         x, y = _MARGIN + (i % per_row) * col_w, ly + (i // per_row) * 16
         draw.rectangle([x, y + 2, x + 9, y + 11], fill=colour, outline=BOUNDARY)
         draw.text((x + 13, y), name, fill=BOUNDARY, font=font)
-    # thumbnails
-    ty = ly + _LEGEND_H
+
+
+def _draw_thumbnails(canvas: Image.Image, draw: ImageDraw.ImageDraw, font: Any,
+                     thumbs: list[tuple[str, np.ndarray]], width: int, ty: int) -> None:
+    """The thumbnails in up to ``_THUMB_ROWS`` rows from ``ty`` down; those that do not fit are counted."""
     x, row = _MARGIN, 0
-    thumbs = _thumbnails(batch, vae_image_downsample, vit_patch_size, max_num_patch_per_side, vae_norm, vit_norm)
     shown = 0
     for name, arr in thumbs:
         h, w = arr.shape[:2]
@@ -280,4 +294,3 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
         shown += 1
     if shown < len(thumbs):
         draw.text((x, ty + _THUMB_H // 2), f"+{len(thumbs) - shown} more", fill=BOUNDARY, font=font)
-    return canvas
