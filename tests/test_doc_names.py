@@ -25,6 +25,8 @@ ROOTS = [REPO, REPO / "bridge" / "models" / "bagel" / "data", REPO / "bridge" / 
 TICKS = re.compile(r"`([^`\n]+)`")
 FILE = re.compile(r"^[\w./-]+\.(py|md|yaml|sh)$")
 DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
+#: a data file's name (``tokenizer.pkl``, ``manifest.json``) looks dotted but is no module path: not checked here
+DATA_FILE = re.compile(r"\.(pkl|json|jsonl|npy|npz|pt|png|txt|tar|idx|parquet)$")
 #: the package's top-level modules and sub-packages: a dotted name starting with one of them is a package path
 TOP = {p.stem for p in (REPO / "bridge" / "models" / "bagel" / "data").iterdir()
        if (p.suffix == ".py" or (p / "__init__.py").exists()) and not p.name.startswith("__")}
@@ -76,7 +78,7 @@ def _names(page: Path) -> tuple[list[str], list[str]]:
         tok = re.sub(r"\(\)$", "", tok)
         if FILE.match(tok) and "/" in tok or FILE.match(tok) and tok.endswith(".py"):
             files.append(tok)
-        elif DOTTED.match(tok) and (tok.split(".")[0] in TOP or tok.startswith(PKG)):
+        elif DOTTED.match(tok) and not DATA_FILE.search(tok) and (tok.split(".")[0] in TOP or tok.startswith(PKG)):
             dotted.append(tok)
     return files, dotted
 
@@ -96,4 +98,5 @@ def test_the_check_sees_names():
     assert "energon/readers/core.py" in files and "config.schema.ORDERS" in dotted
     assert _resolve("config.schema.ORDERS") is None and _resolve("config.schema.NO_SUCH") is not None
     assert _resolve("energon.reader") is not None
+    assert DATA_FILE.search("tokenizer.pkl") and not DATA_FILE.search("config.schema.ORDERS")
     assert _exists("readers/core.py") and not _exists("energon/reader.py") and not _exists("elastic_reader.py")
