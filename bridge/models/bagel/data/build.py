@@ -21,6 +21,7 @@ from typing import Any
 
 from .pipeline import shm
 from .config import BagelDataConfig, ConfigError, ResolvedGroup, ValidatedData, validate_data
+from .energon.checksums import describe_datasets
 from .energon.elastic_reader import ElasticGroupReader
 from .energon.reader import BagelGroupReader
 from .energon.layout import ManifestError
@@ -89,7 +90,7 @@ def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_ra
                                 dp_size=dp_size, num_workers=config.num_workers, seed=config.effective_data_seed,
                                 group=g.name, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
                                 shuffle_seed=g.shuffle_seed, stall_warn_s=config.stall_warn_s,
-                                timeout_s=config.timeout_s, **elastic)
+                                timeout_s=config.timeout_s, verify_checksums=config.verify_checksums, **elastic)
     except ManifestError:  # names the manifest and the remedy itself: the groups YAML is not at fault
         raise
     except ValueError as exc:
@@ -122,7 +123,8 @@ def _official_chain(groups: list[ResolvedGroup], tokenizer: Any, special: dict[s
         g = r.group
         paths = _paths(r)
         try:
-            ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args)
+            ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args,
+                                    verify_checksums=config.verify_checksums)
             return OfficialOrderReader(
                 paths, ctx, g.num_used_data, seed=config.effective_data_seed, rank=dp_rank,
                 world_size=dp_size, num_workers=config.num_workers, worker_id=worker, shuffle_lines=g.shuffle_lines,
@@ -217,6 +219,8 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     logger.info("BAGEL loader: order %s, DP rank %d/%d, groups %s, rank seed %d, data seed %d, %d workers, "
                 "prefetch %d", config.order, dp_rank, dp_size, [g.group.name for g in groups], seed,
                 config.effective_data_seed, config.num_workers, config.prefetch)
+    if dp_rank == 0:  # which datasets are verified on read, said once (a damaged checksums file: ManifestError)
+        describe_datasets([p for g in groups for p in _paths(g)], config.verify_checksums)
     upstream = _upstream(config, groups, tokenizer, special, dp_rank, dp_size, seed)
     if config.prefetch:
         rebuild = (functools.partial(build_upstream, data, tokenizer, dp_rank, dp_size)

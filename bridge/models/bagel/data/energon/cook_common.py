@@ -23,6 +23,7 @@ from megatron.energon.task_encoder.cooking import basic_sample_keys
 from PIL import Image
 
 from ..transforms import ImageTransform, configure_pil, pil_img2rgb
+from . import checksums
 from .layout import META_PART, VLM, image_part
 from .sample import BagelSample
 
@@ -47,6 +48,7 @@ DROP_REASONS: tuple[str, ...] = (
     "bad_record",          # vlm: JSON but not a usable record (no conversations list, bad image entry ...)
     "video_unsupported",   # vlm: a video record (the official frame sampler needs decord)
     "no_loss_item",        # vlm: no plan item carries a loss ("No loss defined, skipped.")
+    "checksum_mismatch",   # the sample's bytes differ from the checksum recorded at conversion (checksums.py)
 )
 
 
@@ -164,6 +166,8 @@ class CookContext:
     tokenizer: Any
     transform: ImageTransform
     vit_transform: ImageTransform | None = None
+    #: check every crude sample against its dataset's recorded checksums (``checksums.mismatch``) before cooking
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         configure_pil()  # official import-time PIL globals (2e8 pixels, truncated images load)
@@ -229,12 +233,18 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
 
     ``core(crude, meta, ctx, draws)`` returns the official fields (plan, texts, images, num_tokens)
     or raises :class:`DropSample`. ``data_indexes`` is the reader form {source coordinate, worker id,
-    group}; the official-order reader replaces it with the official positions.
+    group}; the official-order reader replaces it with the official positions. With ``ctx.verify_checksums``, a
+    sample whose bytes differ from its dataset's recorded checksums is a ``checksum_mismatch`` tombstone, before
+    anything is decoded.
     """
     basic = basic_sample_keys(crude)
     source: dict = {}
     coord: list = []
     try:
+        if ctx.verify_checksums:
+            damaged = checksums.mismatch(crude)
+            if damaged is not None:
+                raise DropSample("checksum_mismatch", damaged)
         meta = load_meta(crude, ctx.group)
         source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
         try:

@@ -34,15 +34,17 @@ CORES: dict[str, Callable[..., dict]] = {T2I: cook_t2i_core, EDIT: cook_edit_cor
 
 
 def make_cook_context(group: str, tokenizer: Any, image_transform_args: Mapping[str, Any],
-                      vit_image_transform_args: Mapping[str, Any] | None = None) -> CookContext:
-    """Build a group's context from the official YAML ``image_transform_args`` / ``vit_image_transform_args``."""
+                      vit_image_transform_args: Mapping[str, Any] | None = None, *,
+                      verify_checksums: bool = True) -> CookContext:
+    """Build a group's context from the official YAML ``image_transform_args`` / ``vit_image_transform_args``;
+    ``verify_checksums``: ``data.verify_checksums`` (``CookContext.verify_checksums``)."""
     if group not in CORES:
         raise ValueError(f"unknown BAGEL group {group!r}; expected one of {GROUPS}")
     if group == EDIT and vit_image_transform_args is None:
         raise ValueError(f"group {group!r} needs vit_image_transform_args (its ViT transform)")
     vit = ImageTransform(**vit_image_transform_args) if vit_image_transform_args is not None else None
     return CookContext(group=group, tokenizer=tokenizer, transform=ImageTransform(**image_transform_args),
-                       vit_transform=vit)
+                       vit_transform=vit, verify_checksums=verify_checksums)
 
 
 def energon_worker_id(wc: WorkerConfig | None) -> int:
@@ -84,9 +86,10 @@ class GroupCooker:
 
 
 def make_cooker(group: str, tokenizer: Any, image_transform_args: Mapping[str, Any],
-                vit_image_transform_args: Mapping[str, Any] | None = None) -> Cooker:
+                vit_image_transform_args: Mapping[str, Any] | None = None, *, verify_checksums: bool = True) -> Cooker:
     """Energon ``Cooker`` for ``group``, matched on subflavor ``bagel_group: <group>``."""
-    ctx = make_cook_context(group, tokenizer, image_transform_args, vit_image_transform_args)
+    ctx = make_cook_context(group, tokenizer, image_transform_args, vit_image_transform_args,
+                            verify_checksums=verify_checksums)
     return Cooker(GroupCooker(ctx), has_subflavors={SUBFLAVOR_KEY: group})
 
 
@@ -94,16 +97,19 @@ class BagelTaskEncoder(DefaultTaskEncoder):
     """Task encoder of the BAGEL readers: raw bytes in (``decoder = None``), one cooker per group.
 
     ``groups`` maps group name → ``{"image_transform_args": ..., "vit_image_transform_args": ...}``.
-    Samples pass through unbatched (the reader is used with ``batch_size=None``).
+    Samples pass through unbatched (the reader is used with ``batch_size=None``). Raw bytes are also what the
+    checksums cover: ``verify_checksums`` checks every crude sample against them before cooking.
     """
 
     decoder = None
 
-    def __init__(self, tokenizer: Any, groups: Mapping[str, Mapping[str, Any]]) -> None:
+    def __init__(self, tokenizer: Any, groups: Mapping[str, Mapping[str, Any]], *,
+                 verify_checksums: bool = True) -> None:
         super().__init__()
         if not groups:
             raise ValueError("BagelTaskEncoder needs at least one group")
         self.cookers = [
-            make_cooker(g, tokenizer, args["image_transform_args"], args.get("vit_image_transform_args"))
+            make_cooker(g, tokenizer, args["image_transform_args"], args.get("vit_image_transform_args"),
+                        verify_checksums=verify_checksums)
             for g, args in groups.items()
         ]

@@ -37,6 +37,7 @@ from ..state import StateError, Savable, register_resizable
 from ..stats import DataStallError, DropCounter, StallWatch, merge_counts
 from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, DataTimeoutError, ReadWatch
 from . import compact, damage
+from .checksums import ChecksumGuard
 from .cook_common import drawing, replaying
 from .cookers import BagelTaskEncoder
 from .elastic_order import DEFAULT_CHUNK, GroupLayout, PartitionOrder, owned_partitions
@@ -183,7 +184,8 @@ class ElasticGroupReader(GroupSelection, Savable):
                  vit_image_transform_args: Mapping[str, Any] | None = None, dp_rank: int = 0, dp_size: int = 1,
                  num_workers: int = 0, seed: int = 0, partitions: int, group: str | None = None,
                  num_used_data: Sequence[int] | None = None, shuffle_lines: bool = False, shuffle_seed: int = 0,
-                 stall_warn_s: float = DEFAULT_STALL_WARN_S, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 stall_warn_s: float = DEFAULT_STALL_WARN_S, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 verify_checksums: bool = True) -> None:
         self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         if not self.paths:
             raise ValueError("ElasticGroupReader needs at least one dataset path")
@@ -210,7 +212,8 @@ class ElasticGroupReader(GroupSelection, Savable):
         self.transform_args = {"image_transform_args": dict(image_transform_args),
                                "vit_image_transform_args": None if vit_image_transform_args is None
                                else dict(vit_image_transform_args)}
-        task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
+        task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args},
+                                        verify_checksums=verify_checksums)
         wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
         loaders = [get_savable_loader(compact.open_train_dataset([(p, None)], worker_config=wc, repeat=False,
                                                                  max_samples_per_sequence=None,
@@ -221,6 +224,7 @@ class ElasticGroupReader(GroupSelection, Savable):
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank}, elastic)", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
         self._stall = StallWatch(f"reader {self.group_name!r}", _STALL_HINT)
+        self._checksums = ChecksumGuard(f"DP rank {dp_rank}/{dp_size} (reader {self.group_name!r}, elastic order)")
         self._watch = ReadWatch(f"reader {self.group_name!r} (DP rank {dp_rank}/{dp_size}, elastic order, "
                                 f"{num_workers} workers)", self.group_name, self.paths, stall_warn_s=stall_warn_s,
                                 timeout_s=timeout_s, workers=num_workers > 0)
@@ -340,6 +344,7 @@ class ElasticGroupReader(GroupSelection, Savable):
                     self.unused.drop(reason, f"{dataset} sample {sample.__key__} {sample.source}", n)
                 return sample
             self.drops.drop(sample.drop_reason, sample.drop_detail)
+            self._checksums.drop(sample)  # a damaged shard stops the reader (CorruptShardError)
             self._stall.drop(dataset, sample.drop_reason, sample.drop_detail,
                              limit=2 * sum(self.order.size(p) for p in self._plan.owned) + 2,
                              where=f"dataset {dataset!r} on DP rank {self.dp_rank}/{self.dp_size} (elastic order)")

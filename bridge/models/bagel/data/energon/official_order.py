@@ -33,6 +33,7 @@ from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReade
 from ..state import Savable, StateError
 from ..stats import DataStallError, DropCounter
 from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, ReadWatch
+from .checksums import ChecksumGuard
 from .cook_common import CookContext, Draws, cook_with, global_random
 from .cookers import CORES
 from .layout import META_PART, SUBFLAVOR_KEY, T2I, VLM, load_manifest, sample_key
@@ -261,6 +262,8 @@ class OfficialOrderReader(Savable):
         self.unused = DropCounter(f"official-order reader {self.group} worker {self.worker_id}", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
         self.skipped: list[dict[str, Any]] = []
+        self._checksums = ChecksumGuard(f"rank {rank}/{world_size} (official-order reader {self.group!r}, worker "
+                                        f"{self.worker_id})")
         self._watch = ReadWatch(f"official-order reader {self.group!r} (rank {rank}/{world_size}, worker "
                                 f"{self.worker_id})", self.group, self.paths, stall_warn_s=stall_warn_s,
                                 timeout_s=timeout_s)
@@ -362,6 +365,7 @@ class OfficialOrderReader(Savable):
             sample = self._cook(ds, idx, Draws(rng=global_random()))
             if sample.drop_reason is not None:
                 self.drops.drop(sample.drop_reason, sample.drop_detail)
+                self._checksums.drop(sample)  # a damaged shard stops the reader (CorruptShardError)
                 if len(self.skipped) < _MAX_SKIPPED:  # diagnostics only: bounded however long the run
                     self.skipped.append({"row_id": self._row_id(pos, suffix), "reason": sample.drop_reason,
                                          "detail": sample.drop_detail})

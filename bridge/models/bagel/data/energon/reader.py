@@ -33,6 +33,7 @@ from ..state import Savable, StateError, energon_rank_state
 from ..stats import DataStallError, DropCounter, StallWatch
 from ..watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, DataTimeoutError, ReadWatch, describe_frame
 from . import compact, compact_state, damage
+from .checksums import ChecksumGuard
 from .cook_common import replaying
 from .cookers import BagelTaskEncoder
 from .identity import loader_identity
@@ -195,7 +196,7 @@ class BagelGroupReader(GroupSelection, Savable):
                  checkpoint_every_sec: float = 60, group: str | None = None,
                  num_used_data: Sequence[int] | None = None, shuffle_lines: bool = False,
                  shuffle_seed: int = 0, stall_warn_s: float = DEFAULT_STALL_WARN_S,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, verify_checksums: bool = True) -> None:
         self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         if not self.paths:
             raise ValueError("BagelGroupReader needs at least one dataset path")
@@ -213,7 +214,8 @@ class BagelGroupReader(GroupSelection, Savable):
                                "vit_image_transform_args": None if vit_image_transform_args is None
                                else dict(vit_image_transform_args)}
         self.seed, self.dp_rank, self.dp_size, self.num_workers = seed, dp_rank, dp_size, num_workers
-        self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args})
+        self.task_encoder = BagelTaskEncoder(tokenizer, {self.group_name: self.transform_args},
+                                             verify_checksums=verify_checksums)
         t_selection = _clocks()
         wc = WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
                           global_error_handler=reraise_exception)
@@ -231,6 +233,7 @@ class BagelGroupReader(GroupSelection, Savable):
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
         self._stall = StallWatch(f"reader {self.group_name!r}", _STALL_HINT)
+        self._checksums = ChecksumGuard(f"DP rank {dp_rank}/{dp_size} (reader {self.group_name!r})")
         self._stall_limits = {os.path.basename(p): 2 * (-(-n // dp_size)) + 2 * max(num_workers, 1) + 2
                               for p, n in zip(self.paths, self._counts)}
         self._it: Iterator[BagelSample] | None = None
@@ -295,6 +298,7 @@ class BagelGroupReader(GroupSelection, Savable):
                         self.unused.drop(reason, f"{dataset} sample {sample.__key__} {sample.source}", n)
                     return sample
                 self.drops.drop(sample.drop_reason, sample.drop_detail)
+                self._checksums.drop(sample)  # a damaged shard stops the reader (CorruptShardError)
                 self._stall.drop(dataset, sample.drop_reason, sample.drop_detail,
                                  limit=self._stall_limits.get(dataset, 2 * sum(self._counts) + 2),
                                  where=f"dataset {dataset!r} on DP rank {self.dp_rank}/{self.dp_size} (Energon "
