@@ -181,13 +181,14 @@ class ChecksumGuard:
 
     ``drop(sample)`` is called by the reader for every tombstone it counts (any reason; others are ignored). When
     more than ``max_fraction`` of a shard's samples (at least one) have failed on this reader, it raises
-    :class:`CorruptShardError`. Counts are diagnostics, not stream state: they restart at zero after a restore.
-    ``where``: the reader and rank, for the message.
+    :class:`CorruptShardError`. Distinct samples count (a damaged sample read again in a later epoch counts
+    once), so a few flipped bits never stop a long run, and the memory is that of the damaged keys. The counts are
+    diagnostics, not stream state: they restart at zero after a restore. ``where``: the reader and rank.
     """
 
     def __init__(self, where: str, max_fraction: float = MAX_BAD_FRACTION) -> None:
         self.where, self.max_fraction = where, max_fraction
-        self._bad: dict[tuple[str, int], int] = {}
+        self._bad: dict[tuple[str, int], set[str]] = {}
 
     def drop(self, sample: Any) -> None:
         """Count ``sample`` if it is a ``checksum_mismatch`` tombstone; raise CorruptShardError past the limit."""
@@ -199,7 +200,9 @@ class ChecksumGuard:
         if table is None or not (isinstance(key, str) and key.isdigit() and int(key) < len(table.crcs)):
             return  # a damaged key: counted as a drop, not attributable to a shard
         shard = table.shard_of(int(key))
-        n = self._bad[root, shard] = self._bad.get((root, shard), 0) + 1
+        bad = self._bad.setdefault((root, shard), set())
+        bad.add(key)
+        n = len(bad)
         count = int(table.shard_counts[shard])
         limit = max(1, int(self.max_fraction * count))
         if n > limit:
