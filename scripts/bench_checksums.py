@@ -78,7 +78,7 @@ def _reader_pass(groups: str, info: str, verify: bool, n: int, tokenizer: Any) -
 
 def _verify_seconds(ds_path: str) -> tuple[float, int]:
     """Seconds the verification itself takes over every sample once (``checksums.mismatch`` on the crude samples as
-    Energon hands them to a cooker: table lookup, key check, the CRC of every member), and the sample count."""
+    Energon hands them to a cooker: table lookup, key check, the hash of every member), and the sample count."""
     from megatron.energon.epathlib import EPath
     from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
 

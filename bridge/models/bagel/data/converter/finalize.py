@@ -144,11 +144,11 @@ def merge_checksums(man: dict[str, Any], staging: str, n_units: int) -> bytes:
     ``man["checksums"]`` (the header entry describing them). O(samples) numpy, O(units) Python. Raises OSError /
     ValueError for a missing or unreadable fragment, ManifestError when they do not hold ``num_samples``."""
     parts = [np.load(unit_checksums_path(staging, k), allow_pickle=False) for k in range(n_units)]
-    crcs = np.concatenate(parts) if parts else np.zeros(0, dtype="<u4")
-    if len(crcs) != man["num_samples"]:
-        raise ManifestError(f"{staging}: the units' checksum fragments hold {len(crcs)} samples, the manifest "
+    sums = np.concatenate(parts) if parts else np.zeros(0, dtype="<u8")
+    if len(sums) != man["num_samples"]:
+        raise ManifestError(f"{staging}: the units' checksum fragments hold {len(sums)} samples, the manifest "
                             f"{man['num_samples']}: convert again with --overwrite")
-    data, man[CHECKSUMS_KEY] = encode_checksums(crcs)
+    data, man[CHECKSUMS_KEY] = encode_checksums(sums)
     return data
 
 

@@ -28,7 +28,7 @@ __all__ = ["make_plan", "plan_jobs", "part_units", "open_staging", "run_jobs", "
 logger = logging.getLogger(__name__)
 
 #: Bumped when the staged work files change meaning (a staging dir of another version is started over).
-#: 2: units also write their per-sample checksums (``unit-NNNNNN.crc.npy``) and shard sha256s.
+#: 2: units also write their per-sample checksums (``unit-NNNNNN.sums.npy``) and shard sha256s.
 _PLAN_FORMAT = 2
 #: Plan keys computed from the others (sources, options): named in a plan diff only when nothing else differs.
 _DERIVED = ("units", "manifest", "warnings")

@@ -10,7 +10,7 @@ Tar members are written directly (a 512-byte GNU header built from a template, t
 padding): the same bytes ``tarfile`` writes for these members (checked by the tests), without its
 per-member overhead. The offsets known while writing give Energon's ``.tar.idx`` and the ``samples`` rows of
 Energon's ``index.sqlite`` without reading the shards again. The checksums are taken from the bytes as they are
-written: each sample's :func:`~..energon.layout.sample_checksum` (into the unit's ``unit-NNNNNN.crc.npy``
+written: each sample's :func:`~..energon.layout.sample_checksum` (into the unit's ``unit-NNNNNN.sums.npy``
 fragment, concatenated in unit order by the merge) and each shard's sha256 (in the unit record).
 """
 
@@ -135,8 +135,8 @@ def unit_index_path(staging: str, index: int) -> str:
 
 
 def unit_checksums_path(staging: str, index: int) -> str:
-    """The unit's per-sample checksums: ``np.save`` of a ``<u4 [num_samples]`` array, in sample order."""
-    return os.path.join(staging, WORK_DIR, f"unit-{index:06d}.crc.npy")
+    """The unit's per-sample checksums: ``np.save`` of a ``<u8 [num_samples]`` array, in sample order."""
+    return os.path.join(staging, WORK_DIR, f"unit-{index:06d}.sums.npy")
 
 
 class _Out:
@@ -162,7 +162,7 @@ class _UnitWriter:
         self.current: _Out | None = None
         self.shards: list[dict[str, Any]] = []
         self.rows: list[tuple[int, str, int, int, int]] = []  # Energon `samples` rows
-        self.crcs: list[int] = []  # per-sample checksums, in sample order
+        self.sums: list[int] = []  # per-sample checksums, in sample order
 
     def _open(self, final: str, hashed: bool = False) -> _Out:
         self.current = _Out(final, hashed)
@@ -184,7 +184,7 @@ class _UnitWriter:
                 key, start = sample_key(n), out.written
                 starts.append(start)
                 parts = [(META_PART, s.meta_json)] + [(image_part(i), b) for i, b in s.images]
-                self.crcs.append(sample_checksum(parts))
+                self.sums.append(sample_checksum(parts))
                 for name, data in parts:
                     size = len(data)
                     out.write(tar_header(f"{key}.{name}", size))
@@ -209,7 +209,7 @@ class _UnitWriter:
     def write_checksums(self) -> None:
         out = self._open(unit_checksums_path(self.job.staging, self.job.index))
         buf = io.BytesIO()
-        np.save(buf, np.array(self.crcs, dtype="<u4"), allow_pickle=False)
+        np.save(buf, np.array(self.sums, dtype="<u8"), allow_pickle=False)
         out.write(buf.getvalue())
         out.f.close()
         self.current = None

@@ -51,20 +51,20 @@ _REMEDY = ("re-copy the shard from a good copy, or convert the dataset again (`b
 class ChecksumTable:
     """The expected per-sample checksums and the shard layout of one converted dataset (read-only numpy arrays).
 
-    ``crcs``: ``<u4 [num_samples]`` (memory-mapped), sample ``i``'s :func:`~.layout.sample_checksum`;
+    ``sums``: ``<u8 [num_samples]`` (memory-mapped), sample ``i``'s :func:`~.layout.sample_checksum`;
     ``shard_ends``: int64 ``[num_shards]``, shard ``s`` holds samples ``shard_ends[s-1] .. shard_ends[s] - 1``;
     ``shard_paths``: ``<U [num_shards]``, each shard's path relative to ``root``.
     """
 
-    def __init__(self, root: str, name: str, crcs: np.ndarray, shard_counts: np.ndarray,
+    def __init__(self, root: str, name: str, sums: np.ndarray, shard_counts: np.ndarray,
                  shard_paths: np.ndarray) -> None:
-        self.root, self.name, self.crcs, self.shard_paths = root, name, crcs, shard_paths
+        self.root, self.name, self.sums, self.shard_paths = root, name, sums, shard_paths
         self.shard_ends = np.cumsum(shard_counts, dtype=np.int64)
         self.shard_counts = shard_counts
-        if int(self.shard_ends[-1] if len(self.shard_ends) else 0) != len(crcs):
+        if int(self.shard_ends[-1] if len(self.shard_ends) else 0) != len(sums):
             raise ManifestError(f"{os.path.join(root, MANIFEST_NAME)}: dataset {name}: its shards hold "
                                 f"{int(self.shard_ends[-1]) if len(self.shard_ends) else 0} samples, its checksums "
-                                f"{len(crcs)}; convert it again: `bagel-data convert ... --overwrite`")
+                                f"{len(sums)}; convert it again: `bagel-data convert ... --overwrite`")
 
     @classmethod
     def open(cls, root: str) -> ChecksumTable | None:
@@ -91,12 +91,12 @@ class ChecksumTable:
                 counts, paths = read_columns(head, root, "shards", [("count", "int"), ("path", "str")])
         except (ColumnsError, KeyError, TypeError, ValueError) as e:
             raise manifest_error(path, str(e), head.get("group")) from None
-        crcs = open_checksums(root, head)
-        assert crcs is not None
-        return cls(root, str(head.get("dataset_name") or os.path.basename(root)), crcs, counts, paths)
+        sums = open_checksums(root, head)
+        assert sums is not None
+        return cls(root, str(head.get("dataset_name") or os.path.basename(root)), sums, counts, paths)
 
     def shard_of(self, index: int) -> int:
-        """The shard number holding sample ``index`` (``0 <= index < len(crcs)``)."""
+        """The shard number holding sample ``index`` (``0 <= index < len(sums)``)."""
         return int(np.searchsorted(self.shard_ends, index, side="right"))
 
     def check(self, key: Any, parts: Sequence[tuple[str, Any]], shard_name: str | None = None) -> str | None:
@@ -105,7 +105,7 @@ class ChecksumTable:
         ``shard_name``: the shard's path relative to ``root`` as Energon read it (else from the manifest).
         Raises TypeError when a part is not bytes (decoded before the cooker: nothing to verify against)."""
         index = int(key) if isinstance(key, str) and key.isdigit() else -1
-        known = 0 <= index < len(self.crcs) and key == sample_key(index)
+        known = 0 <= index < len(self.sums) and key == sample_key(index)
         shard = shard_name if shard_name is not None or not known else str(self.shard_paths[self.shard_of(index)])
         where = f"dataset {self.name!r}, shard file {os.path.join(self.root, shard or '?')}"
         if not known:
@@ -114,11 +114,11 @@ class ChecksumTable:
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise TypeError(f"{where}, sample {key}: part {name!r} is a {type(data).__name__}, not the bytes read "
                                 "from the tar (a decoder ran before the cooker): checksums cover the bytes on disk")
-        got, want = sample_checksum(parts), int(self.crcs[index])
+        got, want = sample_checksum(parts), int(self.sums[index])
         if got == want:
             return None
-        return (f"{where}: its bytes differ from the checksum recorded at conversion (crc32 {got:08x}, recorded "
-                f"{want:08x}; parts {sorted(name for name, _ in parts)}), damaged after conversion: " + self.remedy)
+        return (f"{where}: its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, recorded "
+                f"{want:016x}; parts {sorted(name for name, _ in parts)}), damaged after conversion: " + self.remedy)
 
     @property
     def remedy(self) -> str:
@@ -197,7 +197,7 @@ class ChecksumGuard:
         root, _ = _source(sample)
         table = table_for(root) if root is not None else None
         key = getattr(sample, "__key__", "")
-        if table is None or not (isinstance(key, str) and key.isdigit() and int(key) < len(table.crcs)):
+        if table is None or not (isinstance(key, str) and key.isdigit() and int(key) < len(table.sums)):
             return  # a damaged key: counted as a drop, not attributable to a shard
         shard = table.shard_of(int(key))
         bad = self._bad.setdefault((root, shard), set())

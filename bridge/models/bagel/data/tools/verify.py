@@ -297,8 +297,8 @@ def _check_shard(task: _Task) -> ShardResult:
             seen.add(key)
             got, want = sample_checksum(parts), int(expected[index])
             if got != want:
-                bad(key, f"its bytes differ from the checksum recorded at conversion (crc32 {got:08x}, recorded "
-                         f"{want:08x}; parts {sorted(p for p, _ in parts)})")
+                bad(key, f"its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, recorded "
+                         f"{want:016x}; parts {sorted(p for p, _ in parts)})")
     except (tarfile.TarError, OSError, EOFError) as exc:
         if problem is None:
             res.problems.append(f"damaged shard {tar}: unreadable ({type(exc).__name__}: {exc}): re-copy it or "
