@@ -209,7 +209,7 @@ class ChecksumGuard:
             path = os.path.join(table.root, str(table.shard_paths[shard]))
             raise CorruptShardError(
                 f"damaged shard {path} (dataset {table.name!r}): {n} of its {count} samples failed their checksums on "
-                f"{self.where} (limit {limit}, {self.max_fraction:.0%} of the shard), the last sample {key}: "
+                f"{self.where} (limit {limit}: {self.max_fraction:.0%} of the shard), the last sample {key}: "
                 + table.remedy,
                 brief=f"damaged shard {path}: {n} of its {count} samples failed their checksums")
 

@@ -224,7 +224,7 @@ class ElasticGroupReader(GroupSelection, Savable):
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank}, elastic)", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
         self._stall = StallWatch(f"reader {self.group_name!r}", _STALL_HINT)
-        self._checksums = ChecksumGuard(f"DP rank {dp_rank}/{dp_size} (reader {self.group_name!r}, elastic order)")
+        self._checksums = ChecksumGuard(f"DP rank {dp_rank}/{dp_size}, reader {self.group_name!r} (elastic order)")
         self._watch = ReadWatch(f"reader {self.group_name!r} (DP rank {dp_rank}/{dp_size}, elastic order, "
                                 f"{num_workers} workers)", self.group_name, self.paths, stall_warn_s=stall_warn_s,
                                 timeout_s=timeout_s, workers=num_workers > 0)

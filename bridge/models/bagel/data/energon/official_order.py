@@ -262,8 +262,8 @@ class OfficialOrderReader(Savable):
         self.unused = DropCounter(f"official-order reader {self.group} worker {self.worker_id}", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
         self.skipped: list[dict[str, Any]] = []
-        self._checksums = ChecksumGuard(f"rank {rank}/{world_size} (official-order reader {self.group!r}, worker "
-                                        f"{self.worker_id})")
+        self._checksums = ChecksumGuard(f"rank {rank}/{world_size}, official-order reader {self.group!r} worker "
+                                        f"{self.worker_id}")
         self._watch = ReadWatch(f"official-order reader {self.group!r} (rank {rank}/{world_size}, worker "
                                 f"{self.worker_id})", self.group, self.paths, stall_warn_s=stall_warn_s,
                                 timeout_s=timeout_s)

@@ -233,7 +233,7 @@ class BagelGroupReader(GroupSelection, Savable):
         self.unused = DropCounter(f"reader {self.group_name} (dp rank {dp_rank})", logger,
                                   what="ignored part of a record (the sample is kept, as officially)")
         self._stall = StallWatch(f"reader {self.group_name!r}", _STALL_HINT)
-        self._checksums = ChecksumGuard(f"DP rank {dp_rank}/{dp_size} (reader {self.group_name!r})")
+        self._checksums = ChecksumGuard(f"DP rank {dp_rank}/{dp_size}, reader {self.group_name!r}")
         self._stall_limits = {os.path.basename(p): 2 * (-(-n // dp_size)) + 2 * max(num_workers, 1) + 2
                               for p, n in zip(self.paths, self._counts)}
         self._it: Iterator[BagelSample] | None = None
