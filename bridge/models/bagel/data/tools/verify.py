@@ -202,6 +202,8 @@ def _dataset_checks(k: int, root: str) -> tuple[DatasetReport, list[_Task]]:
         damage.check_prepared(root)
     except ValueError as exc:
         rep.problems.append(str(exc))
+    if not os.path.isfile(os.path.join(root, MANIFEST_NAME)) and not rep.problems:
+        return rep, []  # an Energon dataset not converted by bagel-data: nothing recorded to verify against
     try:
         man = load_manifest(root)  # also checks the columns sidecar's sha256 and the checksums file's size
     except ManifestError as exc:
@@ -380,9 +382,10 @@ def format_report(report: VerifyReport) -> str:
     for d in report.datasets:
         lines += [f"DAMAGED {d.name}: {p}" for p in d.problems]
         if not d.verified and not d.problems:
-            lines.append(f"NOT VERIFIED {d.name} ({d.root}): it records no checksums (converted by an earlier "
-                         "release); only missing / short shards and stale indexes were checked: convert it again "
-                         "(--overwrite) to get them")
+            lines.append(f"NOT VERIFIED {d.name} ({d.root}): " + (
+                "it records no checksums (converted by an earlier release); only missing / short shards and stale "
+                "indexes were checked: convert it again (--overwrite) to get them" if d.shards else
+                f"no {MANIFEST_NAME} (an Energon dataset not converted by bagel-data): nothing to verify against"))
         for s in d.shards:
             lines += [f"DAMAGED {d.name}: {p}" for p in s.problems]
             for key, what in s.bad_samples:
