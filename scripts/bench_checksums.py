@@ -4,13 +4,13 @@ measured in the same run, on a converted t2i corpus of 384-px JPEGs (``bench_con
 
 Builds the corpus, converts it (with checksums, as every conversion does), then, alternating on / off for
 ``--repeats`` rounds, builds the loader through the public builder (``build_bagel_train_loader``, the default
-order, no Energon workers, the demo's t2i transform: 384 px upscaled to 512-1024 px) and times one pass of the
+order (elastic), no read workers, the demo's t2i transform: 384 px upscaled to 512-1024 px) and times one pass of the
 group reader over every sample (the first sample, i.e. start-up, excluded). The best round of each mode counts
 (the least disturbed by other jobs on a shared machine). ``verify_cost`` = 1 - off / on seconds of the pass (wall
 clock: 1 - on / off samples per second); ``verify_cpu_cost`` the same in CPU seconds of this process (the reader
 runs inline), less sensitive to other jobs on the cores (still several % on this shared machine); the issue's bar: <= 0.03 keeps verification on by default.
 Also, measured alone (no reader around it, so no noise from the rest): ``verify_us_per_sample``, what the
-verification of one sample costs (``checksums.mismatch`` on the crude sample as Energon hands it to the cooker),
+verification of one sample costs (``ChecksumTable.check`` on the crude sample as the reader hands it to ``cook_with``),
 and ``verify_share`` = that over the reader's unverified CPU time per sample. On a shared machine the A/B ratios
 move by more than the verification costs; ``verify_share`` is the number that does not.
 
@@ -59,12 +59,13 @@ def _reader_pass(groups: str, info: str, verify: bool, n: int, tokenizer: Any) -
     reader (built through the public builder)."""
     from bridge.models.bagel.data.build import build_bagel_train_loader
     from bridge.models.bagel.data.config import load_config
-    from bridge.models.bagel.data.state import walk_stages
+    from bridge.models.bagel.data.energon.readers import GroupReader
+    from bridge.models.bagel.data.state import walk
 
     cfg = load_config(None, [f"groups={groups}", f"dataset_info={info}", f"verify_checksums={str(verify).lower()}",
                              "packer.max_latent_size=64"])
     with build_bagel_train_loader(cfg, tokenizer, (0, 1), length=1) as loader:
-        reader = next(s for s in walk_stages(loader) if hasattr(s, "group_name"))
+        reader = next(s for s in walk(loader) if isinstance(s, GroupReader))
         next(reader)
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(n - 1):
@@ -77,23 +78,22 @@ def _reader_pass(groups: str, info: str, verify: bool, n: int, tokenizer: Any) -
 
 
 def _verify_seconds(ds_path: str) -> tuple[float, int]:
-    """Seconds the verification itself takes over every sample once (``checksums.mismatch`` on the crude samples as
-    Energon hands them to a cooker: table lookup, key check, the hash of every member), and the sample count."""
-    from megatron.energon.epathlib import EPath
-    from megatron.energon.flavors.webdataset.itar_reader import SqliteITarEntryReader
-
-    from bridge.models.bagel.data.energon.checksums import mismatch
+    """Seconds the verification itself takes over every sample once (``ChecksumTable.check`` on the crude samples as
+    the reader hands them to ``cook_with``: key check, the hash of every member, the lookup), and the sample count."""
     from bridge.models.bagel.data.energon.layout import load_manifest
+    from bridge.models.bagel.data.energon.layout.checksums import ChecksumTable
+    from bridge.models.bagel.data.energon.readers.access import DatasetAccess
 
-    reader = SqliteITarEntryReader(EPath(ds_path))
+    access, table = DatasetAccess(ds_path), ChecksumTable.open(ds_path)
+    assert table is not None
     try:
-        crudes = [dict(reader[f"{i:08d}"]) for i in range(load_manifest(ds_path)["num_samples"])]
+        crudes = [access.crude(i) for i in range(load_manifest(ds_path)["num_samples"])]
     finally:
-        reader.close()
+        access.close_files()
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
-        bad = [c["__key__"] for c in crudes if mismatch(c) is not None]
+        bad = [c["__key__"] for i, c in enumerate(crudes) if table.check(i, c) is not None]
         best = min(best, time.perf_counter() - t0)
     if bad:
         raise RuntimeError(f"samples {bad[:5]} do not verify")

@@ -3,7 +3,7 @@ manifests, in parallel, with a summary by dataset and an exit code a cluster scr
 
 What is checked, per dataset: its Energon index (``.nv-meta``) and manifest load (``manifest.columns.npy`` and
 ``manifest.checksums.npy`` whole, by their sha256); per shard (one task each, any process): what the damage checks
-find (``energon.damage.check_shard``: a missing shard, one cut short, a corrupt tar header, a missing or stale
+find (``energon.layout.damage.check_shard``: a missing shard, one cut short, a corrupt tar header, a missing or stale
 ``.tar.idx``), its size and sha256 against the manifest, and, when the sha256 differs, every sample's
 ``layout.sample_checksum`` against ``manifest.checksums.npy`` (the samples read as Energon reads them: the tar's
 regular members grouped by key, their bytes as stored). A shard whose sha256 differs while every sample matches
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..energon import damage
+from ..energon.layout import damage
 from ..energon.layout import (CHECKSUMS_NAME, COLUMNS_NAME, GROUPS, MANIFEST_NAME, ManifestError, checksums_entry,
                               load_manifest, open_checksums, sample_checksum, sample_key)
 

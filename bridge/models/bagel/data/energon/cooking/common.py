@@ -2,19 +2,17 @@
 
 The official source datasets draw from Python's global ``random`` (``choice`` / ``random()``).
 :class:`Draws` makes exactly the same calls on a given generator (the ``random`` module itself for
-official-order reproduction, a private per-sample ``random.Random`` in the Energon reader) and records
+official order, a private ``random.Random`` per selection position and epoch in the elastic order) and records
 the outcome, or replays recorded outcomes without touching any generator (``restore_sample``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import io
 import json
 import logging
 import random as _random_module
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,15 +20,14 @@ from megatron.energon.task_encoder.cooking import basic_sample_keys
 
 from PIL import Image
 
-from ..transforms import ImageTransform, configure_pil, pil_img2rgb
-from . import checksums
-from .layout import META_PART, VLM, image_part
+from ...transforms import ImageTransform, configure_pil, pil_img2rgb
+from ..layout import META_PART, VLM, image_part
+from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
 from .sample import BagelSample
 
 __all__ = [
-    "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "current_replay", "replaying",
-    "cook_with", "current_draw", "decode_image", "drawing", "global_random", "load_meta", "plan_item", "source_coordinate",
-    "transform_image", "DROP_REASONS",
+    "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "cook_with", "decode_image",
+    "global_random", "load_meta", "plan_item", "source_coordinate", "transform_image", "DROP_REASONS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -48,7 +45,7 @@ DROP_REASONS: tuple[str, ...] = (
     "bad_record",          # vlm: JSON but not a usable record (no conversations list, bad image entry ...)
     "video_unsupported",   # vlm: a video record (the official frame sampler needs decord)
     "no_loss_item",        # vlm: no plan item carries a loss ("No loss defined, skipped.")
-    "checksum_mismatch",   # the sample's bytes differ from the checksum recorded at conversion (checksums.py)
+    "checksum_mismatch",   # the sample's bytes differ from the checksum recorded at conversion (layout.checksums)
 )
 
 
@@ -120,44 +117,6 @@ class Draws:
         return tuple(self.record)
 
 
-_REPLAY: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("bagel_cook_replay", default=None)
-
-
-@contextlib.contextmanager
-def replaying(choices: tuple | list) -> Iterator[None]:
-    """Within this block, cookers replay ``choices`` instead of drawing (used around ``restore_sample``)."""
-    token = _REPLAY.set(tuple(choices))
-    try:
-        yield
-    finally:
-        _REPLAY.reset(token)
-
-
-def current_replay() -> tuple | None:
-    """The choices to replay, or None when cookers should draw."""
-    return _REPLAY.get()
-
-
-_DRAW: contextvars.ContextVar[Any] = contextvars.ContextVar("bagel_cook_draw", default=None)
-
-
-@contextlib.contextmanager
-def drawing(rng: Any) -> Iterator[None]:
-    """Within this block, cookers draw from ``rng`` (a ``random.Random``) instead of the generator seeded by the
-    Energon worker context: the elastic reader seeds one per (group, seed, selection position, epoch), so a
-    sample's choices do not depend on which rank or worker cooks it."""
-    token = _DRAW.set(rng)
-    try:
-        yield
-    finally:
-        _DRAW.reset(token)
-
-
-def current_draw() -> Any:
-    """The generator set by :func:`drawing`, or None."""
-    return _DRAW.get()
-
-
 @dataclass
 class CookContext:
     """What a group cooker needs besides the crude sample: transforms, tokenizer, group name."""
@@ -166,7 +125,8 @@ class CookContext:
     tokenizer: Any
     transform: ImageTransform
     vit_transform: ImageTransform | None = None
-    #: check every crude sample against its dataset's recorded checksums (``checksums.mismatch``) before cooking
+    #: ``data.verify_checksums``: the reader checks every crude sample against its dataset's recorded checksums
+    #: (``cook_with(..., checksums=...)``) before cooking
     verify_checksums: bool = True
 
     def __post_init__(self) -> None:
@@ -228,23 +188,23 @@ def source_coordinate(group: str, source: Mapping[str, Any]) -> list:
 
 
 def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookContext, draws: Draws,
-              worker_id: int) -> BagelSample:
+              worker_id: int, *, checksums: ChecksumTable | None = None, index: int = -1) -> BagelSample:
     """Run a group core on a crude sample: a complete ``BagelSample``, or a tombstone on bad data.
 
     ``core(crude, meta, ctx, draws)`` returns the official fields (plan, texts, images, num_tokens)
     or raises :class:`DropSample`. ``data_indexes`` is the reader form {source coordinate, worker id,
-    group}; the official-order reader replaces it with the official positions. With ``ctx.verify_checksums``, a
-    sample whose bytes differ from its dataset's recorded checksums is a ``checksum_mismatch`` tombstone, before
-    anything is decoded.
+    group}; the reader's order (its plan) replaces it with its own positions. ``checksums``: the sample's dataset's
+    recorded checksums (``layout.checksums.ChecksumTable``; None: not verified) and ``index`` its sample index
+    there: a sample whose bytes differ is a ``checksum_mismatch`` tombstone, before anything is decoded.
     """
     basic = basic_sample_keys(crude)
     source: dict = {}
     coord: list = []
     try:
-        if ctx.verify_checksums:
-            damaged = checksums.mismatch(crude)
+        if checksums is not None:
+            damaged = checksums.check(index, crude)
             if damaged is not None:
-                raise DropSample("checksum_mismatch", damaged)
+                raise DropSample(CHECKSUM_MISMATCH, damaged)
         meta = load_meta(crude, ctx.group)
         source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
         try:
