@@ -299,7 +299,7 @@ def test_recorded_checksums_are_those_of_the_bytes_energon_reads(converted):
                 assert sample_checksum(parts) == int(table.sums[i]), (ds.name, i)
                 assert table.check(i, crude) is None
             other = table.check(0, access.crude(1))
-            assert other is not None and "sample 00000001: read as sample 0" in other, other
+            assert other is not None and "sample '00000001' read as sample 0" in other, other
         finally:
             access.close_files()
 

@@ -113,14 +113,14 @@ class ChecksumTable:
     def remedy(self) -> str:
         return REMEDY.format(root=self.root)
 
-    def _where(self, index: int, key: Any) -> str:
+    def _where(self, index: int) -> str:
         shard = self.shard_path(self.shard_of(index)) if index >= 0 else "?"
-        return f"dataset {self.name!r}, shard file {shard}, sample {key}"
+        return f"dataset {self.name!r}, shard file {shard}"
 
     # -- the check ----------------------------------------------------------------------------------------------
     def check(self, index: int, crude: Mapping[str, Any]) -> str | None:
         """None when the crude sample read at sample ``index`` has the recorded key and checksum, else one line:
-        dataset, shard file, sample key, the two checksums and the remedy.
+        dataset, shard file, the two checksums and the remedy (``cook_with`` prefixes the group and sample key).
 
         The parts must be the bytes read from the tar (Energon's ``decoder = None``): the checksum covers the
         member bytes on disk, not the tar headers or padding. Raises TypeError when a part is not bytes (a decoder
@@ -128,16 +128,16 @@ class ChecksumTable:
         key = crude.get("__key__")
         known = 0 <= index < len(self.sums)
         if not known or key != sample_key(index):
-            return (f"{self._where(index if known else -1, key)}: read as sample {index} ({sample_key(index)!r}; a "
-                    f"damaged tar header or index), damaged after conversion: {self.remedy}")
+            return (f"{self._where(index if known else -1)}: sample {key!r} read as sample {index} "
+                    f"({sample_key(index)!r}; a damaged tar header or index), damaged after conversion: {self.remedy}")
         parts = crude_parts(crude)
         for name, data in parts:
             if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise TypeError(f"{self._where(index, key)}: part {name!r} is a {type(data).__name__}, not the bytes "
+                raise TypeError(f"{self._where(index)}, sample {key}: part {name!r} is a {type(data).__name__}, not the bytes "
                                 "read from the tar (a decoder ran before the cooker): checksums cover the bytes on "
                                 "disk")
         got, want = sample_checksum(parts), int(self.sums[index])
         if got == want:
             return None
-        return (f"{self._where(index, key)}: its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, recorded "
+        return (f"{self._where(index)}: its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, recorded "
                 f"{want:016x}; parts {sorted(name for name, _ in parts)}), damaged after conversion: {self.remedy}")
