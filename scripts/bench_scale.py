@@ -79,13 +79,8 @@ def convert(raw_dir: str, out: str, workers: int = 2) -> tuple[str, float, str]:
 
 def make_scaled(base: str, out: str, rows: int) -> str:
     """A valid Energon dataset of ``rows`` samples: base's first shard linked rows/1000 times + a manifest of
-    rows/1000 files, written as the converter writes it (``layout.write_manifest``: format 3, header + columns,
-    the shards' size and sha256 and the per-sample checksums: base's first shard's, repeated; its sample keys
-    repeat too, so the samples would not verify when read, which nothing here does)."""
-    import numpy as np
-
-    from bridge.models.bagel.data.energon.layout import (crude_dataset_yaml, encode_checksums, load_manifest,
-                                                         open_checksums, shard_relpath, write_manifest)
+    rows/1000 files, written as the converter writes it (``layout.write_manifest``: format 3, header + columns)."""
+    from bridge.models.bagel.data.energon.layout import crude_dataset_yaml, load_manifest, shard_relpath, write_manifest
 
     man0 = load_manifest(base)
     shard0 = os.path.join(base, man0["shards"][0]["path"])
@@ -99,8 +94,7 @@ def make_scaled(base: str, out: str, rows: int) -> str:
         rel = shard_relpath(i)
         os.symlink(shard0, os.path.join(out, rel))
         os.symlink(shard0 + ".idx", os.path.join(out, rel) + ".idx")
-        shards.append({"path": rel, "count": per, "bytes": man0["shards"][0]["bytes"],
-                       "sha256": man0["shards"][0]["sha256"]})
+        shards.append({"path": rel, "count": per})
     info = json.load(open(os.path.join(base, ".nv-meta", ".info.json")))
     info["shard_counts"] = {s["path"]: per for s in shards}
     with open(os.path.join(out, ".nv-meta", ".info.json"), "w") as f:
@@ -122,8 +116,7 @@ def make_scaled(base: str, out: str, rows: int) -> str:
     files = [{"file": f"t2i/part-{fi:06d}.parquet", "file_index": fi, "num_rows": ROWS_PER_FILE, "row_groups": rg,
               "first_sample": fi * ROWS_PER_FILE, "num_samples": ROWS_PER_FILE} for fi in range(n_shards)]
     man = dict(man0, files=files, shards=shards, num_samples=rows, skipped=[], dataset_name=os.path.basename(out))
-    checksums, man["checksums"] = encode_checksums(np.tile(open_checksums(base, mmap=False)[:per], n_shards))
-    write_manifest(out, man, checksums=checksums)
+    write_manifest(out, man)
     return out
 
 
