@@ -8,7 +8,8 @@ order (elastic), no read workers, the demo's t2i transform: 384 px upscaled to 5
 group reader over every sample (the first sample, i.e. start-up, excluded). The best round of each mode counts
 (the least disturbed by other jobs on a shared machine). ``verify_cost`` = 1 - off / on seconds of the pass (wall
 clock: 1 - on / off samples per second); ``verify_cpu_cost`` the same in CPU seconds of this process (the reader
-runs inline), less sensitive to other jobs on the cores (still several % on this shared machine); the issue's bar: <= 0.03 keeps verification on by default.
+runs inline), less sensitive to other jobs on the cores (still several % on this shared machine); the issue's bar:
+<= 0.03 keeps verification on by default.
 Also, measured alone (no reader around it, so no noise from the rest): ``verify_us_per_sample``, what the
 verification of one sample costs (``ChecksumTable.check`` on the crude sample as the reader hands it to ``cook_with``),
 and ``verify_share`` = that over the reader's unverified CPU time per sample. On a shared machine the A/B ratios

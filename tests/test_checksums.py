@@ -131,7 +131,8 @@ def _config(root: Path, ds: Path, *, order: str = "elastic", workers: int = 0, p
     (root / "dataset_info.yaml").write_text(yaml.safe_dump({"t2i_pretrain": {"d": {
         "data_dir": "unused", "energon_path": str(ds)}}}))
     return BagelDataConfig(groups=str(root / "groups.yaml"), dataset_info=str(root / "dataset_info.yaml"),
-                           order=order, num_workers=max(workers, 1) if order == "official" else workers, prefetch=prefetch, partitions=4, verify_checksums=verify,
+                           order=order, num_workers=max(workers, 1) if order == "official" else workers,
+                           prefetch=prefetch, partitions=4, verify_checksums=verify,
                            packer=PackerConfig(**SMALL), **extra)
 
 

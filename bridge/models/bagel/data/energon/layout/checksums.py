@@ -133,11 +133,11 @@ class ChecksumTable:
         parts = crude_parts(crude)
         for name, data in parts:
             if not isinstance(data, (bytes, bytearray, memoryview)):
-                raise TypeError(f"{self._where(index)}, sample {key}: part {name!r} is a {type(data).__name__}, not the bytes "
-                                "read from the tar (a decoder ran before the cooker): checksums cover the bytes on "
-                                "disk")
+                raise TypeError(f"{self._where(index)}, sample {key}: part {name!r} is a {type(data).__name__}, "
+                                "not the bytes read from the tar (a decoder ran before the cooker): checksums cover "
+                                "the bytes on disk")
         got, want = sample_checksum(parts), int(self.sums[index])
         if got == want:
             return None
-        return (f"{self._where(index)}: its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, recorded "
-                f"{want:016x}; parts {sorted(name for name, _ in parts)}), damaged after conversion: {self.remedy}")
+        return (f"{self._where(index)}: its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, "
+                f"recorded {want:016x}; parts {sorted(name for name, _ in parts)}), damaged after conversion: {self.remedy}")
