@@ -10,7 +10,9 @@ times, on the same files:
   --num-parts 2`` (run one after the other in this process) + ``convert merge``.
 
 Ratios: ``serial_ratio`` = converter MB/s / floor MB/s (output bytes, wall clock), ``serial_cpu_ratio`` the
-same per CPU second (robust when other jobs share the cores), ``workersN_speedup`` = serial time / workers
+same per CPU second (robust when other jobs share the cores), ``checksum_share`` = the seconds the converter's
+checksums (every shard's sha256, every sample's XXH3) take on the serial output, measured apart, over the serial
+conversion's CPU seconds (what recording them costs the converter), ``workersN_speedup`` = serial time / workers
 time, ``workersN_cpu_overhead`` = CPU seconds with workers / serial CPU seconds; ``load_avg`` says how busy the
 machine was (a speed-up needs idle cores). Usage: ``python scripts/bench_convert.py [--quick] [--rows R] [--files F] [--workers N]``;
 last line ``bench_convert: rows=... floor_mb_s=... serial_ratio=... workers2_speedup=... parts2_merge_s=...``.
@@ -95,6 +97,33 @@ def floor(data_dir: str, out: str) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
+def checksum_seconds(root: str) -> float:
+    """Seconds the converter's checksums take over a converted tree (measured apart, in this process): the sha256
+    of every shard and ``layout.sample_checksum`` of every sample's members, on bytes already in memory."""
+    import hashlib
+
+    from bridge.models.bagel.data.energon.layout import sample_checksum
+
+    shards, samples = [], []
+    for dp, _, fns in os.walk(root):
+        for fn in sorted(fns):
+            if fn.endswith(".tar"):
+                with open(os.path.join(dp, fn), "rb") as f:
+                    shards.append(f.read())
+                with tarfile.open(os.path.join(dp, fn)) as tf:
+                    parts: dict[str, list] = {}
+                    for m in tf.getmembers():
+                        key, part = m.name.split(".", 1)
+                        parts.setdefault(key, []).append((part, tf.extractfile(m).read()))
+                    samples += parts.values()
+    t0 = time.perf_counter()
+    for data in shards:
+        hashlib.sha256(data).hexdigest()
+    for parts in samples:
+        sample_checksum(parts)
+    return time.perf_counter() - t0
+
+
 def _digest_and_remove(root: str) -> dict[str, str]:
     """sha256 of every file under ``root`` (then ``root`` is removed, to keep the disk/RAM footprint small)."""
     import hashlib
@@ -128,6 +157,7 @@ def run(rows: int = 4000, files: int = 40, workers: int = 2, tmp: str | None = N
         t0, c0 = time.perf_counter(), _cpu()
         s = convert_t2i(data_dir, os.path.join(root, "serial"), progress=False)
         t_serial, c_serial = time.perf_counter() - t0, _cpu() - c0
+        t_checksums = checksum_seconds(os.path.join(root, "serial"))
         ref = _digest_and_remove(os.path.join(root, "serial"))
         t0, c0 = time.perf_counter(), _cpu()
         convert_t2i(data_dir, os.path.join(root, "workers"), progress=False, workers=workers)
@@ -147,6 +177,7 @@ def run(rows: int = 4000, files: int = 40, workers: int = 2, tmp: str | None = N
                 "serial_rows_s": round(s.samples / t_serial), "serial_mb_s": round(conv_mb_s, 1),
                 "serial_ratio": round(conv_mb_s / floor_mb_s, 3),
                 "serial_cpu_ratio": round((s.bytes / c_serial) / (floor_bytes / c_floor), 3),
+                "checksum_s": round(t_checksums, 3), "checksum_share": round(t_checksums / c_serial, 3),
                 f"workers{workers}_s": round(t_workers, 3),
                 f"workers{workers}_cpu_overhead": round(c_workers / c_serial, 3),
                 f"workers{workers}_speedup": round(t_serial / t_workers, 3),
@@ -170,7 +201,8 @@ def main() -> int:
         print(f"{k:>20}: {v}")
     w = f"workers{a.workers}_speedup"
     print(f"bench_convert: rows={r['rows']} floor_mb_s={r['floor_mb_s']} serial_mb_s={r['serial_mb_s']} "
-          f"serial_ratio={r['serial_ratio']} serial_cpu_ratio={r['serial_cpu_ratio']} {w}={r[w]} "
+          f"serial_ratio={r['serial_ratio']} serial_cpu_ratio={r['serial_cpu_ratio']} "
+          f"checksum_share={r['checksum_share']} {w}={r[w]} "
           f"parts2_merge_s={r['parts2_merge_s']} identical={r['identical']} load_avg={r['load_avg']}")
     return 0 if r["identical"] else 1
 

@@ -156,6 +156,7 @@ def test_any_workers_or_parts_give_the_serial_bytes(tmp_path, corpus):
     convert_all(src, tmp_path / "serial", **kw)
     ref = tree(tmp_path / "serial")
     assert len([p for p in ref if p.endswith(".tar")]) > 8 and all(".partial" not in p for p in ref)
+    assert sum(p.endswith("/manifest.checksums.npy") for p in ref) == 3  # the checksums are among the bytes compared
     for workers in (2, 3):
         convert_all(src, tmp_path / f"w{workers}", workers=workers, **kw)
         assert tree(tmp_path / f"w{workers}") == ref, f"--workers {workers}"
@@ -319,13 +320,34 @@ def test_a_finished_conversion_run_again_is_done_not_refused(tmp_path, capsys):
     assert tree(Path(first.path)) == ref
 
 
-def test_the_same_conversion_published_as_manifest_format_2_is_done_with_a_warning(tmp_path, caplog):
-    """A dataset converted by the release that wrote manifest format 2 (its plan recorded with manifest_format 2):
-    rerunning the same command after the upgrade (a requeued job) is done, exit 0, with a warning that says how to
-    get format 3; nothing is rewritten. Other sources or options are still refused."""
-    import logging
-
+def _as_published_by_an_earlier_release(ds: Path, plan: dict, release: str) -> None:
+    """Rewrite the published dataset ``ds`` as an earlier release wrote it: no checksums (no
+    ``manifest.checksums.npy``, no shard ``bytes`` / ``sha256``), plan format 1; ``format-2``: also the whole manifest
+    as one JSON (no columns sidecar). Its ``.plan.sha256`` is of that release's plan."""
     from bridge.models.bagel.data.converter.formats import dumps_json
+    from bridge.models.bagel.data.energon.layout import CHECKSUMS_KEY, CHECKSUMS_NAME, write_manifest
+
+    man = {k: v for k, v in load_manifest(ds).items() if k != CHECKSUMS_KEY}
+    man["shards"] = [{"path": sh["path"], "count": sh["count"]} for sh in man["shards"]]
+    (ds / CHECKSUMS_NAME).unlink()
+    old = {k: v for k, v in plan.items() if k != "checksums"}
+    old["plan_format"] = 1
+    if release == "format-2":
+        (ds / "manifest.columns.npy").unlink()
+        (ds / "manifest.json").write_bytes(dumps_json(dict(man, format=2)) + b"\n")
+        old["manifest_format"] = 2
+    else:
+        write_manifest(ds, man)
+    (ds / ".plan.sha256").write_text(hashlib.sha256(dumps_json(old)).hexdigest() + "\n")
+
+
+@pytest.mark.parametrize("release, lacks", [("format-2", "manifest format 2"), ("format-3", "without checksums")])
+def test_the_same_conversion_published_by_an_earlier_release_is_done_with_a_warning(tmp_path, caplog, release, lacks):
+    """A dataset converted by an earlier release (manifest format 2, or format 3 before checksums; its plan recorded
+    as that release made it): rerunning the same command after the upgrade (a requeued job) is done, exit 0, with a
+    warning that says what it lacks and how to get it; nothing is rewritten. Other sources or options are still
+    refused."""
+    import logging
 
     src = make_corpus(tmp_path, files=4, rows=30, lines=10)
     out = tmp_path / "o"
@@ -335,15 +357,13 @@ def test_the_same_conversion_published_as_manifest_format_2_is_done_with_a_warni
     plan = json.loads((staging / ".convert" / "plan.json").read_text())
     merge_all(str(out))
     ds = out / "t2i_pretrain" / staging.name.removesuffix(".partial")
-    man = dict(load_manifest(ds), format=2)  # as the format-2 release wrote it: one JSON, its plan's digest
-    (ds / "manifest.columns.npy").unlink()
-    (ds / "manifest.json").write_bytes(dumps_json(man) + b"\n")
-    (ds / ".plan.sha256").write_text(hashlib.sha256(dumps_json({**plan, "manifest_format": 2})).hexdigest() + "\n")
+    _as_published_by_an_earlier_release(ds, plan, release)
     ref = tree(ds)
     with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.converter"):
         again = convert_t2i(str(src["t2i"]), out, samples_per_shard=50, progress=False)
     assert again.status == "already converted" and tree(ds) == ref
-    assert any("manifest format 2" in r.getMessage() and "--overwrite" in r.getMessage() for r in caplog.records)
+    warned = [r.getMessage() for r in caplog.records if "already converted" in r.getMessage()]
+    assert len(warned) == 1 and lacks in warned[0] and "not verified" in warned[0] and "--overwrite" in warned[0]
     with pytest.raises(ConvertError, match="not empty and holds another conversion"):
         convert_t2i(str(src["t2i"]), out, samples_per_shard=20, progress=False)
 

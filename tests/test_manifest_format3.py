@@ -29,7 +29,7 @@ import pytest
 from bridge.models.bagel.data.converter.convert import (
     convert_edit, convert_t2i, convert_vlm, dumps_json, merge_all,
 )
-from bridge.models.bagel.data.converter.finalize import build_manifest, load_records
+from bridge.models.bagel.data.converter.finalize import build_manifest, load_records, merge_checksums
 from bridge.models.bagel.data.converter.units import WORK_DIR
 from bridge.models.bagel.data.energon.layout import (
     COLUMNS_NAME, EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, VLM, ManifestError, ManifestIndex, encode_manifest,
@@ -74,6 +74,7 @@ def test_load_manifest_is_the_dict_the_converter_built(tmp_path):
         records, missing = load_records(str(staging), len(plan["units"]))
         assert not missing and len(records) > 1, (group, len(records))
         built[group] = build_manifest(plan, records)
+        merge_checksums(built[group], str(staging), len(plan["units"]))  # the merge adds the checksums entry
     merge_all(out)
     for group, rel in RELS.items():
         man = load_manifest(out / rel)

@@ -76,11 +76,27 @@ def _group_datasets(group: ResolvedGroup, config: BagelDataConfig) -> GroupDatas
         raise ConfigError(f"{config.groups}: group {group.group.name!r}: {exc}") from exc
 
 
+def _describe_verification(datasets: list[GroupDatasets], config: BagelDataConfig) -> None:
+    """One warning when samples will be read unverified: ``data.verify_checksums`` off, or datasets that record no
+    checksums (converted before them, or not by ``bagel-data convert``)."""
+    total = sum(len(d.paths) for d in datasets)
+    if not config.verify_checksums:
+        logger.warning("data.verify_checksums is false: the samples of %d datasets are not verified on read", total)
+        return
+    unverified = [p for d in datasets for p in d.unverified()]
+    if unverified:
+        logger.warning("%d of %d datasets record no checksums (converted before they existed, or not by bagel-data "
+                       "convert): their samples are not verified on read; convert them again (--overwrite) to verify "
+                       "them: %s", len(unverified), total,
+                       ", ".join(unverified[:5]) + (f" (+{len(unverified) - 5} more)" if len(unverified) > 5 else ""))
+
+
 def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer: Any, config: BagelDataConfig,
             dp_rank: int, dp_size: int, **kw: Any) -> Any:
     g = group.group
     try:
-        ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args)
+        ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args,
+                                verify_checksums=config.verify_checksums)
         return open_group_reader(order, datasets, ctx, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
                                  shuffle_seed=g.shuffle_seed, seed=config.effective_data_seed, dp_rank=dp_rank,
                                  dp_size=dp_size, partitions=config.partitions, stall_warn_s=config.stall_warn_s,
@@ -108,9 +124,12 @@ def _packer(groups: list[ResolvedGroup], special: dict[str, int], config: BagelD
 
 
 def _upstream(config: BagelDataConfig, groups: list[ResolvedGroup], tokenizer: Any, special: dict[str, int],
-              dp_rank: int, dp_size: int) -> Any:
-    """The chain under the loader (and under a prefetch stage): readers -> packer -> RNG iterator, per order."""
+              dp_rank: int, dp_size: int, *, describe: bool = False) -> Any:
+    """The chain under the loader (and under a prefetch stage): readers -> packer -> RNG iterator, per order;
+    ``describe``: say which datasets are read unverified (once per job: rank 0, not a rebuilding producer)."""
     datasets = [_group_datasets(g, config) for g in groups]
+    if describe:
+        _describe_verification(datasets, config)
     if config.order == "official":
         chains: list[BagelRNGIterator] = []
         try:
@@ -157,7 +176,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     logger.info("BAGEL loader: order %s, DP rank %d/%d, groups %s, data seed %d, %d workers, prefetch %d",
                 config.order, dp_rank, dp_size, [g.group.name for g in groups], config.effective_data_seed,
                 config.num_workers, config.prefetch)
-    upstream = _upstream(config, groups, tokenizer, special, dp_rank, dp_size)
+    upstream = _upstream(config, groups, tokenizer, special, dp_rank, dp_size, describe=dp_rank == 0)
     if config.prefetch:
         rebuild = (functools.partial(build_upstream, data, tokenizer, dp_rank, dp_size)
                    if config.prefetch_start != "fork" else None)

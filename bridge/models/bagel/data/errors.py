@@ -6,12 +6,14 @@ it (it crosses the prefetch producer's queue and Energon worker processes). Its 
 
 * ``DataReadError`` — reading a converted dataset failed (the damaged file and its remedy when one is found);
 * ``DataTimeoutError`` — a read did not return within ``data.timeout_s`` (group, dataset, shard file, process);
-* ``DataStallError`` — a source keeps dropping samples and can never yield one (where, why, what to change).
+* ``DataStallError`` — a source keeps dropping samples and can never yield one (where, why, what to change);
+* ``CorruptShardError`` — too many samples of one shard failed their checksums: the shard is damaged (its file,
+  dataset and the remedy).
 """
 
 from __future__ import annotations
 
-__all__ = ["DataError", "DataReadError", "DataStallError", "DataTimeoutError"]
+__all__ = ["CorruptShardError", "DataError", "DataReadError", "DataStallError", "DataTimeoutError"]
 
 
 class DataError(RuntimeError):
@@ -36,3 +38,9 @@ class DataTimeoutError(DataError):
 
 class DataStallError(DataError):
     """A source keeps dropping samples and can never yield one: the message names where, why and what to change."""
+
+
+class CorruptShardError(DataError):
+    """More than ``MAX_BAD_FRACTION`` of one shard's samples failed their checksums on one reader: the shard file is
+    damaged (a bad copy, not a flipped bit here and there). Names the shard, its dataset and the remedy (re-copy or
+    convert again; ``bagel-data verify``). Raised by ``energon.readers.core.ChecksumGuard``."""

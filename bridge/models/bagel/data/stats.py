@@ -9,24 +9,30 @@ from collections.abc import Iterable, Mapping
 from .errors import DataStallError
 from .state import Savable
 
-__all__ = ["DataStallError", "DropCounter", "StallWatch", "merge_counts"]
+__all__ = ["ALWAYS_WARN", "DataStallError", "DropCounter", "StallWatch", "merge_counts"]
+
+#: Drop reasons logged at WARNING every time (each names a damaged file a person must act on, and they are rare:
+#: a damaged shard stops the job past a threshold), not rate-limited like the others.
+ALWAYS_WARN: frozenset[str] = frozenset({"checksum_mismatch"})
 
 
 class DropCounter(Savable):
     """Counts dropped samples (or unused parts of samples, ``what=``) by reason, logged with a rate limit.
 
     The first drop of each reason is logged at WARNING; afterwards at most one summary line per
-    ``warn_interval_s`` seconds. The counts are part of the stage's saved state.
+    ``warn_interval_s`` seconds, except for the reasons in ``always_warn`` (one WARNING line each). The counts are
+    part of the stage's saved state.
     """
 
     _savable_fields = ("counts",)
 
     def __init__(self, name: str, logger: logging.Logger | None = None, warn_interval_s: float = 60.0, *,
-                 what: str = "dropped a sample") -> None:
+                 what: str = "dropped a sample", always_warn: frozenset[str] = ALWAYS_WARN) -> None:
         self.name = name
         self.what = what
         self.logger = logger or logging.getLogger(__name__)
         self.warn_interval_s = warn_interval_s
+        self.always_warn = always_warn
         self._last_summary = 0.0
         self.reset_state()
 
@@ -38,7 +44,7 @@ class DropCounter(Savable):
         first = reason not in self.counts
         self.counts[reason] = self.counts.get(reason, 0) + n
         now = time.monotonic()
-        if first:
+        if first or reason in self.always_warn:
             self.logger.warning("%s: %s (%s)%s", self.name, self.what, reason, f": {detail}" if detail else "")
         elif now - self._last_summary >= self.warn_interval_s:
             self._last_summary = now

@@ -287,6 +287,8 @@ class BagelDataConfig:
     tokenizer_cache_dir: str | None = None
     stall_warn_s: float = DEFAULT_STALL_WARN_S  # data watchdog: one warning line per rank after this long without a
     timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
+    verify_checksums: bool = True       # check every sample's bytes against the checksums recorded at conversion
+                                        # (a mismatch: dropped as checksum_mismatch; a damaged shard stops the job)
 
     def problems(self) -> list[str]:
         """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""
@@ -311,6 +313,8 @@ class BagelDataConfig:
             out.append(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
         if self.prefetch_start not in PREFETCH_STARTS:
             out.append(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
+        if not isinstance(self.verify_checksums, bool):
+            out.append(f"verify_checksums: must be true or false, got {self.verify_checksums!r}")
         for key in ("stall_warn_s", "timeout_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

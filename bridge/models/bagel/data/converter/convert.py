@@ -22,13 +22,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .finalize import (build_manifest, from_plan, has_files, load_records, manifest_path, publish,
+from .finalize import (build_manifest, from_plan, has_files, load_records, manifest_path, merge_checksums, publish,
                        published_problem, write_energon_index, write_index_uuid, write_plan_digest)
 from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
-from .plan import make_plan, open_staging, part_units, plan_jobs, run_jobs
+from .plan import make_plan, older_plans, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
-from ..energon.layout import (DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, T2I, VLM, dataset_dir, encode_manifest,
-                              load_manifest, write_manifest)
+from ..energon.layout import (DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, T2I, VLM, dataset_dir,
+                              encode_manifest, load_manifest, write_manifest)
 from ..yaml_errors import yaml_problem
 
 logger = logging.getLogger(__name__)
@@ -106,19 +106,23 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                      progress: bool, overwrite: bool) -> ConvertSummary:
     group, name = plan["group"], plan["dataset_name"]
     mine = part_units(plan, part, num_parts)
-    # a rerun (requeued job, resumed config); or the same conversion published by a release writing manifest format 2
-    older = not overwrite and not from_plan(ds_dir, dumps_json(plan)) and from_plan(
-        ds_dir, dumps_json({**plan, "manifest_format": 2}))
-    if not overwrite and (older or from_plan(ds_dir, dumps_json(plan))):
+    # a rerun (requeued job, resumed config); or the same conversion published by an earlier release (no checksums,
+    # or also manifest format 2)
+    current = not overwrite and from_plan(ds_dir, dumps_json(plan))
+    older = None if overwrite or current else next(
+        (lacks for old, lacks in older_plans(plan) if from_plan(ds_dir, old)), None)
+    if current or older is not None:
         problem = published_problem(ds_dir)
         if problem is not None:
             raise ConvertError(f"{ds_dir}: the published dataset of this conversion is damaged ({problem}): pass "
                                "--overwrite to convert it again")
         man = load_manifest(ds_dir)
-        if older:
-            logger.warning("%s: already converted from the same sources and options, with manifest format 2: it is "
-                           "read as it is, but every rank parses its whole manifest at start-up (O(files)); pass "
-                           "--overwrite to convert it again as format 3", ds_dir)
+        if older is not None:
+            logger.warning("%s: already converted from the same sources and options by an earlier release, %s: it "
+                           "is read as it is, but its samples are not verified on read%s; pass --overwrite to convert "
+                           "it again with checksums (as format %d)", ds_dir, older,
+                           ", and every rank parses its whole manifest at start-up (O(files))"
+                           if "format 2" in older else "", MANIFEST_FORMAT)
         else:
             logger.info("%s: already converted from the same sources and options; nothing to do", ds_dir)
         return dataclasses.replace(_summary(man, ds_dir, [], [], man["skipped"]), status="already converted")
@@ -202,11 +206,12 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
         raise
     man = build_manifest(plan, records)
     try:
+        checksums = merge_checksums(man, staging, n_units)  # the per-sample checksums + their header entry
         write_energon_index(staging, man["shards"], n_units, group)
         encoded = encode_manifest(man, staging)  # manifest.json (the format-3 header) + its columns sidecar
-        write_index_uuid(staging, encoded[0])  # the header holds the sidecar's sha256
+        write_index_uuid(staging, encoded[0])  # the header holds the sidecars' sha256
         write_plan_digest(staging, plan_bytes)  # before the manifest: a merged staging dir always has it
-        write_manifest(staging, man, encoded)  # sidecar, then manifest.json: its presence means "merged"
+        write_manifest(staging, man, encoded, checksums)  # sidecars, then manifest.json: its presence means "merged"
         publish(staging, ds_dir)
     except (OSError, sqlite3.Error) as e:
         raise _write_error(e, staging) from e

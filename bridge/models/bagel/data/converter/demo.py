@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["SCALES", "DEMO_NAMES", "generate_demo_raw", "make_demo_data"]
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: converted with checksums (an older demo_data/ is regenerated)
 STAMP = ".bagel_demo_stamp.json"
 #: rows per group: t2i (files, rows per file), edit (files, row groups per file, rows per row group), vlm lines
 SCALES: dict[str, dict[str, Any]] = {

@@ -26,11 +26,13 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from ..energon.layout import (EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, ManifestError, crude_dataset_yaml,
-                              load_manifest)
-from .units import WORK_DIR, unit_index_path, unit_record_path
+import numpy as np
 
-__all__ = ["write_energon_index", "build_manifest", "v1_samples"]
+from ..energon.layout import (CHECKSUMS_KEY, EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, ManifestError,
+                              crude_dataset_yaml, encode_checksums, load_manifest)
+from .units import WORK_DIR, unit_checksums_path, unit_index_path, unit_record_path
+
+__all__ = ["write_energon_index", "build_manifest", "merge_checksums", "v1_samples"]
 
 _NV = ".nv-meta"
 
@@ -123,7 +125,8 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[
             n += f["num_samples"]
     else:
         files[0]["first_sample"], files[0]["num_samples"] = 0, files[0]["num_lines"]
-    shards = [{"path": sh["path"], "count": sh["count"]} for r in records for sh in r["shards"]]
+    shards = [{"path": sh["path"], "count": sh["count"], "bytes": sh["bytes"], "sha256": sh["sha256"]}
+              for r in records for sh in r["shards"]]
     images: Counter = Counter()
     for r in records:
         images.update(r["image_problems"])
@@ -134,6 +137,19 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[
     if MANIFEST_FORMAT == 1:
         man["samples"] = v1_samples(plan["group"], files)
     return man
+
+
+def merge_checksums(man: dict[str, Any], staging: str, n_units: int) -> bytes:
+    """The units' per-sample checksum fragments joined in unit order: the ``manifest.checksums.npy`` bytes; sets
+    ``man["checksums"]`` (the header entry describing them). O(samples) numpy, O(units) Python. Raises OSError /
+    ValueError for a missing or unreadable fragment, ManifestError when they do not hold ``num_samples``."""
+    parts = [np.load(unit_checksums_path(staging, k), allow_pickle=False) for k in range(n_units)]
+    sums = np.concatenate(parts) if parts else np.zeros(0, dtype="<u8")
+    if len(sums) != man["num_samples"]:
+        raise ManifestError(f"{staging}: the units' checksum fragments hold {len(sums)} samples, the manifest "
+                            f"{man['num_samples']}: convert again with --overwrite")
+    data, man[CHECKSUMS_KEY] = encode_checksums(sums)
+    return data
 
 
 def load_records(staging: str, n_units: int) -> tuple[list[dict[str, Any]], list[int]]:

@@ -18,17 +18,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..energon.layout import MANIFEST_FORMAT
+from ..energon.layout import CHECKSUM_ALGORITHM, MANIFEST_FORMAT
 from .finalize import from_plan, has_files, manifest_path
 from .formats import ConvertError, EditReader, ScanLog, SourceUnit, T2IReader, VlmReader, dumps_json, relpath
 from .units import WORK_DIR, UnitJob, run_unit
 
-__all__ = ["make_plan", "plan_jobs", "part_units", "open_staging", "run_jobs"]
+__all__ = ["make_plan", "plan_jobs", "part_units", "open_staging", "run_jobs", "older_plans"]
 
 logger = logging.getLogger(__name__)
 
 #: Bumped when the staged work files change meaning (a staging dir of another version is started over).
-_PLAN_FORMAT = 1
+#: 2: units also write their per-sample checksums (``unit-NNNNNN.sums.npy``) and shard sha256s.
+_PLAN_FORMAT = 2
 #: Plan keys computed from the others (sources, options): named in a plan diff only when nothing else differs.
 _DERIVED = ("units", "manifest", "warnings")
 
@@ -49,12 +50,22 @@ def make_plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader,
         st = os.stat(p)
         sources.append([relpath(p, root), st.st_size, st.st_mtime_ns])
     vlm = isinstance(reader, VlmReader)
-    return {"plan_format": _PLAN_FORMAT, "manifest_format": MANIFEST_FORMAT, "group": group, "dataset_name": name,
+    return {"plan_format": _PLAN_FORMAT, "manifest_format": MANIFEST_FORMAT, "checksums": CHECKSUM_ALGORITHM,
+            "group": group, "dataset_name": name,
             "source_root": root,
             "samples_per_shard": samples_per_shard, "max_image_pixels": max_image_pixels, "sources": sources,
             "image_dir": os.path.abspath(reader.image_dir) if vlm else "",
             "rel_image_dir": reader.rel_image_dir if vlm else "", "units": units,
             "manifest": {**log.manifest, "skipped": log.skipped}, "warnings": log.warnings}
+
+
+def older_plans(plan: dict[str, Any]) -> list[tuple[bytes, str]]:
+    """The same conversion as earlier releases planned it (their ``.plan.sha256`` was of these bytes), each with
+    what a dataset they published lacks: plan format 1 wrote no checksums; before it, manifest format 2."""
+    before = {k: v for k, v in plan.items() if k != "checksums"}
+    before["plan_format"] = 1
+    return [(dumps_json(before), "without checksums"),
+            (dumps_json({**before, "manifest_format": 2}), "with manifest format 2 and without checksums")]
 
 
 def plan_jobs(plan: dict[str, Any], staging: str) -> list[UnitJob]:

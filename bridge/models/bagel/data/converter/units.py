@@ -9,11 +9,14 @@ published with ``os.replace``; the unit's record ``.convert/unit-NNNNNN.json`` i
 Tar members are written directly (a 512-byte GNU header built from a template, then the bytes, then the
 padding): the same bytes ``tarfile`` writes for these members (checked by the tests), without its
 per-member overhead. The offsets known while writing give Energon's ``.tar.idx`` and the ``samples`` rows of
-Energon's ``index.sqlite`` without reading the shards again.
+Energon's ``index.sqlite`` without reading the shards again. The checksums are taken from the bytes as they are
+written: each sample's :func:`~..energon.layout.sample_checksum` (into the unit's ``unit-NNNNNN.sums.npy``
+fragment, concatenated in unit order by the merge) and each shard's sha256 (in the unit record).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -26,11 +29,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..energon.layout import META_PART, SHARDS_DIR, image_part, sample_key, shard_relpath
+import numpy as np
+
+from ..energon.layout import META_PART, SHARDS_DIR, image_part, sample_checksum, sample_key, shard_relpath
 from .formats import SourceUnit, dumps_json, iter_unit, record_problem
 
 __all__ = ["UnitJob", "UnitWriteError", "run_unit", "tar_header", "image_problem", "unit_record_path",
-           "unit_index_path", "WORK_DIR", "IMAGE_EMPTY", "IMAGE_UNREADABLE", "IMAGE_OVER_LIMIT", "TAR_RECORD"]
+           "unit_index_path", "unit_checksums_path", "WORK_DIR", "IMAGE_EMPTY", "IMAGE_UNREADABLE", "IMAGE_OVER_LIMIT", "TAR_RECORD"]
 
 #: Staging sub-directory holding the plan, the unit records and the index fragments (removed at publish).
 WORK_DIR = ".convert"
@@ -129,16 +134,25 @@ def unit_index_path(staging: str, index: int) -> str:
     return os.path.join(staging, WORK_DIR, f"unit-{index:06d}.sqlite")
 
 
-class _Out:
-    """A file written under ``<final>.tmp``; tracks the path being written and the bytes written so far."""
+def unit_checksums_path(staging: str, index: int) -> str:
+    """The unit's per-sample checksums: ``np.save`` of a ``<u8 [num_samples]`` array, in sample order."""
+    return os.path.join(staging, WORK_DIR, f"unit-{index:06d}.sums.npy")
 
-    def __init__(self, final: str) -> None:
+
+class _Out:
+    """A file written under ``<final>.tmp``; tracks the path being written, the bytes written so far and, with
+    ``hashed``, their sha256."""
+
+    def __init__(self, final: str, hashed: bool = False) -> None:
         self.final, self.tmp, self.written = final, final + ".tmp", 0
         self.f = open(self.tmp, "wb", buffering=1 << 20)
+        self.sha256 = hashlib.sha256() if hashed else None
 
     def write(self, b: bytes) -> None:
         self.f.write(b)
         self.written += len(b)
+        if self.sha256 is not None:
+            self.sha256.update(b)
 
 
 class _UnitWriter:
@@ -148,9 +162,10 @@ class _UnitWriter:
         self.current: _Out | None = None
         self.shards: list[dict[str, Any]] = []
         self.rows: list[tuple[int, str, int, int, int]] = []  # Energon `samples` rows
+        self.sums: list[int] = []  # per-sample checksums, in sample order
 
-    def _open(self, final: str) -> _Out:
-        self.current = _Out(final)
+    def _open(self, final: str, hashed: bool = False) -> _Out:
+        self.current = _Out(final, hashed)
         self.tmps.append((self.current.tmp, final))
         return self.current
 
@@ -161,7 +176,7 @@ class _UnitWriter:
         for s_i, count in enumerate(job.shard_counts):
             shard = job.first_shard + s_i
             rel = shard_relpath(shard)
-            out = self._open(os.path.join(job.staging, rel))
+            out = self._open(os.path.join(job.staging, rel), hashed=True)
             starts: list[int] = []
             for j in range(count):
                 s = next(it)
@@ -169,6 +184,7 @@ class _UnitWriter:
                 key, start = sample_key(n), out.written
                 starts.append(start)
                 parts = [(META_PART, s.meta_json)] + [(image_part(i), b) for i, b in s.images]
+                self.sums.append(sample_checksum(parts))
                 for name, data in parts:
                     size = len(data)
                     out.write(tar_header(f"{key}.{name}", size))
@@ -182,12 +198,20 @@ class _UnitWriter:
             if out.written % TAR_RECORD:
                 out.write(_ZEROS[:TAR_RECORD - out.written % TAR_RECORD])
             out.f.close()
-            self.shards.append({"path": rel, "count": count, "bytes": out.written})
+            self.shards.append({"path": rel, "count": count, "bytes": out.written, "sha256": out.sha256.hexdigest()})
             idx = self._open(os.path.join(job.staging, rel + ".idx"))  # Energon's itar index: sample starts + end
             idx.write(struct.pack(f"{len(starts) + 1}Q", *starts, end))
             idx.f.close()
         if next(it, None) is not None:
             raise RuntimeError(f"{job.unit.rel}: more rows than its metadata declares ({job.unit.num_samples})")
+        self.current = None
+
+    def write_checksums(self) -> None:
+        out = self._open(unit_checksums_path(self.job.staging, self.job.index))
+        buf = io.BytesIO()
+        np.save(buf, np.array(self.sums, dtype="<u8"), allow_pickle=False)
+        out.write(buf.getvalue())
+        out.f.close()
         self.current = None
 
     def write_index(self) -> None:
@@ -279,6 +303,7 @@ def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict
         try:
             w.write_samples(iter_unit(job.group, job.unit, image_dir=job.image_dir, rel_image_dir=job.rel_image_dir,
                                       warn=warn), on_sample)
+            w.write_checksums()
             w.write_index()
             record = {"unit": job.index, "file": job.unit.rel, "first_sample": job.first_sample,
                       "num_samples": job.unit.num_samples, "shards": w.shards, "problems": dict(problems),

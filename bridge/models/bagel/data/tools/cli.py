@@ -1,4 +1,5 @@
-"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, or generate the demo dataset."""
+"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, verify them, or generate the demo
+dataset."""
 
 from __future__ import annotations
 
@@ -170,6 +171,17 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("overrides", nargs="*", help="key=value job config overrides (as given to the run)")
     rs.add_argument("--step", type=int, help="the checkpoint step (default: latest_checkpointed_iteration.txt)")
 
+    ver = _add(sub, "verify", help="check every shard and sample of converted datasets against their manifests "
+                                   "(exit 0 ok, 1 damaged, 2 error, 3 datasets without checksums)")
+    ver.add_argument("targets", nargs="+", metavar="DATASET_OR_CONFIG",
+                     help="a converted dataset dir, a dir holding them (the converter's --out), a dataset_info "
+                          "registry with energon_path entries, or a job YAML")
+    ver.add_argument("--workers", type=_at_least(1), default=1, help="processes checking shards (default 1)")
+    ver.add_argument("--part", type=_at_least(0), help="check only part PART of --num-parts (0-based)")
+    ver.add_argument("--num-parts", type=_at_least(1), default=1,
+                     help="split the shards into this many disjoint parts (one per job of an array)")
+    ver.add_argument("--no-progress", action="store_true")
+
     demo = _add(sub, "demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out")
     demo.add_argument("--seed", type=int, default=0)
@@ -190,6 +202,34 @@ def _stats(args: argparse.Namespace) -> int:
         return 2
     print(report.format())
     return 3 if report.impossible else 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    """``bagel-data verify``: print the report; exit 0 ok, 1 damaged, 2 could not run, 3 unverified datasets."""
+    from tqdm import tqdm
+
+    from .verify import EXIT_ERROR, VerifyError, format_report, verify
+
+    if args.part is None and args.num_parts > 1:
+        logger.error("--num-parts %d needs --part (0 .. %d): which part this run checks", args.num_parts,
+                     args.num_parts - 1)
+        return EXIT_ERROR
+    bar = tqdm(total=0, unit="B", unit_scale=True, desc="verify", disable=args.no_progress or not sys.stderr.isatty())
+
+    def progress(total: int, done: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        report = verify(args.targets, workers=args.workers, part=args.part or 0, num_parts=args.num_parts,
+                        progress=progress)
+    except VerifyError as e:
+        logger.error("%s", e)
+        return EXIT_ERROR
+    finally:
+        bar.close()
+    print(format_report(report))
+    return report.exit_code
 
 
 def _resize_state(args: argparse.Namespace) -> int:
@@ -267,6 +307,8 @@ def _command(args: argparse.Namespace) -> int:
         return _stats(args)
     if args.cmd == "resize-state":
         return _resize_state(args)
+    if args.cmd == "verify":
+        return _verify(args)
     try:
         if args.cmd == "demo-data":
             from ..converter.demo import make_demo_data

@@ -22,6 +22,7 @@ from PIL import Image
 
 from ...transforms import ImageTransform, configure_pil, pil_img2rgb
 from ..layout import META_PART, VLM, image_part
+from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
 from .sample import BagelSample
 
 __all__ = [
@@ -44,6 +45,7 @@ DROP_REASONS: tuple[str, ...] = (
     "bad_record",          # vlm: JSON but not a usable record (no conversations list, bad image entry ...)
     "video_unsupported",   # vlm: a video record (the official frame sampler needs decord)
     "no_loss_item",        # vlm: no plan item carries a loss ("No loss defined, skipped.")
+    "checksum_mismatch",   # the sample's bytes differ from the checksum recorded at conversion (layout.checksums)
 )
 
 
@@ -123,6 +125,9 @@ class CookContext:
     tokenizer: Any
     transform: ImageTransform
     vit_transform: ImageTransform | None = None
+    #: ``data.verify_checksums``: the reader checks every crude sample against its dataset's recorded checksums
+    #: (``cook_with(..., checksums=...)``) before cooking
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         configure_pil()  # official import-time PIL globals (2e8 pixels, truncated images load)
@@ -183,17 +188,23 @@ def source_coordinate(group: str, source: Mapping[str, Any]) -> list:
 
 
 def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookContext, draws: Draws,
-              worker_id: int) -> BagelSample:
+              worker_id: int, *, checksums: ChecksumTable | None = None, index: int = -1) -> BagelSample:
     """Run a group core on a crude sample: a complete ``BagelSample``, or a tombstone on bad data.
 
     ``core(crude, meta, ctx, draws)`` returns the official fields (plan, texts, images, num_tokens)
     or raises :class:`DropSample`. ``data_indexes`` is the reader form {source coordinate, worker id,
-    group}; the reader's order (its plan) replaces it with its own positions.
+    group}; the reader's order (its plan) replaces it with its own positions. ``checksums``: the sample's dataset's
+    recorded checksums (``layout.checksums.ChecksumTable``; None: not verified) and ``index`` its sample index
+    there: a sample whose bytes differ is a ``checksum_mismatch`` tombstone, before anything is decoded.
     """
     basic = basic_sample_keys(crude)
     source: dict = {}
     coord: list = []
     try:
+        if checksums is not None:
+            damaged = checksums.check(index, crude)
+            if damaged is not None:
+                raise DropSample(CHECKSUM_MISMATCH, damaged)
         meta = load_meta(crude, ctx.group)
         source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
         try:

@@ -3,6 +3,7 @@
 * ``contract``: names, the crude WebDataset layout (shards, sample keys, parts), ``manifest.json`` (formats 1–3)
   and its O(1) index for the readers (``load_manifest_index``);
 * ``columns``: manifest format 3's per-file / per-shard tables as numpy columns (``manifest.columns.npy``);
+* ``checksums``: ``ChecksumTable``, a reader's view of the per-sample checksums recorded at conversion;
 * ``damage``: a damaged ``.nv-meta``, ``.tar.idx`` or shard named with its cause and the remedy, in one line.
 
 Everything of ``contract`` is re-exported here (``from ...energon.layout import T2I, load_manifest``): the converter

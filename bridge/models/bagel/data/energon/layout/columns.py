@@ -41,8 +41,9 @@ Exactly one of ``int`` / ``str`` / ``ints_*`` / ``json`` holds a key's values (0
 are None or absent). What the converter writes, per group (arrays in sidecar order):
 
 * t2i_pretrain: ``files``: ``file`` str, ``file_index`` int, ``first_sample`` int, ``num_rows`` int,
-  ``num_samples`` int, ``row_groups`` ints_values + ints_offsets; ``shards``: ``count`` int, ``path`` str;
-  ``skipped`` and ``missing_row_groups`` likewise when not empty.
+  ``num_samples`` int, ``row_groups`` ints_values + ints_offsets; ``shards``: ``bytes`` int (the file's size),
+  ``count`` int, ``path`` str, ``sha256`` str (of the whole file; both absent in datasets converted before
+  checksums); ``skipped`` and ``missing_row_groups`` likewise when not empty.
 * unified_edit: ``files``: ``declared_row_groups`` int (+ ``null`` when a file is not in parquet_info), then
   as t2i; ``shards`` as t2i; ``skipped``: ``file_index`` int, ``reason`` str, ``row_group`` int (+ ``null``),
   ``rows`` int; ``missing_row_groups``: ``file`` str, ``file_index`` int, ``row_group`` int. Its
@@ -54,7 +55,7 @@ are None or absent). What the converter writes, per group (arrays in sidecar ord
 Reading: :func:`join_manifest` rebuilds the format-2 dict (O(files), the columns turned into Python objects by
 ``tolist()``; the sidecar's size and sha256 are checked); :func:`read_file_ranges` reads only
 ``files.first_sample`` / ``files.num_samples`` (two ``np.load`` after a seek: O(1) Python objects, the sidecar's
-size checked, its hash not). A format-3 header may also hold a table inline (then it is not in ``tables``).
+size checked, its hash not); :func:`read_columns` any columns of one table the same way. A format-3 header may also hold a table inline (then it is not in ``tables``).
 Every problem raises :class:`ColumnsError` with a short cause; ``layout`` turns it into its one-line
 ``ManifestError`` naming the manifest, the dataset and the remedy.
 """
@@ -72,7 +73,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["COLUMNS_NAME", "TABLES", "ColumnsError", "dumps_canonical", "split_manifest", "join_manifest",
-           "read_file_ranges"]
+           "read_file_ranges", "read_columns"]
 
 #: File name of the sidecar, next to ``manifest.json``.
 COLUMNS_NAME = "manifest.columns.npy"
@@ -313,3 +314,35 @@ def read_file_ranges(header: Mapping[str, Any], ds_root: str | os.PathLike) -> t
     except OSError as e:
         raise ColumnsError(f"{COLUMNS_NAME}: {e.strerror or e}") from None
     return out[0], out[1]
+
+
+def read_columns(header: Mapping[str, Any], ds_root: str | os.PathLike, table: str,
+                 wanted: Sequence[tuple[str, str]]) -> list[np.ndarray]:
+    """The ``(key, part)`` arrays ``wanted`` of ``table`` (e.g. ``[("count", "int"), ("path", "str")]`` of
+    ``shards``), read-only, in that order, read from the sidecar alone (one ``np.load`` after a seek each: O(1)
+    Python objects; the sidecar's size checked, its hash not). Raises ColumnsError (sidecar missing or of another
+    size, the table or a part missing, of another dtype or length)."""
+    tables, arrays, size = _spec(header)
+    if table not in tables:
+        raise ColumnsError(f"header 'columns' holds no {table} table")
+    n = tables[table]
+    where = {(k, p): o for t, k, p, o in arrays if t == table}
+    path = os.path.join(os.fspath(ds_root), COLUMNS_NAME)
+    out = []
+    try:
+        with open(path, "rb") as f:
+            actual = os.fstat(f.fileno()).st_size
+            if actual != size:
+                raise ColumnsError(f"{COLUMNS_NAME}: {actual} bytes, the header says {size}")
+            for key, part in wanted:
+                if (key, part) not in where:
+                    raise ColumnsError(f"{COLUMNS_NAME}: no {table}.{key} {part} column")
+                f.seek(where[key, part])
+                a = _checked(_load(f, f"{table}.{key}"), part, n, f"{table}.{key}")
+                a.flags.writeable = False
+                out.append(a)
+    except FileNotFoundError:
+        raise ColumnsError(f"{COLUMNS_NAME}: no such file") from None
+    except OSError as e:
+        raise ColumnsError(f"{COLUMNS_NAME}: {e.strerror or e}") from None
+    return out

@@ -22,7 +22,7 @@ import tarfile
 import time
 from collections.abc import Sequence
 
-__all__ = ["check_prepared", "diagnose", "shard_files"]
+__all__ = ["check_prepared", "check_shard", "diagnose", "shard_files"]
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,15 @@ def _check_shard(dataset: str, tar: str) -> str | None:
         want = expected[k] if k < len(expected) else "nothing"
         return f"damaged shard index {idx_path}: entry {k} is {got}, the shard has {want}: {remedy}"
     return None
+
+
+def check_shard(dataset: str, tar: str) -> str | None:
+    """One line naming what is wrong with shard ``tar`` of ``dataset`` (missing, cut short, a corrupt header, its
+    ``.tar.idx`` missing or stale, unreadable), or None. Reads the tar headers and the index, no member data."""
+    try:
+        return _check_shard(dataset, tar)
+    except OSError as exc:
+        return f"shard {tar} cannot be read ({type(exc).__name__}: {exc}): check its storage"
 
 
 def diagnose(paths: Sequence[str], hint: str = "") -> str | None:

@@ -5,7 +5,9 @@ read once, random access: ``access.DatasetAccess``), cooking (``cooking.cook_wit
 context), drop and unused counters by reason, the liveness rule (a source that can never yield raises
 ``DataStallError``), the data watch (``watchdog.ReadWatch``: a warning after ``data.stall_warn_s``, a
 ``DataTimeoutError`` after ``data.timeout_s``), read-ahead in the rank's worker pool (``pool.ReadPool``), ``close``,
-``stats`` and ``restore_sample`` by key.
+``stats`` and ``restore_sample`` by key; with ``data.verify_checksums`` every crude sample is checked against its
+dataset's recorded checksums before it is cooked (``layout.checksums.ChecksumTable``; a mismatch is a
+``checksum_mismatch`` drop) and :class:`ChecksumGuard` stops the reader on a damaged shard.
 
 *Which* sample comes next is the order's: a small **plan** object (the reader's ``source``) deciding which
 (dataset, sample index) each read is, how its random choices are drawn and what its state is. The plans:
@@ -34,17 +36,19 @@ from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from ...errors import DataReadError, DataStallError, DataTimeoutError
+from ...errors import CorruptShardError, DataReadError, DataStallError, DataTimeoutError
 from ...state import ResizeContext, Stage, StateError
 from ...stats import DropCounter, StallWatch, merge_counts
 from ...watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, ReadWatch, describe_frame
 from ..cooking import CORES, BagelSample, CookContext, cook_with
 from ..layout import MANIFEST_NAME, ManifestIndex, damage, load_manifest_index
+from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
 from .access import DatasetAccess
 from .pool import ReadPool
 from .selection import manifest_runs
 
-__all__ = ["DataReadError", "GroupDatasets", "GroupReader", "dataset_num_samples", "read_error"]
+__all__ = ["MAX_BAD_FRACTION", "ChecksumGuard", "DataReadError", "GroupDatasets", "GroupReader",
+           "dataset_num_samples", "read_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,9 @@ _STALL_HINT = ("Fix or remove the dataset's unusable rows (see the reason), or d
 _MAX_SKIPPED = 1000
 #: Reads in flight per worker of the pool, per reader (torch's DataLoader ``prefetch_factor``).
 _AHEAD_PER_WORKER = 2
+#: ``ChecksumGuard``'s threshold: more than this fraction of one shard's samples failing their checksums on one
+#: reader means the shard itself is damaged (a bad copy), not a flipped bit here and there.
+MAX_BAD_FRACTION = 0.01
 
 _WORKER_ERROR = re.compile(r"Caught (\w+) in DataLoader worker process (\d+)\.")
 #: Exception kinds a damaged file raises while Energon reads it (a cooking error names its row already).
@@ -109,11 +116,13 @@ def dataset_num_samples(path: str) -> tuple[str, int]:
 
 class GroupDatasets:
     """The converted datasets of one group: absolute ``paths``, the ``group`` name, each dataset's sample count
-    (``counts``) and manifest index (``manifests``, read once; None without a converter manifest), and their random
-    access (``access``, opened on first use).
+    (``counts``) and manifest index (``manifests``, read once; None without a converter manifest), their recorded
+    checksums (``checksums``: a memory-mapped ``layout.checksums.ChecksumTable``, None for a dataset without them),
+    and their random access (``access``, opened on first use).
 
     Raises ValueError (one line) for an empty dataset or datasets of different groups; ``layout.damage`` names a
-    damaged ``.nv-meta`` first (Energon would only say "Invalid dataset at <dir>").
+    damaged ``.nv-meta`` first (Energon would only say "Invalid dataset at <dir>"); ManifestError for a damaged
+    manifest or checksums file.
     """
 
     def __init__(self, paths: str | Sequence[str], group: str | None = None, *, patched: bool | None = None) -> None:
@@ -126,9 +135,11 @@ class GroupDatasets:
         groups: set[str | None] = set()
         self.counts: list[int] = []
         self.manifests: list[ManifestIndex | None] = []
+        self.checksums: list[ChecksumTable | None] = []
         for p in self.paths:  # the manifests' O(1) view (format 3: no per-file Python object)
             man = load_manifest_index(p) if os.path.isfile(os.path.join(p, MANIFEST_NAME)) else None
             self.manifests.append(man)
+            self.checksums.append(ChecksumTable.open(p) if man is not None else None)
             g, n = (man.group, man.num_samples) if man is not None else dataset_num_samples(p)
             if n == 0:
                 raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
@@ -174,10 +185,48 @@ class GroupDatasets:
             runs.append(manifest_runs(man, used, shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed))
         return runs
 
+    def unverified(self) -> list[str]:
+        """The datasets that record no checksums (their samples are read unverified)."""
+        return [p for p, t in zip(self.paths, self.checksums) if t is None]
+
     def close_files(self) -> None:
         for a in self._access:
             if a is not None:
                 a.close_files()
+
+
+class ChecksumGuard:
+    """The per-shard threshold of ``checksum_mismatch`` drops on one reader (one DP rank).
+
+    ``count(d, index)`` is called by the reader for every ``checksum_mismatch`` drop of sample ``index`` of dataset
+    ``d``. When more than ``max_fraction`` of that sample's shard (at least one sample) has failed on this reader,
+    it raises ``CorruptShardError``: one line naming the shard, its dataset, the rank and the remedy (the job agrees
+    on it across ranks like any data error). Distinct samples count (a damaged sample read again in a later epoch
+    counts once), so a few flipped bits never stop a long run; the memory is that of the damaged samples. The counts
+    are diagnostics, not stream state: they restart at zero after a restore.
+    """
+
+    def __init__(self, datasets: GroupDatasets, where: str, max_fraction: float = MAX_BAD_FRACTION) -> None:
+        self.datasets, self.where, self.max_fraction = datasets, where, max_fraction
+        self._bad: dict[tuple[int, int], set[int]] = {}
+
+    def count(self, d: int, index: int) -> None:
+        """One more ``checksum_mismatch`` drop of sample ``index`` of dataset ``d``; raises past the limit."""
+        table = self.datasets.checksums[d]
+        if table is None or not 0 <= index < len(table.sums):
+            return
+        shard = table.shard_of(index)
+        bad = self._bad.setdefault((d, shard), set())
+        bad.add(index)
+        n, size = len(bad), table.shard_count(shard)
+        limit = max(1, int(self.max_fraction * size))
+        if n > limit:
+            path = table.shard_path(shard)
+            raise CorruptShardError(
+                f"damaged shard {path} (dataset {table.name!r}): {n} of its {size} samples failed their checksums on "
+                f"{self.where} (limit {limit}: {self.max_fraction:.0%} of the shard), the last sample "
+                f"{index:08d}: {table.remedy}",
+                brief=f"damaged shard {path}: {n} of its {size} samples failed their checksums")
 
 
 class GroupReader(Stage):
@@ -215,6 +264,7 @@ class GroupReader(Stage):
         workers = f"{self._pool.num_workers} read workers" if self._pool is not None else "no read workers"
         self._watch = ReadWatch(f"reader {self.group!r} ({self.where}, {workers})", self.group, datasets.paths,
                                 stall_warn_s=stall_warn_s, timeout_s=timeout_s, workers=self._pool is not None)
+        self._guard = ChecksumGuard(datasets, f"{self.where}, reader {self.group!r}")
         self.skipped: list[dict[str, Any]] = []
         self._ahead: collections.deque = collections.deque()
         self._look: Any = None  # the look-ahead copy of the plan, made at the first read
@@ -263,7 +313,8 @@ class GroupReader(Stage):
         """The cooked sample of one planned read (a tombstone when the data is unusable); in a pool worker or here."""
         d, i = self.source.coordinate(item)
         crude = self.datasets.access(d).crude(i)
-        sample = cook_with(self._core, crude, self.ctx, self.source.draws(item), self.worker_id)
+        sample = cook_with(self._core, crude, self.ctx, self.source.draws(item), self.worker_id, index=i,
+                           checksums=self.datasets.checksums[d] if self.ctx.verify_checksums else None)
         self.source.finish(sample, item)
         return sample
 
@@ -312,7 +363,7 @@ class GroupReader(Stage):
                 self.handed_in += 1
             else:
                 self.taken += 1
-            d = self.source.coordinate(item)[0]
+            d, index = self.source.coordinate(item)
             dataset = self.datasets.name(d)
             stall_key = self.source.stall_source(d) or dataset
             if sample.drop_reason is None:
@@ -321,6 +372,8 @@ class GroupReader(Stage):
                     self.unused.drop(reason, f"{dataset} sample {sample.__key__} {sample.source}", n)
                 return sample
             self.drops.drop(sample.drop_reason, sample.drop_detail)
+            if sample.drop_reason == CHECKSUM_MISMATCH:
+                self._guard.count(d, index)  # a damaged shard stops the reader
             if len(self.skipped) < _MAX_SKIPPED:
                 self.skipped.append({"row_id": self.source.row_id(item), "reason": sample.drop_reason,
                                      "detail": sample.drop_detail})
