@@ -10,7 +10,7 @@
 5. the packer budgets against the groups' transforms (``budgets.budget_issues``, cases B3/B4/B6 of
    ``shared/cases``), errors with ``budgets="error"`` (the builder, the job, ``inspect``), reported only with
    ``budgets="report"`` (``bagel-data stats``, which exists to show them);
-6. with worker processes (Energon workers: ``num_workers`` > 0 outside the official order, whose workers are
+6. with worker processes (read workers: ``num_workers`` > 0 outside the official order, whose workers are
    emulated in process; or ``prefetch`` > 0), that the temp dir leaves room for the unix sockets through which
    they hand tensors over (``socket_path_problem``).
 
@@ -132,7 +132,7 @@ UNIX_PATH_MAX = 107
 #: (``pymp-`` + 8 characters), then ``connection.arbitrary_address("AF_UNIX")`` (``listener-`` + 8 characters).
 _MP_SOCKET = "/pymp-XXXXXXXX/listener-XXXXXXXX"
 #: torch_shm_manager's socket, below torch's temp dir, for the ``file_system`` strategy the prefetch producer
-#: (and the Energon workers forked from it) use.
+#: (and the read workers forked from it) use.
 _TORCH_SHM_SOCKET = "/torch-shm-dir-XXXXXX/manager.sock"
 #: The variables torch_shm_manager takes its temp dir from, first set first (else ``/tmp``); Python's
 #: ``tempfile`` reads TMPDIR, TEMP, TMP.
@@ -147,17 +147,17 @@ def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, pr
     """Why worker processes could not hand tensors over under ``temp_dir`` (default: the temp dirs Python and
     torch use), or None.
 
-    An Energon worker returns each sample's tensors by sending their file descriptors over a unix socket in
+    A read worker returns each sample's tensors by sending their file descriptors over a unix socket in
     ``<temp dir>/pymp-…/``; under ``prefetch`` they go through torch_shm_manager's socket in
     ``<temp dir>/torch-shm-dir-…/``. Where that path is longer than ``UNIX_PATH_MAX`` bytes the bind fails:
     inside a worker's queue thread, which only prints it, so the sample never arrives and the reader waits until
     its watchdog's time-out, which cannot name the cause. Cluster schedulers often set a long per-job
-    ``TMPDIR``. ``workers``: Energon workers read (their socket is checked); ``prefetch``: the producer runs.
+    ``TMPDIR``. ``workers``: read workers read (their socket is checked); ``prefetch``: the producer runs.
     """
     checks = []
     if workers:
         checks.append((tempfile.gettempdir() if temp_dir is None else temp_dir, _MP_SOCKET,
-                       "Energon worker processes pass tensors through unix sockets under it",
+                       "read worker processes pass tensors through unix sockets under it",
                        "num_workers: 0 and prefetch: 0" if prefetch else "num_workers: 0"))
     if prefetch:
         checks.append((_torch_temp_dir() if temp_dir is None else temp_dir, _TORCH_SHM_SOCKET,

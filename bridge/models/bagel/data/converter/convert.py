@@ -1,4 +1,4 @@
-"""Converter from the official BAGEL raw formats to Energon crude WebDatasets (layout: see ``layout.py``).
+"""Converter from the official BAGEL raw formats to Energon crude WebDatasets (layout: see ``energon/layout/contract.py``).
 
 Every row the official reader can read becomes exactly one sample, keyed ``%08d`` by its index, with the
 original image bytes and a ``meta.json`` holding the official coordinate; the manifest maps coordinates to

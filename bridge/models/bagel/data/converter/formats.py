@@ -145,7 +145,7 @@ def record_problem(meta: Mapping[str, Any]) -> str | None:
     """Why a converted record can never become a training sample (the cooker will tombstone it), or None.
 
     Only structural faults visible without decoding: a t2i row without image, or whose ``captions`` are not a
-    JSON object of strings (the reader's ``bad_captions_json``, ``energon.cook_t2i``); a VLM line that is not a
+    JSON object of strings (the reader's ``bad_captions_json``, ``energon.cooking.t2i``); a VLM line that is not a
     JSON object or has no ``conversations`` list (the official ``SftJSONLIterableDataset`` schema:
     ``{"image": ..., "conversations": [{"from": "human"|"gpt", "value": str}, ...]}``).
     """

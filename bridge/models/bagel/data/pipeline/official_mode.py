@@ -8,7 +8,7 @@ buffer, and its own process-global RNG streams (seeded ``base_seed + w`` / ``_ge
 with ``base_seed`` the first int64 of ``torch.manual_seed(rank seed)``). The DataLoader delivers batches
 in order, so batch k comes from worker ``k % W``.
 
-:class:`OfficialWorkers` holds one ``BagelRNGIterator(BagelPacker([OfficialOrderReader per group]),
+:class:`OfficialWorkers` holds one ``BagelRNGIterator(BagelPacker([GroupReader with an OfficialPlan per group]),
 rank_seed, worker_id=w)`` chain per emulated worker and takes batches round-robin. Its state is the
 round-robin position plus each chain's own state (RNG streams, packer buffer keys, reader cursors).
 """

@@ -59,8 +59,7 @@ def describe_frame(frame: Any) -> dict[str, Any]:
                 out["shard"] = str(obj.tar_filepaths[tid])
                 out["dataset"] = str(getattr(obj, "base_path", "") or "") or None
         if out["group"] is None and obj is not None:
-            group = getattr(obj, "group_name", None) if type(obj).__name__ == "BagelGroupReader" else \
-                getattr(obj, "group", None) if type(obj).__name__ == "OfficialOrderReader" else None
+            group = getattr(obj, "group", None) if type(obj).__name__ == "GroupReader" else None
             if isinstance(group, str):
                 out["group"] = group
         f = f.f_back

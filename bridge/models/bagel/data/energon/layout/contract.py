@@ -14,7 +14,7 @@ format: :func:`load_manifest` returns it, :func:`write_manifest` takes it.
 
 Format 3 (``MANIFEST_FORMAT``, written by :func:`write_manifest`): ``manifest.json`` is a small header (the
 dict's scalar keys, ``num_files``, ``num_shards``) and the per-file / per-shard tables are numpy columns in the
-sidecar (layout: :mod:`.manifest_columns`). :func:`load_manifest_index` gives a reader what it needs (group,
+sidecar (layout: :mod:`.columns`). :func:`load_manifest_index` gives a reader what it needs (group,
 sample / line counts, per-file ``first_sample`` / ``num_samples`` as int64 arrays) from the header and two
 columns: O(1) Python objects, no O(files) parse. Format 2 (the whole dict as JSON) is still read, at O(files).
 Format 1 (one ``samples`` coordinate per row) is still read: :func:`load_manifest` upgrades it in memory
@@ -365,7 +365,7 @@ def encode_manifest(man: dict[str, Any], ds_root: str | os.PathLike = "") -> tup
     """``(manifest.json bytes, manifest.columns.npy bytes)`` of a format-2-shaped manifest, as format
     ``MANIFEST_FORMAT``: the same dict always gives the same bytes. Raises ManifestError (naming ``ds_root``) when
     ``man`` does not pass :func:`check_manifest`, ValueError when it cannot be stored
-    (:func:`.manifest_columns.split_manifest`)."""
+    (:func:`.columns.split_manifest`)."""
     check_manifest(man, os.path.join(os.fspath(ds_root), MANIFEST_NAME))
     header, columns = split_manifest(man, MANIFEST_FORMAT)
     return dumps_canonical(header) + b"\n", columns

@@ -52,9 +52,9 @@ class SampleEstimate:
 
 
 class _Unusable(Exception):
-    """The cooker turns this sample into a tombstone (``reason`` as in ``cook_common.DROP_REASONS``).
+    """The cooker turns this sample into a tombstone (``reason`` as in ``energon.cooking.common.DROP_REASONS``).
 
-    Not ``cook_common.DropSample``: that module imports Megatron-Energon, which t2i / edit estimates need not.
+    Not ``energon.cooking.common.DropSample``: that module imports Megatron-Energon, which t2i / edit estimates need not.
     """
 
     def __init__(self, reason: str) -> None:
@@ -297,7 +297,7 @@ class GroupStats:
 
     def over(self, limit: int) -> tuple[int, int]:
         """(always dropped, dropped for some random choices) sample counts under ``max_num_tokens_per_sample =
-        limit`` tokens (:func:`..packing.lengths.is_overlength`)."""
+        limit`` tokens (:func:`..config.lengths.is_overlength`)."""
         m = self.group.is_mandatory
         always = sum(is_overlength(e.lo, limit, m) for e in self.estimates)
         some = sum(is_overlength(e.hi, limit, m) and not is_overlength(e.lo, limit, m) for e in self.estimates)
