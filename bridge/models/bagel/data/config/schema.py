@@ -279,7 +279,7 @@ class BagelDataConfig:
                                         # or "official" (the official loader's stream, the parity order)
     partitions: int = DEFAULT_PARTITIONS  # elastic order: canonical partitions per group, fixed for the life of a run
                                         # (a group uses min(partitions, its selected samples); any DP size works)
-    num_workers: int = 0                # read workers per rank ("elastic") / emulated DataLoader workers ("official", >= 1)
+    num_workers: int = 0                # read workers per rank; "official": emulated DataLoader workers (>= 1)
     prefetch: int = 0                   # packed batches produced ahead in a background process (0 = synchronous)
     prefetch_start: str = "fork"        # how that process starts: "fork" (fast start, torch single-threaded) or
                                         # "forkserver" (clean process, rebuilds the pipeline, torch uses threads)
