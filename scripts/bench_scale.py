@@ -116,6 +116,7 @@ def make_scaled(base: str, out: str, rows: int) -> str:
     files = [{"file": f"t2i/part-{fi:06d}.parquet", "file_index": fi, "num_rows": ROWS_PER_FILE, "row_groups": rg,
               "first_sample": fi * ROWS_PER_FILE, "num_samples": ROWS_PER_FILE} for fi in range(n_shards)]
     man = dict(man0, files=files, shards=shards, num_samples=rows, skipped=[], dataset_name=os.path.basename(out))
+    man.pop("checksums", None)  # base's per-sample checksums describe base's samples only
     write_manifest(out, man)
     return out
 
