@@ -83,13 +83,13 @@ def _prepare_demo_data(cfg) -> None:
     dist.barrier()
 
 
-def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_step: str) -> None:
+def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_step: str, data=None) -> None:
     """Thin GPU path: the user's recipe + our provider into Megatron-Bridge's own ``pretrain()``."""
     from megatron.bridge.training.pretrain import pretrain
 
     from bridge.models.bagel.data.job.runner import build_iterator
 
-    _, loader = build_iterator(cfg, pg_collection, tokenizer)
+    _, loader = build_iterator(cfg, pg_collection, tokenizer, data)
     from bridge.models.bagel.data.external import BagelMegatronMIMODatasetProvider
 
     container = _load_symbol(recipe)()
@@ -128,20 +128,24 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=SyntaxWarning)
     try:
-        from bridge.models.bagel.data.job.config import load_job_config
+        from bridge.models.bagel.data.job.config import load_job_config, validate_job
         from bridge.models.bagel.data.job.runner import run_job
         from bridge.models.bagel.data.tokenizer import load_tokenizer
 
         overrides = list(args.overrides) + ([f"train.digest_log={args.digest_log}"] if args.digest_log else [])
         cfg = load_job_config(args.config, overrides)
+        # The one validation pass, every problem at once, before any process group exists (demo data: after
+        # rank 0 generated it).
+        data = None if cfg.demo_data else validate_job(cfg)
         pg_collection = _init_distributed(cfg.train)
         if cfg.demo_data:
             _prepare_demo_data(cfg)
+            data = validate_job(cfg)
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         if args.recipe:
-            _run_bridge_pretrain(cfg, pg_collection, tokenizer, args.recipe, args.forward_step or "")
+            _run_bridge_pretrain(cfg, pg_collection, tokenizer, args.recipe, args.forward_step or "", data)
             return 0
-        summary = run_job(cfg, pg_collection, tokenizer)
+        summary = run_job(cfg, pg_collection, tokenizer, data)
         if rank == 0:
             logger.info("summary: %s", json.dumps(summary, default=str))
         return 0

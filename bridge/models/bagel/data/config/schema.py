@@ -24,12 +24,14 @@ from .grouped_yaml import (
     is_number,
     read_mapping,
     load_grouped_yaml,
+    resolve_path,
 )
 
 __all__ = [
     "GROUP_KEYS",
     "KNOWN_GROUPS",
     "OFFICIAL_NON_PACKER_KEYS",
+    "DATA_PATH_KEYS",
     "DEFAULT_PARTITIONS",
     "ORDERS",
     "PREFETCH_STARTS",
@@ -65,6 +67,8 @@ DEFAULT_PARTITIONS = 8192
 #: when reading an official config.
 OFFICIAL_NON_PACKER_KEYS: tuple[str, ...] = ("grouped_datasets", "data_status", "local_rank", "num_workers",
                                              "world_size")
+#: ``BagelDataConfig`` keys that hold file paths: in a config file, relative to that file's directory.
+DATA_PATH_KEYS: tuple[str, ...] = ("groups", "dataset_info")
 #: Registry fields each group's readers need besides ``data_dir``.
 _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_path",)}
 
@@ -206,12 +210,17 @@ def _parse_info_entry(group: str, name: str, raw: Any, src: str) -> DatasetInfoE
     return DatasetInfoEntry(**raw)
 
 
-def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>"
-                      ) -> dict[str, dict[str, DatasetInfoEntry]]:
+def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>",
+                      base_dir: str | os.PathLike | None = None) -> dict[str, dict[str, DatasetInfoEntry]]:
     """Parse the registry ``{group: {name: {data_dir, ...}}}`` from YAML/JSON or a mapping (not mutated).
 
-    Paths are kept as written (the official code resolves them against the working directory).
+    A relative ``energon_path`` (ours) is resolved against ``base_dir``, by default the registry file's
+    directory (a mapping: kept as written, i.e. relative to the working directory). The official raw paths
+    (``data_dir``, ``jsonl_path``, ``parquet_info_path``) are kept as written: the official code, and
+    ``bagel-data convert config --source-root``, resolve them.
     """
+    if base_dir is None and not isinstance(path_or_dict, Mapping):
+        base_dir = os.path.dirname(os.path.abspath(path_or_dict))
     data, src = read_mapping(path_or_dict, source)
     out: dict[str, dict[str, DatasetInfoEntry]] = {}
     problems: list[str] = []
@@ -225,7 +234,9 @@ def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str 
         out[group] = {}
         for name, raw in entries.items():
             try:
-                out[group][str(name)] = _parse_info_entry(group, str(name), raw, src)
+                entry = _parse_info_entry(group, str(name), raw, src)
+                entry.energon_path = resolve_path(entry.energon_path, base_dir)
+                out[group][str(name)] = entry
             except ConfigError as exc:
                 problems.extend(exc.problems)
     if problems:
@@ -335,45 +346,83 @@ class BagelDataConfig:
         return _to_config([cfg], source)
 
 
-def structured_merge(schema: type, parts: Sequence[Any], source: str) -> Any:
-    """Merge OmegaConf-compatible ``parts`` onto the dataclass ``schema``; errors name the source and key."""
+def structured_merge(schema: type, parts: Sequence[Any], source: str | Sequence[str]) -> Any:
+    """Merge OmegaConf-compatible ``parts`` onto the dataclass ``schema``; errors name the part and key.
+
+    ``source``: one name for all parts, or one name per part (a file path, ``override 'k=v'``): a key the
+    schema refuses is reported with the name of the part that holds it, not with every part's name.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+    names = [source] * len(parts) if isinstance(source, str) else list(source)
+    base = OmegaConf.structured(schema)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), *parts)
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(base, *parts))
     except MissingMandatoryValue as exc:
-        raise ConfigError(f"{source}: required key {exc.full_key!r} is not set") from exc
+        where = " + ".join(dict.fromkeys(n for n in names if not n.startswith("override "))) or "the config"
+        raise ConfigError(f"required key {exc.full_key!r} is not set (in {where} or a key=value override)") from exc
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         msg = getattr(exc, "msg", None) or str(exc)
-        raise ConfigError(f"{source}: key {key!r}: {msg.splitlines()[0]}") from exc
+        culprit = names[-1] if names else "<defaults>"
+        merged = base
+        for name, part in zip(names, parts):  # the first part the schema refuses is the one to name
+            try:
+                merged = OmegaConf.merge(merged, part)
+            except OmegaConfBaseException:
+                culprit = name
+                break
+        raise ConfigError(f"{culprit}: key {key!r}: {msg.splitlines()[0]}") from exc
 
 
-def _to_config(parts: list[Any], source: str) -> BagelDataConfig:
+def config_parts(path: str | os.PathLike | None, overrides: Sequence[str], path_keys: Sequence[str],
+                 read: Any = None) -> tuple[list[Any], list[str]]:
+    """The OmegaConf parts of a config file plus ``key=value`` overrides, and one name per part.
+
+    ``path_keys`` (dotted) are resolved against the file's directory when relative (``resolve_path``);
+    overrides are kept as typed (relative to the working directory). Each override is its own part, so an
+    error names the one override at fault. ``read(path) -> dict`` reads the file (default ``read_mapping``).
+    """
+    from omegaconf import OmegaConf
+
+    parts: list[Any] = []
+    names: list[str] = []
+    if path is not None:
+        data = read(path) if read is not None else read_mapping(path, str(path))[0]
+        base = os.path.dirname(os.path.abspath(path))
+        for dotted in path_keys:
+            *outer, last = dotted.split(".")
+            node = data
+            for k in outer:
+                node = node.get(k) if isinstance(node, dict) else None
+            if isinstance(node, dict) and last in node:
+                node[last] = resolve_path(node[last], base)
+        parts.append(OmegaConf.create(data))
+        names.append(str(path))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides: expected key=value, got {bad}")
+    for o in overrides:
+        parts.append(OmegaConf.from_dotlist([o]))
+        names.append(f"override {o!r}")
+    return parts, names
+
+
+def _to_config(parts: list[Any], source: str | Sequence[str]) -> BagelDataConfig:
     obj = structured_merge(BagelDataConfig, parts, source)
     assert isinstance(obj, BagelDataConfig)
     problems = obj.problems()
     if problems:
-        raise ConfigError.of([f"{source}: {p}" for p in problems], header=f"{source}: {len(problems)} invalid keys")
+        raise ConfigError.of(problems, header=f"{len(problems)} invalid data config keys")
     return obj
 
 
 def load_config(yaml_path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> BagelDataConfig:
-    """Load a ``BagelDataConfig`` from a YAML file merged with ``key=value`` dotlist overrides."""
-    from omegaconf import OmegaConf
+    """Load a ``BagelDataConfig`` from a YAML file merged with ``key=value`` dotlist overrides.
 
-    parts: list[Any] = []
-    sources = []
-    if yaml_path is not None:
-        data, src = read_mapping(yaml_path, str(yaml_path))
-        parts.append(OmegaConf.create(data))
-        sources.append(src)
-    if overrides:
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"overrides: expected key=value, got {bad}")
-        parts.append(OmegaConf.from_dotlist(list(overrides)))
-        sources.append(f"overrides {list(overrides)}")
-    return _to_config(parts, " + ".join(sources) or "<defaults>")
+    Relative ``groups`` / ``dataset_info`` paths in the file are relative to the file's directory; in an
+    override, to the working directory. Raises ``ConfigError`` naming the file or override and the key.
+    """
+    parts, names = config_parts(yaml_path, overrides, DATA_PATH_KEYS)
+    return _to_config(parts, names or "<defaults>")

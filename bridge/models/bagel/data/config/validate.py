@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -118,6 +118,10 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
         if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
             problems.add(f"{config.dataset_info}: {g.name}.{name}: no 'energon_path'; convert it first "
                          "(bagel-data convert) and register the converted directory")
+        elif not os.path.isdir(entry.energon_path):
+            problems.add(f"{config.dataset_info}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
+                         "fix energon_path (relative paths are relative to the registry file) or convert the "
+                         "dataset there (bagel-data convert)")
     if not g.image_transform_args:
         problems.add(f"{config.groups}: group {g.name!r}: key 'image_transform_args' is required")
     if config.order == "official" and g.num_used_data is None:
@@ -172,16 +176,21 @@ def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, pr
     return None
 
 
-def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True) -> ValidatedData:
+def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True,
+                  prior_problems: Sequence[str] = ()) -> ValidatedData:
     """Validate ``config`` and every file it names once; raise one ``ConfigError`` listing every problem.
 
     ``budgets``: ``"error"`` (budget errors are problems; warnings are logged once per process) or
     ``"report"`` (budget issues are returned in ``warnings`` only, none raised or logged). ``readers=False``
-    skips step 4 (for tools that read metadata only). Returns ``ValidatedData``.
+    skips step 4 (for tools that read metadata only). ``prior_problems``: what the caller found in its own
+    keys (the job's ``train.*``: ``job.config.validate_job``), reported first in the same error. Returns
+    ``ValidatedData``.
     """
     if budgets not in ("error", "report"):
         raise ValueError(f"validate_data: budgets must be 'error' or 'report', got {budgets!r}")
     problems = _Problems()
+    for message in prior_problems:
+        problems.add(message)
     with problems.check():
         config.validate()
     groups: list[GroupConfig] | None = None

@@ -1,0 +1,123 @@
+"""Paths in a config file resolve against that file's directory, and one validation pass reports every problem.
+
+The job, ``bagel-data inspect`` and ``bagel-data stats`` load the job config the same way (``load_job_config``)
+and go through the same validation pass (``job.config.validate_job`` → ``config.validate_data``), so they see the
+same files and say the same thing about them, from any working directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bridge.models.bagel.data.config import ConfigError, load_config
+from bridge.models.bagel.data.job.config import load_job_config, validate_job
+from bridge.models.bagel.data.tools import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _project(demo_setup, root: Path, *, groups_edit=None, info_edit=None) -> Path:
+    """``root/project/{configs/job.yaml, data/groups.yaml, data/dataset_info.yaml}``, every path relative:
+    the job YAML names ``../data/...``, the registry's ``energon_path`` entries are relative to ``data/``."""
+    out, _ = demo_setup
+    data_dir, cfg_dir = root / "project" / "data", root / "project" / "configs"
+    data_dir.mkdir(parents=True)
+    cfg_dir.mkdir(parents=True)
+    info = yaml.safe_load((out / "dataset_info.yaml").read_text())
+    for entries in info.values():
+        for entry in entries.values():
+            entry["energon_path"] = os.path.relpath(entry["energon_path"], data_dir)
+    groups = yaml.safe_load((out / "groups.yaml").read_text())
+    if groups_edit:
+        groups_edit(groups)
+    if info_edit:
+        info_edit(info)
+    (data_dir / "groups.yaml").write_text(yaml.safe_dump(groups, sort_keys=False))
+    (data_dir / "dataset_info.yaml").write_text(yaml.safe_dump(info, sort_keys=False))
+    job = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    job["demo_data"] = None
+    job["data"].update(groups="../data/groups.yaml", dataset_info="../data/dataset_info.yaml", prefetch=0)
+    (cfg_dir / "job.yaml").write_text(yaml.safe_dump(job, sort_keys=False))
+    return cfg_dir / "job.yaml"
+
+
+def test_relative_paths_resolve_against_the_config_file(demo_setup, tmp_path, monkeypatch):
+    job_yaml = _project(demo_setup, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfg = load_job_config("../project/configs/job.yaml")
+    assert cfg.data.groups == str(tmp_path / "project" / "data" / "groups.yaml")
+    assert cfg.data.dataset_info == str(tmp_path / "project" / "data" / "dataset_info.yaml")
+    data = validate_job(cfg)  # the registry's relative energon_path entries: relative to data/
+    out, _ = demo_setup
+    for group in data.groups:
+        for entry in group.datasets:
+            assert os.path.isabs(entry.energon_path) and os.path.isdir(entry.energon_path), entry.energon_path
+            assert os.path.samefile(entry.energon_path, out / "energon" / group.group.name / Path(entry.energon_path).name)
+    # an override is typed in a shell: relative to the working directory
+    cfg = load_job_config(job_yaml, ["data.groups=../project/data/groups.yaml"])
+    assert cfg.data.groups == "../project/data/groups.yaml"
+    assert validate_job(cfg).group_configs
+    # the data-only loader of the Python API follows the same rule
+    data_yaml = tmp_path / "project" / "configs" / "data.yaml"
+    data_yaml.write_text(yaml.safe_dump({"groups": "../data/groups.yaml", "dataset_info": "../data/dataset_info.yaml"}))
+    assert load_config("../project/configs/data.yaml").groups == cfg.data.groups.replace(
+        "../project", str(tmp_path / "project"))
+    # the CLI builds the job's real loader from there and packs a batch
+    assert cli.main(["inspect", "--config", "../project/configs/job.yaml", "--batches", "1", "--out", "pics",
+                     "--no-progress"]) == 0
+    assert (elsewhere / "pics" / "batch_0000.png").is_file()
+
+
+def _typo_and_bad_num_used(groups: dict) -> None:
+    t2i = groups["t2i_pretrain"]
+    t2i["image_transform_args"]["max_image_sise"] = t2i["image_transform_args"].pop("max_image_size")
+    t2i["num_used_data"] = [1, 2]  # one dataset name, two counts
+    groups["vlm_sft"]["num_used_dat"] = [3]  # a mistyped key in another group
+
+
+def test_every_problem_in_one_config_error(demo_setup, tmp_path):
+    job_yaml = _project(demo_setup, tmp_path, groups_edit=_typo_and_bad_num_used)
+    cfg = load_job_config(job_yaml, ["train.train_iters=0", "data.packer.max_num_tokens=-1"])
+    with pytest.raises(ConfigError) as info:
+        validate_job(cfg)
+    problems = info.value.problems
+    text = str(info.value)
+    for needle in ("train.train_iters: must be a positive integer", "packer.max_num_tokens: must be a positive",
+                   "unknown ImageTransform argument(s) ['max_image_sise']",
+                   "key 'num_used_data' has 2 entries but 'dataset_names' has 1", "key 'num_used_dat' is not"):
+        assert sum(needle in p for p in problems) == 1, (needle, problems)
+        assert needle in text
+    assert len(text.splitlines()[0]) <= 300 and "5 problem(s)" in text.splitlines()[0], text
+
+
+def _misspelt_energon_path(info: dict) -> None:
+    entry = next(iter(info["vlm_sft"].values()))
+    entry["energon_path"] += "_typo"
+
+
+@pytest.mark.slow
+def test_mistyped_energon_path_same_message_in_job_and_stats(demo_setup, tmp_path, caplog):
+    job_yaml = _project(demo_setup, tmp_path, info_edit=_misspelt_energon_path)
+    with pytest.raises(ConfigError) as info:
+        validate_job(load_job_config(job_yaml))
+    (message,) = info.value.problems
+    assert "energon_path" in message and "_typo does not exist" in message and "dataset_info.yaml" in message
+    with caplog.at_level(logging.ERROR):
+        assert cli.main(["stats", "--config", str(job_yaml), "--histogram", "", "--no-progress"]) == 2
+    assert message in caplog.text
+    # the job itself (a world of one, no torchrun): the same message on its error line
+    env = {**os.environ, "MASTER_PORT": "29617"}
+    env.pop("RANK", None)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "pretrain_bagel.py"), "--config", str(job_yaml)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert f"error [rank 0]: ConfigError: {message}" in proc.stderr, proc.stderr[-2000:]
