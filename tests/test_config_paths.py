@@ -121,3 +121,35 @@ def test_mistyped_energon_path_same_message_in_job_and_stats(demo_setup, tmp_pat
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert f"error [rank 0]: ConfigError: {message}" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_loader_from_mappings_equals_loader_from_files(demo_setup):
+    """A training script's own config: the groups and the registry as mappings, no file written."""
+    from bridge.models.bagel.data.build import build_bagel_train_loader
+    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig, validate_data
+    from bridge.models.bagel.data.packing import batch_digest
+
+    out, tokenizer = demo_setup
+    demo = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["data"]
+    packer = PackerConfig(**demo["packer"])
+    groups = yaml.safe_load((out / "groups.yaml").read_text())
+    info = yaml.safe_load((out / "dataset_info.yaml").read_text())
+    from_files = BagelDataConfig(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info.yaml"),
+                                 packer=packer)
+    from_maps = BagelDataConfig(groups=groups, dataset_info=info, packer=packer)
+    via_omegaconf = BagelDataConfig.from_omegaconf({"groups": groups, "dataset_info": info, "packer": demo["packer"]})
+    assert via_omegaconf.groups == groups and via_omegaconf.dataset_info == info
+    digests = []
+    for cfg in (from_files, from_maps, via_omegaconf):
+        loader = build_bagel_train_loader(cfg, tokenizer, (0, 1))
+        try:
+            digests.append([batch_digest(next(loader)) for _ in range(2)])
+        finally:
+            loader.close()
+    assert digests[0] == digests[1] == digests[2]
+    # a mapping's problems are named as such
+    bad = {**groups, "t2i_pretrain": {**groups["t2i_pretrain"], "weight": -1}}
+    with pytest.raises(ConfigError, match=r"^data\.groups \(mapping\): group 't2i_pretrain': key 'weight'"):
+        validate_data(BagelDataConfig(groups=bad, dataset_info=info, packer=packer))
+    with pytest.raises(ConfigError, match=r"groups: must be a path to a YAML/JSON file or a mapping, got int"):
+        validate_data(BagelDataConfig(groups=3, dataset_info=info, packer=packer))

@@ -73,7 +73,7 @@ def _group_datasets(group: ResolvedGroup, config: BagelDataConfig) -> GroupDatas
     except ManifestError:  # names the manifest and the remedy itself: the groups YAML is not at fault
         raise
     except ValueError as exc:
-        raise ConfigError(f"{config.groups}: group {group.group.name!r}: {exc}") from exc
+        raise ConfigError(f"{config.groups_source}: group {group.group.name!r}: {exc}") from exc
 
 
 def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer: Any, config: BagelDataConfig,
@@ -88,7 +88,7 @@ def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer
     except ManifestError:
         raise
     except ValueError as exc:
-        raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
+        raise ConfigError(f"{config.groups_source}: group {g.name!r}: {exc}") from exc
 
 
 def _packer(groups: list[ResolvedGroup], special: dict[str, int], config: BagelDataConfig,

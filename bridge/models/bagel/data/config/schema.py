@@ -244,6 +244,15 @@ def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str 
     return out
 
 
+def resolve_registry_paths(registry: dict, base_dir: str | os.PathLike) -> dict:
+    """Resolve (in place) every relative ``energon_path`` of a registry mapping against ``base_dir``."""
+    for entries in registry.values():
+        for entry in (entries.values() if isinstance(entries, dict) else ()):
+            if isinstance(entry, dict) and "energon_path" in entry:
+                entry["energon_path"] = resolve_path(entry["energon_path"], base_dir)
+    return registry
+
+
 @dataclass
 class ResolvedGroup:
     """A group with its registry entries, in ``dataset_names`` order."""
@@ -278,10 +287,22 @@ def resolve_groups(groups: Sequence[GroupConfig], dataset_info: Mapping[str, Map
 
 @dataclass
 class BagelDataConfig:
-    """Everything the data pipeline needs: file paths, packer knobs, data seed, workers, tokenizer."""
+    """Everything the data pipeline needs: the groups and the registry, packer knobs, data seed, workers, tokenizer.
 
-    groups: str = "???"                 # grouped-datasets YAML (official example.yaml format)
-    dataset_info: str = "???"           # registry YAML/JSON {group: {name: DatasetInfoEntry}}
+    ``groups`` and ``dataset_info`` are each a path (``str`` / ``os.PathLike``) to a YAML/JSON file or the
+    mapping itself, so a training script can build the loader from its own config without writing files::
+
+        BagelDataConfig(groups={"t2i_pretrain": {"dataset_names": ["laion"], "weight": 1.0, ...}},
+                        dataset_info={"t2i_pretrain": {"laion": {"data_dir": "...", "energon_path": "..."}}})
+
+    A relative ``energon_path`` in a registry mapping is relative to the working directory (in a file: to the
+    file's directory).
+    """
+
+    # The grouped datasets (official example.yaml format) and the registry {group: {name: DatasetInfoEntry}}:
+    # each a path to a YAML/JSON file or the mapping itself (typed Any for OmegaConf, which has no str | dict).
+    groups: Any = "???"
+    dataset_info: Any = "???"
     packer: PackerConfig = field(default_factory=PackerConfig)
     seed: int = 42                      # data seed: packer RNG streams (rank seed) and, unless data_seed is set,
                                         # the unit / sample order
@@ -302,6 +323,11 @@ class BagelDataConfig:
     def problems(self) -> list[str]:
         """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""
         out = self.packer.problems("packer")
+        for key in ("groups", "dataset_info"):
+            value = getattr(self, key)
+            if not isinstance(value, (str, os.PathLike, Mapping)) or (isinstance(value, str) and not value):
+                out.append(f"{key}: must be a path to a YAML/JSON file or a mapping, got {type(value).__name__} "
+                           f"{value!r:.80}")
         if not is_int(self.seed) or self.seed < 0:
             out.append(f"seed: must be a non-negative integer, got {self.seed!r}")
         if not is_int(self.num_workers) or self.num_workers < 0:
@@ -334,6 +360,16 @@ class BagelDataConfig:
         if problems:
             raise ConfigError.of(problems, header=f"{len(problems)} invalid data config keys")
         self.packer.validate("packer")  # the warning for a risky combination
+
+    @property
+    def groups_source(self) -> str:
+        """How messages name ``groups``: its path, or ``data.groups (mapping)``."""
+        return "data.groups (mapping)" if isinstance(self.groups, Mapping) else str(self.groups)
+
+    @property
+    def dataset_info_source(self) -> str:
+        """How messages name ``dataset_info``: its path, or ``data.dataset_info (mapping)``."""
+        return "data.dataset_info (mapping)" if isinstance(self.dataset_info, Mapping) else str(self.dataset_info)
 
     @property
     def effective_data_seed(self) -> int:
@@ -398,6 +434,8 @@ def config_parts(path: str | os.PathLike | None, overrides: Sequence[str], path_
                 node = node.get(k) if isinstance(node, dict) else None
             if isinstance(node, dict) and last in node:
                 node[last] = resolve_path(node[last], base)
+                if last == "dataset_info" and isinstance(node[last], dict):  # an inline registry
+                    resolve_registry_paths(node[last], base)
         parts.append(OmegaConf.create(data))
         names.append(str(path))
     bad = [o for o in overrides if "=" not in o]

@@ -104,4 +104,4 @@ def job_stats(config: str, overrides: Sequence[str] = (), *, tokenizer: Any = No
         from ...tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(data.tokenizer)
-    return collect_stats(groups, data.packer, tokenizer, source=str(data.groups), **kw)
+    return collect_stats(groups, data.packer, tokenizer, source=data.groups_source, **kw)
