@@ -164,4 +164,5 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
         upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild,
                                  timeout_s=config.timeout_s)
     return BagelExternalLoader(upstream, length=length, fingerprint=data.fingerprint(special, dp_rank, dp_size),
-                               topology_keys=ELASTIC_TOPOLOGY_KEYS if config.order == "elastic" else ())
+                               topology_keys=ELASTIC_TOPOLOGY_KEYS if config.order == "elastic" else (),
+                               fresh_stream=config.fresh_stream)

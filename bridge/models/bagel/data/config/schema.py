@@ -317,6 +317,9 @@ class BagelDataConfig:
                                         # "forkserver" (clean process, rebuilds the pipeline, torch uses threads)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
+    fresh_stream: bool = False          # with a checkpoint to resume (train.load / Bridge's checkpoint.load): do not
+                                        # restore the saved loader state, start the data stream fresh from data.seed
+                                        # while the model resumes (a deliberate data change; one log line says so)
     stall_warn_s: float = DEFAULT_STALL_WARN_S  # data watchdog: one warning line per rank after this long without a
     timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
 
@@ -348,6 +351,8 @@ class BagelDataConfig:
             out.append(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
         if self.prefetch_start not in PREFETCH_STARTS:
             out.append(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
+        if not isinstance(self.fresh_stream, bool):
+            out.append(f"fresh_stream: must be a bool (true/false), got {self.fresh_stream!r}")
         for key in ("stall_warn_s", "timeout_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -157,18 +157,22 @@ def resize_checkpoint(root: str, step: int, dp_size: int, open_loader: Callable[
 def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> None:
     """Restore this rank's loader from its DP replica's file at ``step`` through Bridge (every rank restores).
 
-    Refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then every
+    With ``data.fresh_stream`` (the loader's ``fresh_stream``) nothing is read: the stream starts fresh.
+    Otherwise refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then every
     old rank's file is read and resized for this rank (``BagelExternalLoader.resize_states``). Otherwise
     defers to Bridge's
     ``maybe_load_dataloader_state`` (file ``train_dataloader_dprank{dp:03d}.pt``, ``dp`` = rank in
     ``pg_collection.dp``). A truncated or corrupt state file is reported with its own path (Bridge's loader
     would only say ``BadZipFile: File is not a zip file``, and its log line names rank 0's file).
     """
+    loader = iterator.iterable
+    if getattr(loader, "fresh_stream", False):  # data.fresh_stream: the model resumes, the data stream starts fresh
+        loader.restore_state(None)  # nothing read or restored; the loader says so in one line
+        return
     api = _bridge_ckpt()
     state_dir = os.path.join(root, "energon")
     if not os.path.isdir(state_dir):
         raise ConfigError(f"train.load: {root} has no loader state directory ({state_dir})")
-    loader = iterator.iterable
     old_size = check_resume_dp(root, step, pg_collection.dp.size(), loader.order or "elastic")
     dp_rank = pg_collection.dp.rank()
     if old_size != pg_collection.dp.size():  # elastic order: every old rank's state, resized for this rank

@@ -107,7 +107,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             data = validate_job(cfg)  # the one validation pass of this job
         if train.load:
             start_step = read_step(train.load)
-            check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
+            if not cfg.data.fresh_stream:  # a fresh data stream reads no loader state
+                check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
         iterator, loader = build_iterator(cfg, pg_collection, tokenizer, data)
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
