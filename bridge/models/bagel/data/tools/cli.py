@@ -1,4 +1,6 @@
-"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, or generate the demo dataset."""
+"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, check budgets (``stats``), look at
+packed batches (``inspect``), rewrite loader state for another DP size (``resize-state``), check a run's
+exactly-once ledger (``ledger``), or generate the demo dataset."""
 
 from __future__ import annotations
 
@@ -170,6 +172,15 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("overrides", nargs="*", help="key=value job config overrides (as given to the run)")
     rs.add_argument("--step", type=int, help="the checkpoint step (default: latest_checkpointed_iteration.txt)")
 
+    ldg = _add(sub, "ledger", help="check that an elastic-order run read every sample exactly once (exit 0: yes, "
+                         "1: no, 2: bad input)")
+    ldg.add_argument("root", help="the checkpoint root of the run's last world (train.save: holds energon/iter_N/)")
+    ldg.add_argument("--digests", nargs="+", required=True, metavar="JSONL",
+                     help="every digest log of the run (train.digest_log / --digest-log of each launch, all "
+                          "restarts), in launch order")
+    ldg.add_argument("--step", type=int, help="the checkpoint step whose loader states end the run (default: "
+                     "latest_checkpointed_iteration.txt); digest rows after it are left out")
+
     demo = _add(sub, "demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out")
     demo.add_argument("--seed", type=int, default=0)
@@ -190,6 +201,27 @@ def _stats(args: argparse.Namespace) -> int:
         return 2
     print(report.format())
     return 3 if report.impossible else 0
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    """``bagel-data ledger``: ``ledger.check_exactly_once`` over a run's digest logs and its last checkpoint's loader
+    states; exit 0 when exactly once holds, 1 when it does not (problems printed), 2 for unusable input."""
+    from ..config import ConfigError
+    from ..job.checkpoint import read_loader_states, read_step
+    from .ledger import check_exactly_once, format_report, read_digest_reads
+
+    try:
+        step = args.step if args.step is not None else read_step(args.root)
+        states = read_loader_states(args.root, step)
+        if not states:
+            raise ConfigError(f"{args.root}: no loader state files at step {step}")
+        report = check_exactly_once(read_digest_reads(args.digests, up_to_step=step), states)
+    except (ConfigError, ValueError, OSError) as e:
+        logger.error("%s", e)
+        return 2
+    print(f"{args.root} step {step}: {len(states)} DP ranks, {len(args.digests)} digest logs")
+    print(format_report(report))
+    return 0 if report.ok else 1
 
 
 def _resize_state(args: argparse.Namespace) -> int:
@@ -267,6 +299,8 @@ def _command(args: argparse.Namespace) -> int:
         return _stats(args)
     if args.cmd == "resize-state":
         return _resize_state(args)
+    if args.cmd == "ledger":
+        return _ledger(args)
     try:
         if args.cmd == "demo-data":
             from ..converter.demo import make_demo_data
