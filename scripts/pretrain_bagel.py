@@ -152,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one clear line per failing rank; --debug for the traceback
         if args.debug:
             raise
-        message = " ".join(str(exc).split())  # one line, however the exception formats itself
-        # One write per line: ranks share torchrun's stderr pipe, and print() writes the newline separately.
-        sys.stderr.write(f"error [rank {rank}]: {getattr(exc, 'kind', type(exc).__name__)}: {message}\n")
+        from bridge.models.bagel.data.errors import error_lines
+
+        # A first line of at most 300 characters, the detail on the following lines; one write for all of them:
+        # ranks share torchrun's stderr pipe, and print() writes the newline separately.
+        lines = error_lines(rank, getattr(exc, "kind", type(exc).__name__), str(exc))
+        sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
         _exit_together_if_all_ranks_failed(exc)
         return 1

@@ -100,11 +100,28 @@ def rank_state_file(state_dir: str, step: int, dp_rank: int) -> str:
     return os.path.join(iter_dir, f"train_dataloader_dprank{dp_rank:03d}.pt")
 
 
-def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
+#: Advice in Bridge's restricted-unpickler refusal that is wrong for a loader state file: a type outside the
+#: allowlist in such a file means the file is not ours (or was tampered with), never that the type should be allowed.
+_BRIDGE_ADVICE = ("Please file a bug", "please file a bug", "so it can be added")
+
+
+def _refusal_detail(exc: BaseException | str) -> str:
     detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    error = ConfigError(f"train.load: the loader state file {path} of DP rank {dp_rank} cannot be read: "
-                        f"truncated, corrupt or refused by Bridge's restricted loader ({detail}); resume from an "
-                        "earlier checkpoint or restore the file")
+    detail = " ".join(detail.split())
+    for advice in _BRIDGE_ADVICE:
+        at = detail.find(advice)
+        if at >= 0:
+            detail = detail[:at].rstrip(" .;,")
+    return detail
+
+
+def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
+    detail = _refusal_detail(exc)
+    error = ConfigError(f"train.load: the loader state file of DP rank {dp_rank} cannot be read: truncated, corrupt "
+                        f"or refused by Bridge's restricted loader; resume from an earlier checkpoint or restore the "
+                        f"file\nfile: {path}\ncause: {detail}\nA state file written by this package holds only "
+                        "types Bridge's restricted loader accepts: any other type means the file is not a loader state "
+                        "of this package (or was altered); do not add the type to the allowlist")
     error.brief = f"its loader state file {os.path.basename(path)} cannot be read"  # the other ranks' line
     return error
 
