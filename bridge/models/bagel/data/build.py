@@ -124,7 +124,10 @@ def _upstream(config: BagelDataConfig, groups: list[ResolvedGroup], tokenizer: A
                 c.close()
             raise
         return OfficialWorkers(chains)
-    pool = ReadPool(config.num_workers) if config.num_workers > 0 else None
+    pool = None
+    if config.num_workers > 0:
+        shm.register_workers()  # the read workers' shared memory is reclaimed by the next start if the job is killed
+        pool = ReadPool(config.num_workers)
     packer = _packer(groups, special, config, lambda i, g: _reader("elastic", g, datasets[i], tokenizer, config,
                                                                   dp_rank, dp_size, pool=pool))
     return BagelRNGIterator(packer, elastic_rank_seed(config.seed, dp_rank))
@@ -149,7 +152,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     """
     data = config if isinstance(config, ValidatedData) else validate_data(config)
     config, groups = data.config, data.groups
-    shm.reclaim_stale()  # shared memory of killed prefetch jobs on this machine, prefetch on or off
+    shm.reclaim_stale()  # shared memory of killed jobs (read workers, prefetch) on this machine, whatever this one runs
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
