@@ -111,7 +111,9 @@ def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_ste
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"),
+                    help="job YAML: data.* + train.* (relative paths in it are relative to the file; default: "
+                         "%(default)s)")
     ap.add_argument("--digest-log", help="append one sha256 per batch per rank to this JSONL file")
     ap.add_argument("--recipe", help="GPU: MODULE:FUNCTION returning a Megatron-Bridge ConfigContainer")
     ap.add_argument("--forward-step", help="GPU: MODULE:NAME of the forward step for Bridge's pretrain()")
@@ -123,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     for noisy in ("megatron", "torch", "bridge.models.bagel.data._bridge"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # torch's C++-extension helper warns "No CUDA runtime is found" on every CPU process at import: nothing the
+    # data job uses or the user can act on (a GPU machine has the runtime).
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)

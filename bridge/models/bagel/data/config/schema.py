@@ -76,6 +76,9 @@ _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_pat
 # --------------------------------------------------------------------------------------------------
 # Packer
 
+#: The risky packer budgets already warned about in this process (``PackerConfig.validate``).
+_WARNED: set[tuple[int, int, int]] = set()
+
 
 @dataclass
 class PackerConfig:
@@ -142,7 +145,9 @@ class PackerConfig:
         problems = self.problems(where)
         if problems:
             raise ConfigError.of(problems, header=f"{where}: {len(problems)} invalid packer knobs")
-        if self.prefer_buffer_before + self.max_num_tokens_per_sample > self.max_num_tokens:
+        risky = (self.prefer_buffer_before, self.max_num_tokens_per_sample, self.max_num_tokens)
+        if self.prefer_buffer_before + self.max_num_tokens_per_sample > self.max_num_tokens and risky not in _WARNED:
+            _WARNED.add(risky)  # once per process (every validation pass and stage would repeat it)
             logger.warning("%s: prefer_buffer_before + max_num_tokens_per_sample > max_num_tokens: a buffered "
                            "sample can overflow a pack and is then discarded by the official flush", where)
 

@@ -7,6 +7,9 @@ unpickler on load); the step goes to ``{root}/latest_checkpointed_iteration.txt`
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import pickle
 import re
@@ -23,7 +26,23 @@ from ..config import ConfigError
 __all__ = ["TRACKER", "check_resume_dp", "loader_state_files", "rank_state_file", "read_loader_states", "read_step",
            "resize_checkpoint", "restore_loader", "save_checkpoint"]
 
+logger = logging.getLogger(__name__)
+
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@contextlib.contextmanager
+def _bridge_prints() -> Any:
+    """Bridge's checkpoint helpers ``print`` their progress unprefixed ("saving dataloader checkpoint at iteration
+    …"); they go to this module's logger at DEBUG instead (the job logs its own INFO line)."""
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield
+    finally:
+        for line in buf.getvalue().splitlines():
+            if line.strip():
+                logger.debug("megatron-bridge: %s", line.strip())
 # What reading a damaged torch.save zip raises inside Bridge's loader (energon_torch_load parses the zip itself).
 _UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, pickle.UnpicklingError)
 
@@ -82,7 +101,9 @@ def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any) -> 
     step directory holds exactly one ``train_dataloader_dprankNNN.pt`` per DP replica.
     """
     api = _bridge_ckpt()
-    api.maybe_save_dataloader_state(None, iterator, step, os.path.join(root, "energon"), pg_collection=pg_collection)
+    with _bridge_prints():
+        api.maybe_save_dataloader_state(None, iterator, step, os.path.join(root, "energon"),
+                                        pg_collection=pg_collection)
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -205,6 +226,7 @@ def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> N
         if bad is not None:
             raise _unreadable(path, dp_rank, f"CRC mismatch in member {bad}")
     try:
-        api.maybe_load_dataloader_state(iterator, step, state_dir, pg_collection=pg_collection)
+        with _bridge_prints():
+            api.maybe_load_dataloader_state(iterator, step, state_dir, pg_collection=pg_collection)
     except _UNREADABLE as exc:
         raise _unreadable(path, dp_rank, exc) from exc

@@ -99,6 +99,10 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     num_micro = nmc.get_num_microbatches()
     vpp = train.virtual_pipeline_model_parallel_size
 
+    from megatron.core import rerun_state_machine as rsm
+
+    if rsm._GLOBAL_RERUN_STATE_MACHINE is None:  # what the implicit init makes (mode disabled), without its warning
+        rsm.initialize_rerun_state_machine()
     error: BaseException | None = None
     iterator = loader = None
     start_step = 0
