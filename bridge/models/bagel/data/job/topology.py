@@ -57,7 +57,8 @@ def agree(error: BaseException | None, what: str = "setup") -> None:
     if error is not None:
         message = "\n".join(" ".join(line.split()) for line in str(error).splitlines() if line.strip())
         kind = error.kind if isinstance(error, AgreedError) else type(error).__name__
-        brief = shorten(getattr(error, "brief", "") or message, 120)  # whole words only
+        # the error's own short form (DataError, a refused state file), else its first line cut at a whole word
+        brief = " ".join(str(getattr(error, "brief", "") or "").split()) or shorten(message, 120)
         mine = (kind, message, brief)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
