@@ -101,8 +101,14 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
 
     from megatron.core import rerun_state_machine as rsm
 
-    if rsm._GLOBAL_RERUN_STATE_MACHINE is None:  # what the implicit init makes (mode disabled), without its warning
-        rsm.initialize_rerun_state_machine()
+    if rsm._GLOBAL_RERUN_STATE_MACHINE is None:  # what the implicit init makes (mode disabled), without its warnings
+        rsm_log = logging.getLogger(rsm.__name__)
+        level = rsm_log.level
+        rsm_log.setLevel(logging.ERROR)  # "initialized in mode RerunMode.DISABLED": the CPU job's only mode
+        try:
+            rsm.initialize_rerun_state_machine()
+        finally:
+            rsm_log.setLevel(level)
     error: BaseException | None = None
     iterator = loader = None
     start_step = 0
