@@ -69,7 +69,7 @@ def _others(before: set[int]) -> list[str]:
     return left
 
 
-@pytest.mark.parametrize("workers,prefetch,order", [(0, 0, "energon")] + [
+@pytest.mark.parametrize("workers,prefetch,order", [(0, 0, "elastic")] + [
     pytest.param(w, p, o, marks=pytest.mark.slow) for w, p, o in ((2, 0, "energon"), (0, 2, "energon"),
                                                                   (2, 2, "energon"), (2, 0, "elastic"))])
 def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, prefetch, order):
