@@ -83,13 +83,13 @@ def _prepare_demo_data(cfg) -> None:
     dist.barrier()
 
 
-def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_step: str) -> None:
+def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_step: str, data=None) -> None:
     """Thin GPU path: the user's recipe + our provider into Megatron-Bridge's own ``pretrain()``."""
     from megatron.bridge.training.pretrain import pretrain
 
     from bridge.models.bagel.data.job.runner import build_iterator
 
-    _, loader = build_iterator(cfg, pg_collection, tokenizer)
+    _, loader = build_iterator(cfg, pg_collection, tokenizer, data)
     from bridge.models.bagel.data.external import BagelMegatronMIMODatasetProvider
 
     container = _load_symbol(recipe)()
@@ -111,7 +111,9 @@ def _run_bridge_pretrain(cfg, pg_collection, tokenizer, recipe: str, forward_ste
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"))
+    ap.add_argument("--config", default=str(REPO / "configs" / "demo.yaml"),
+                    help="job YAML: data.* + train.* (relative paths in it are relative to the file; default: "
+                         "%(default)s)")
     ap.add_argument("--digest-log", help="append one sha256 per batch per rank to this JSONL file")
     ap.add_argument("--recipe", help="GPU: MODULE:FUNCTION returning a Megatron-Bridge ConfigContainer")
     ap.add_argument("--forward-step", help="GPU: MODULE:NAME of the forward step for Bridge's pretrain()")
@@ -123,34 +125,44 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     for noisy in ("megatron", "torch", "bridge.models.bagel.data._bridge"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # torch's C++-extension helper warns "No CUDA runtime is found" on every CPU process at import: nothing the
+    # data job uses or the user can act on (a GPU machine has the runtime).
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=SyntaxWarning)
     try:
-        from bridge.models.bagel.data.job.config import load_job_config
+        from bridge.models.bagel.data.job.config import load_job_config, validate_job
         from bridge.models.bagel.data.job.runner import run_job
         from bridge.models.bagel.data.tokenizer import load_tokenizer
 
         overrides = list(args.overrides) + ([f"train.digest_log={args.digest_log}"] if args.digest_log else [])
         cfg = load_job_config(args.config, overrides)
+        # The one validation pass, every problem at once, before any process group exists (demo data: after
+        # rank 0 generated it).
+        data = None if cfg.demo_data else validate_job(cfg)
         pg_collection = _init_distributed(cfg.train)
         if cfg.demo_data:
             _prepare_demo_data(cfg)
+            data = validate_job(cfg)
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         if args.recipe:
-            _run_bridge_pretrain(cfg, pg_collection, tokenizer, args.recipe, args.forward_step or "")
+            _run_bridge_pretrain(cfg, pg_collection, tokenizer, args.recipe, args.forward_step or "", data)
             return 0
-        summary = run_job(cfg, pg_collection, tokenizer)
+        summary = run_job(cfg, pg_collection, tokenizer, data)
         if rank == 0:
             logger.info("summary: %s", json.dumps(summary, default=str))
         return 0
     except Exception as exc:  # one clear line per failing rank; --debug for the traceback
         if args.debug:
             raise
-        message = " ".join(str(exc).split())  # one line, however the exception formats itself
-        # One write per line: ranks share torchrun's stderr pipe, and print() writes the newline separately.
-        sys.stderr.write(f"error [rank {rank}]: {getattr(exc, 'kind', type(exc).__name__)}: {message}\n")
+        from bridge.models.bagel.data.errors import error_lines
+
+        # A first line of at most 300 characters, the detail on the following lines; one write for all of them:
+        # ranks share torchrun's stderr pipe, and print() writes the newline separately.
+        lines = error_lines(rank, getattr(exc, "kind", type(exc).__name__), str(exc))
+        sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
         _exit_together_if_all_ranks_failed(exc)
         return 1

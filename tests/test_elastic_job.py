@@ -141,3 +141,22 @@ def test_resize_state_cli_gives_bridge_pretrain_its_files(chain: Chain, demo_set
             assert_same(offline, online, f"rank {r} state")
     assert main(cli) == 0  # already DP 2: nothing written
 
+
+
+@pytest.mark.slow
+def test_ledger_cli_exit_code(chain: Chain, capsys) -> None:
+    """``bagel-data ledger CKPT --digests …`` on the job's own digest logs: exit 0 and the per-group table when
+    exactly once holds; 1 and the problem when a launch's log is left out (its reads are unaccounted for); 2 for a
+    file that is not a digest log."""
+    from bridge.models.bagel.data.tools.cli import main
+
+    logs = sorted(chain.root.glob("phase*.jsonl"), key=lambda p: int(p.stem[len("phase"):]))
+    assert main(["ledger", str(chain.last), "--digests", *map(str, logs)]) == 0
+    out = capsys.readouterr().out
+    assert "exactly once: yes" in out and "t2i_pretrain" in out, out
+    assert main(["ledger", str(chain.last), "--digests", *map(str, logs[1:])]) == 1
+    out = capsys.readouterr().out
+    assert "exactly once: NO" in out and "unaccounted" in out, out
+    not_a_log = chain.root / "not_a_log.jsonl"
+    not_a_log.write_text('{"hello": 1}\n')
+    assert main(["ledger", str(chain.last), "--digests", str(not_a_log)]) == 2

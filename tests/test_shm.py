@@ -205,3 +205,53 @@ def test_torch_names_file_system_segments_after_the_creating_pid() -> None:
     name, exists = os.fdopen(r).readline().split()
     os.waitpid(pid, 0)
     assert name.startswith(f"/torch_{pid}_") and exists == "1"
+
+
+# A job reading with 2 read processes and no prefetch producer: builds the demo loader, takes 2 batches (the
+# workers are forked at the first read), prints its pid and waits to be killed.
+_WORKERS_JOB = r"""
+import json, os, sys, time
+sys.path.insert(0, "tests")
+from _external_common import demo_config
+from bridge.models.bagel.data.build import build_bagel_train_loader
+from bridge.models.bagel.data.tokenizer import build_qwen2_tokenizer
+from pathlib import Path
+loader = build_bagel_train_loader(demo_config(Path(sys.argv[1]), 2, True, prefetch=0), build_qwen2_tokenizer(), (0, 1))
+held = [next(loader) for _ in range(2)]
+print(json.dumps({"trainer": os.getpid()}), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # another test's loader start would reclaim the killed job's debris first
+def test_a_killed_jobs_read_workers_leave_nothing_after_the_next_loader_start(demo_setup) -> None:
+    """SIGKILL a job with ``data.num_workers=2, prefetch=0`` (its read workers' ``torch_<pid>_*`` segments have
+    no producer to own them): its owner file records the workers, and the next loader start, without workers
+    or prefetch, reclaims everything of it."""
+    from _external_common import demo_config
+    from bridge.models.bagel.data.build import build_bagel_train_loader
+
+    out, tok = demo_setup
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen([sys.executable, "-c", _WORKERS_JOB, str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, f"job did not start (exit code {proc.poll()})"
+        info = json.loads(line)
+        pids = _descendants(proc.pid)
+        owners = _owner_files_of(info)
+        assert len(owners) == 1, owners
+        recorded = {int(x.split()[1]) for x in Path(owners[0]).read_text().splitlines() if x.startswith("pid ")}
+        workers = set(pids) - {proc.pid}
+        assert workers and workers <= recorded, (workers, recorded)  # every forked read worker is on record
+        _kill_like_a_preemption(proc)
+        left = [s for pid in pids for s in shm.segments_of(pid)]
+        loader = build_bagel_train_loader(demo_config(out, 0, True, prefetch=0), tok, (0, 1))
+        loader.close()
+        assert not [s for pid in pids for s in shm.segments_of(pid)], f"segments survived the next start ({left})"
+        assert not _owner_files_of(info)
+    finally:
+        if proc.poll() is None:
+            _kill_like_a_preemption(proc)

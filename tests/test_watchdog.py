@@ -18,6 +18,7 @@ import pytest
 
 from bridge.models.bagel.data.pipeline import shm
 from bridge.models.bagel.data.build import build_bagel_train_loader
+from bridge.models.bagel.data.errors import FIRST_LINE_LIMIT, error_lines
 from bridge.models.bagel.data.watchdog import DataTimeoutError, ReadWatch, batch_call
 from test_liveness import SMALL, T2I_ARGS, _config, _png, _t2i
 from test_shm import _descendants, _kill_like_a_preemption, _ours, _owner_files_of, _start_job
@@ -94,6 +95,8 @@ def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, 
         _release(shard)
     msg = str(err.value)
     assert "group 't2i_pretrain'" in msg and "dataset 't2i'" in msg and f"shard file {shard}" in msg, msg
+    first, *detail = error_lines(0, "DataTimeoutError", msg)  # the job's error line: <= 300, the remedy below
+    assert len(first) <= FIRST_LINE_LIMIT and detail and "check it" in " ".join(detail), (first, detail)
     assert ("in read worker" in msg) == (workers > 0), msg
     assert ("in prefetch producer" in msg) == (prefetch > 0 and workers == 0), msg
     assert TIMEOUT_S <= took < TIMEOUT_S + 8, took  # within the bound (plus the agents' report time)

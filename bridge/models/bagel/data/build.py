@@ -73,7 +73,7 @@ def _group_datasets(group: ResolvedGroup, config: BagelDataConfig) -> GroupDatas
     except ManifestError:  # names the manifest and the remedy itself: the groups YAML is not at fault
         raise
     except ValueError as exc:
-        raise ConfigError(f"{config.groups}: group {group.group.name!r}: {exc}") from exc
+        raise ConfigError(f"{config.groups_source}: group {group.group.name!r}: {exc}") from exc
 
 
 def _describe_verification(datasets: list[GroupDatasets], config: BagelDataConfig) -> None:
@@ -104,7 +104,7 @@ def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer
     except ManifestError:
         raise
     except ValueError as exc:
-        raise ConfigError(f"{config.groups}: group {g.name!r}: {exc}") from exc
+        raise ConfigError(f"{config.groups_source}: group {g.name!r}: {exc}") from exc
 
 
 def _packer(groups: list[ResolvedGroup], special: dict[str, int], config: BagelDataConfig,
@@ -143,7 +143,10 @@ def _upstream(config: BagelDataConfig, groups: list[ResolvedGroup], tokenizer: A
                 c.close()
             raise
         return OfficialWorkers(chains)
-    pool = ReadPool(config.num_workers) if config.num_workers > 0 else None
+    pool = None
+    if config.num_workers > 0:
+        shm.register_workers()  # the read workers' shared memory is reclaimed by the next start if the job is killed
+        pool = ReadPool(config.num_workers)
     packer = _packer(groups, special, config, lambda i, g: _reader("elastic", g, datasets[i], tokenizer, config,
                                                                   dp_rank, dp_size, pool=pool))
     return BagelRNGIterator(packer, elastic_rank_seed(config.seed, dp_rank))
@@ -168,7 +171,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     """
     data = config if isinstance(config, ValidatedData) else validate_data(config)
     config, groups = data.config, data.groups
-    shm.reclaim_stale()  # shared memory of killed prefetch jobs on this machine, prefetch on or off
+    shm.reclaim_stale()  # shared memory of killed jobs (read workers, prefetch) on this machine, whatever this one runs
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
@@ -183,4 +186,5 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
         upstream = PrefetchStage(upstream, depth=config.prefetch, start_method=config.prefetch_start, rebuild=rebuild,
                                  timeout_s=config.timeout_s)
     return BagelExternalLoader(upstream, length=length, fingerprint=data.fingerprint(special, dp_rank, dp_size),
-                               topology_keys=ELASTIC_TOPOLOGY_KEYS if config.order == "elastic" else ())
+                               topology_keys=ELASTIC_TOPOLOGY_KEYS if config.order == "elastic" else (),
+                               fresh_stream=config.fresh_stream)

@@ -13,7 +13,48 @@ it (it crosses the prefetch producer's queue and Energon worker processes). Its 
 
 from __future__ import annotations
 
-__all__ = ["CorruptShardError", "DataError", "DataReadError", "DataStallError", "DataTimeoutError"]
+__all__ = ["FIRST_LINE_LIMIT", "CorruptShardError", "DataError", "DataReadError", "DataStallError", "DataTimeoutError",
+           "error_lines", "shorten", "split_first_line"]
+
+#: The longest first line of an error the job or a CLI prints; the detail goes on the following lines.
+FIRST_LINE_LIMIT = 300
+#: Where a long first line is broken, best first: after a sentence, a clause, a colon, a comma, a word.
+_BREAKS = (". ", "; ", ": ", ", ", " ")
+
+
+def split_first_line(text: str, limit: int = FIRST_LINE_LIMIT, *, prefix: int = 0) -> list[str]:
+    """``text`` as lines whose first is at most ``limit - prefix`` characters: a longer first line is broken after
+    the last sentence / clause / colon / comma / word that fits (never inside a word), the rest following on the
+    next line; the other lines as they are. Whitespace inside a line is collapsed."""
+    lines = [" ".join(line.split()) for line in str(text).splitlines()] or [""]
+    lines = [line for line in lines if line] or [""]
+    room = max(limit - prefix, 40)
+    first = lines[0]
+    if len(first) <= room:
+        return lines
+    for sep in _BREAKS:
+        cut = first.rfind(sep, 0, room - len(sep.rstrip()) + 1)
+        if cut > room // 3:
+            end = cut + len(sep.rstrip())
+            return [first[:end], first[end:].strip(), *lines[1:]]
+    return [first[:room], first[room:], *lines[1:]]  # one unbroken token: cut it
+
+
+def shorten(text: str, limit: int = 160) -> str:
+    """The first line of ``text``, at most ``limit`` characters, cut after a whole word (``…`` marks a cut)."""
+    line = " ".join(str(text).splitlines()[0].split()) if str(text).strip() else ""
+    if len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit - 1)
+    return (line[:cut] if cut > limit // 3 else line[: limit - 1]).rstrip(" ,;:") + "…"
+
+
+def error_lines(rank: int, kind: str, message: str) -> list[str]:
+    """What the job prints for a failing rank: ``error [rank R]: Kind: <first line>`` (at most
+    ``FIRST_LINE_LIMIT`` characters) and the detail on the following lines, indented."""
+    head = f"error [rank {rank}]: {kind}: "
+    lines = split_first_line(message, prefix=len(head))
+    return [head + lines[0], *("  " + line for line in lines[1:])]
 
 
 class DataError(RuntimeError):
@@ -21,7 +62,7 @@ class DataError(RuntimeError):
 
     def __init__(self, message: str, brief: str = "") -> None:
         super().__init__(message)
-        self.brief = brief or message[:160]
+        self.brief = brief or shorten(message, 160)
 
     def __reduce__(self) -> tuple:
         return (type(self), (str(self), self.brief))

@@ -20,7 +20,7 @@ from ..transforms import ImageTransform
 from ..yaml_errors import yaml_problem
 
 __all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "is_int", "is_number", "load_grouped_yaml",
-           "read_mapping"]
+           "read_mapping", "resolve_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,22 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def resolve_path(value: Any, base_dir: str | os.PathLike | None) -> Any:
+    """``value`` resolved against ``base_dir`` when it is a relative path string (``~`` expanded); anything
+    else (an absolute path, None, a mapping, an OmegaConf ``???`` / ``${...}``) as it is.
+
+    The rule of every path a config file holds: relative to the directory of the file that holds it, so a
+    job behaves the same from any working directory (Slurm, ``torchrun`` launched elsewhere). Paths typed on
+    the command line (``key=value`` overrides) stay relative to the working directory, as a shell user expects.
+    """
+    if base_dir is None or not isinstance(value, str) or not value or value == "???" or "${" in value:
+        return value
+    value = os.path.expanduser(value)
+    if os.path.isabs(value):
+        return value
+    return os.path.normpath(os.path.join(os.fspath(base_dir), value))
+
+
 def read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:
     """Deep copy of a mapping, or the parsed YAML/JSON file; returns (data, source name)."""
     if isinstance(path_or_dict, Mapping):
@@ -157,61 +173,74 @@ def _check_transform_args(args: Any, where: str) -> dict | None:
 
 
 def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
+    """One group, every key checked: a ``ConfigError`` listing every problem of the group (``.problems``)."""
     where = f"{src}: group {name!r}"
     if name not in KNOWN_GROUPS:
         raise ConfigError(f"{where}: unknown group (known groups: {', '.join(KNOWN_GROUPS)})")
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)
-    if "dataset_names" not in raw:
-        raise ConfigError(f"{where}: missing required key 'dataset_names'")
-    names = raw.pop("dataset_names")
-    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
-        raise ConfigError(f"{where}: key 'dataset_names' must be a non-empty list of names, got {names!r}")
+    problems: list[str] = []
+
+    def check(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            return None
+
+    names = raw.pop("dataset_names", None)
+    if names is None:
+        problems.append(f"{where}: missing required key 'dataset_names'")
+    elif not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names):
+        problems.append(f"{where}: key 'dataset_names' must be a non-empty list of names, got {names!r}")
+        names = None
     weight = raw.pop("weight", 0.0)
     if not is_number(weight) or weight < 0:
-        raise ConfigError(f"{where}: key 'weight' must be a non-negative number, got {weight!r}")
-    unknown = [k for k in raw if k not in GROUP_KEYS]
-    if unknown:
-        raise ConfigError(f"{where}: key {unknown[0]!r} is not an official grouped-YAML key this loader supports "
-                          f"(known: {', '.join(GROUP_KEYS)})")
+        problems.append(f"{where}: key 'weight' must be a non-negative number, got {weight!r}")
+    for key in [k for k in raw if k not in GROUP_KEYS]:
+        problems.append(f"{where}: key {key!r} is not an official grouped-YAML key this loader supports "
+                        f"(known: {', '.join(GROUP_KEYS)})")
+        raw.pop(key)
     if name != "vlm_sft":
         for key in _VLM_ONLY_KEYS:
             if key in raw:
-                raise ConfigError(f"{where}: key {key!r} applies only to vlm_sft (the official {name} class "
-                                  "rejects it)")
+                problems.append(f"{where}: key {key!r} applies only to vlm_sft (the official {name} class rejects it)")
     flags = {}
     for key, default in (("is_mandatory", False), ("resume_data_status", True), ("shuffle_lines", False)):
         flags[key] = raw.pop(key, default)
         if not isinstance(flags[key], bool):
-            raise ConfigError(f"{where}: key {key!r} must be of type bool (true/false), got {flags[key]!r}")
-    if not flags["resume_data_status"]:
-        raise ConfigError(f"{where}: key 'resume_data_status': false is not supported (official: the group restarts "
-                          "from its first unit after a resume); this loader always resumes every group exactly")
+            problems.append(f"{where}: key {key!r} must be of type bool (true/false), got {flags[key]!r}")
+    if flags["resume_data_status"] is False:
+        problems.append(f"{where}: key 'resume_data_status': false is not supported (official: the group restarts "
+                        "from its first unit after a resume); this loader always resumes every group exactly")
     shuffle_seed = raw.pop("shuffle_seed", 0)
     if not is_int(shuffle_seed):
-        raise ConfigError(f"{where}: key 'shuffle_seed' must be of type int, got {shuffle_seed!r}")
-    image_args = _check_transform_args(raw.pop("image_transform_args", None), f"{where}: key 'image_transform_args'")
-    vit_args = _check_transform_args(raw.pop("vit_image_transform_args", None),
-                                     f"{where}: key 'vit_image_transform_args'")
+        problems.append(f"{where}: key 'shuffle_seed' must be of type int, got {shuffle_seed!r}")
+    image_args = check(_check_transform_args, raw.pop("image_transform_args", None),
+                       f"{where}: key 'image_transform_args'")
+    vit_args = check(_check_transform_args, raw.pop("vit_image_transform_args", None),
+                     f"{where}: key 'vit_image_transform_args'")
     frame_args = raw.pop("frame_sampler_args", None)
     if frame_args is not None:
         if not isinstance(frame_args, dict):
-            raise ConfigError(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
-        bad = sorted(set(frame_args) - _FRAME_SAMPLER_KEYS)
-        if bad or not all(is_int(v) and v > 0 for v in frame_args.values()):
-            raise ConfigError(f"{where}: key 'frame_sampler_args' takes positive integers "
-                              f"{sorted(_FRAME_SAMPLER_KEYS)}, got {frame_args!r}")
+            problems.append(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
+        elif sorted(set(frame_args) - _FRAME_SAMPLER_KEYS) or not all(is_int(v) and v > 0
+                                                                       for v in frame_args.values()):
+            problems.append(f"{where}: key 'frame_sampler_args' takes positive integers "
+                            f"{sorted(_FRAME_SAMPLER_KEYS)}, got {frame_args!r}")
     num_used = raw.pop("num_used_data", None)
     if num_used is not None:
         if not isinstance(num_used, list) or not all(is_int(n) and n >= 0 for n in num_used):
-            raise ConfigError(f"{where}: key 'num_used_data' must be a list of non-negative integers, got {num_used!r}")
-        if len(num_used) != len(names):
-            raise ConfigError(f"{where}: key 'num_used_data' has {len(num_used)} entries but 'dataset_names' has "
-                              f"{len(names)}")
-        if not any(num_used):
-            raise ConfigError(f"{where}: key 'num_used_data' selects no data ({num_used!r})")
+            problems.append(f"{where}: key 'num_used_data' must be a list of non-negative integers, got {num_used!r}")
+        elif names is not None and len(num_used) != len(names):
+            problems.append(f"{where}: key 'num_used_data' has {len(num_used)} entries but 'dataset_names' has "
+                            f"{len(names)}")
+        elif not any(num_used):
+            problems.append(f"{where}: key 'num_used_data' selects no data ({num_used!r})")
     assert not raw, raw  # every key was checked against GROUP_KEYS above
+    if problems:
+        raise ConfigError.of(problems, header=f"{where}: {len(problems)} problems")
     return GroupConfig(name=name, dataset_names=names, weight=float(weight), image_transform_args=image_args,
                        vit_image_transform_args=vit_args, frame_sampler_args=frame_args, num_used_data=num_used,
                        shuffle_seed=shuffle_seed, **flags)

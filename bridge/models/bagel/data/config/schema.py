@@ -24,12 +24,14 @@ from .grouped_yaml import (
     is_number,
     read_mapping,
     load_grouped_yaml,
+    resolve_path,
 )
 
 __all__ = [
     "GROUP_KEYS",
     "KNOWN_GROUPS",
     "OFFICIAL_NON_PACKER_KEYS",
+    "DATA_PATH_KEYS",
     "DEFAULT_PARTITIONS",
     "ORDERS",
     "PREFETCH_STARTS",
@@ -65,12 +67,17 @@ DEFAULT_PARTITIONS = 8192
 #: when reading an official config.
 OFFICIAL_NON_PACKER_KEYS: tuple[str, ...] = ("grouped_datasets", "data_status", "local_rank", "num_workers",
                                              "world_size")
+#: ``BagelDataConfig`` keys that hold file paths: in a config file, relative to that file's directory.
+DATA_PATH_KEYS: tuple[str, ...] = ("groups", "dataset_info")
 #: Registry fields each group's readers need besides ``data_dir``.
 _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_path",)}
 
 
 # --------------------------------------------------------------------------------------------------
 # Packer
+
+#: The risky packer budgets already warned about in this process (``PackerConfig.validate``).
+_WARNED: set[tuple[int, int, int]] = set()
 
 
 @dataclass
@@ -138,7 +145,9 @@ class PackerConfig:
         problems = self.problems(where)
         if problems:
             raise ConfigError.of(problems, header=f"{where}: {len(problems)} invalid packer knobs")
-        if self.prefer_buffer_before + self.max_num_tokens_per_sample > self.max_num_tokens:
+        risky = (self.prefer_buffer_before, self.max_num_tokens_per_sample, self.max_num_tokens)
+        if self.prefer_buffer_before + self.max_num_tokens_per_sample > self.max_num_tokens and risky not in _WARNED:
+            _WARNED.add(risky)  # once per process (every validation pass and stage would repeat it)
             logger.warning("%s: prefer_buffer_before + max_num_tokens_per_sample > max_num_tokens: a buffered "
                            "sample can overflow a pack and is then discarded by the official flush", where)
 
@@ -206,12 +215,17 @@ def _parse_info_entry(group: str, name: str, raw: Any, src: str) -> DatasetInfoE
     return DatasetInfoEntry(**raw)
 
 
-def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>"
-                      ) -> dict[str, dict[str, DatasetInfoEntry]]:
+def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str = "<dict>",
+                      base_dir: str | os.PathLike | None = None) -> dict[str, dict[str, DatasetInfoEntry]]:
     """Parse the registry ``{group: {name: {data_dir, ...}}}`` from YAML/JSON or a mapping (not mutated).
 
-    Paths are kept as written (the official code resolves them against the working directory).
+    A relative ``energon_path`` (ours) is resolved against ``base_dir``, by default the registry file's
+    directory (a mapping: kept as written, i.e. relative to the working directory). The official raw paths
+    (``data_dir``, ``jsonl_path``, ``parquet_info_path``) are kept as written: the official code, and
+    ``bagel-data convert config --source-root``, resolve them.
     """
+    if base_dir is None and not isinstance(path_or_dict, Mapping):
+        base_dir = os.path.dirname(os.path.abspath(path_or_dict))
     data, src = read_mapping(path_or_dict, source)
     out: dict[str, dict[str, DatasetInfoEntry]] = {}
     problems: list[str] = []
@@ -225,12 +239,23 @@ def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str 
         out[group] = {}
         for name, raw in entries.items():
             try:
-                out[group][str(name)] = _parse_info_entry(group, str(name), raw, src)
+                entry = _parse_info_entry(group, str(name), raw, src)
+                entry.energon_path = resolve_path(entry.energon_path, base_dir)
+                out[group][str(name)] = entry
             except ConfigError as exc:
                 problems.extend(exc.problems)
     if problems:
         raise ConfigError.of(problems, header=f"{src}: {len(problems)} registry entries are invalid")
     return out
+
+
+def resolve_registry_paths(registry: dict, base_dir: str | os.PathLike) -> dict:
+    """Resolve (in place) every relative ``energon_path`` of a registry mapping against ``base_dir``."""
+    for entries in registry.values():
+        for entry in (entries.values() if isinstance(entries, dict) else ()):
+            if isinstance(entry, dict) and "energon_path" in entry:
+                entry["energon_path"] = resolve_path(entry["energon_path"], base_dir)
+    return registry
 
 
 @dataclass
@@ -267,10 +292,22 @@ def resolve_groups(groups: Sequence[GroupConfig], dataset_info: Mapping[str, Map
 
 @dataclass
 class BagelDataConfig:
-    """Everything the data pipeline needs: file paths, packer knobs, data seed, workers, tokenizer."""
+    """Everything the data pipeline needs: the groups and the registry, packer knobs, data seed, workers, tokenizer.
 
-    groups: str = "???"                 # grouped-datasets YAML (official example.yaml format)
-    dataset_info: str = "???"           # registry YAML/JSON {group: {name: DatasetInfoEntry}}
+    ``groups`` and ``dataset_info`` are each a path (``str`` / ``os.PathLike``) to a YAML/JSON file or the
+    mapping itself, so a training script can build the loader from its own config without writing files::
+
+        BagelDataConfig(groups={"t2i_pretrain": {"dataset_names": ["laion"], "weight": 1.0, ...}},
+                        dataset_info={"t2i_pretrain": {"laion": {"data_dir": "...", "energon_path": "..."}}})
+
+    A relative ``energon_path`` in a registry mapping is relative to the working directory (in a file: to the
+    file's directory).
+    """
+
+    # The grouped datasets (official example.yaml format) and the registry {group: {name: DatasetInfoEntry}}:
+    # each a path to a YAML/JSON file or the mapping itself (typed Any for OmegaConf, which has no str | dict).
+    groups: Any = "???"
+    dataset_info: Any = "???"
     packer: PackerConfig = field(default_factory=PackerConfig)
     seed: int = 42                      # data seed: packer RNG streams (rank seed) and, unless data_seed is set,
                                         # the unit / sample order
@@ -285,6 +322,9 @@ class BagelDataConfig:
                                         # "forkserver" (clean process, rebuilds the pipeline, torch uses threads)
     tokenizer: str | None = None        # None / "qwen2-offline" or a local tokenizer directory
     tokenizer_cache_dir: str | None = None
+    fresh_stream: bool = False          # with a checkpoint to resume (train.load / Bridge's checkpoint.load): do not
+                                        # restore the saved loader state, start the data stream fresh from data.seed
+                                        # while the model resumes (a deliberate data change; one log line says so)
     stall_warn_s: float = DEFAULT_STALL_WARN_S  # data watchdog: one warning line per rank after this long without a
     timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
     verify_checksums: bool = True       # check every sample's bytes against the checksums recorded at conversion
@@ -293,6 +333,11 @@ class BagelDataConfig:
     def problems(self) -> list[str]:
         """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""
         out = self.packer.problems("packer")
+        for key in ("groups", "dataset_info"):
+            value = getattr(self, key)
+            if not isinstance(value, (str, os.PathLike, Mapping)) or (isinstance(value, str) and not value):
+                out.append(f"{key}: must be a path to a YAML/JSON file or a mapping, got {type(value).__name__} "
+                           f"{value!r:.80}")
         if not is_int(self.seed) or self.seed < 0:
             out.append(f"seed: must be a non-negative integer, got {self.seed!r}")
         if not is_int(self.num_workers) or self.num_workers < 0:
@@ -315,6 +360,8 @@ class BagelDataConfig:
             out.append(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
         if not isinstance(self.verify_checksums, bool):
             out.append(f"verify_checksums: must be true or false, got {self.verify_checksums!r}")
+        if not isinstance(self.fresh_stream, bool):
+            out.append(f"fresh_stream: must be a bool (true/false), got {self.fresh_stream!r}")
         for key in ("stall_warn_s", "timeout_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
@@ -329,6 +376,16 @@ class BagelDataConfig:
         self.packer.validate("packer")  # the warning for a risky combination
 
     @property
+    def groups_source(self) -> str:
+        """How messages name ``groups``: its path, or ``data.groups (mapping)``."""
+        return "data.groups (mapping)" if isinstance(self.groups, Mapping) else str(self.groups)
+
+    @property
+    def dataset_info_source(self) -> str:
+        """How messages name ``dataset_info``: its path, or ``data.dataset_info (mapping)``."""
+        return "data.dataset_info (mapping)" if isinstance(self.dataset_info, Mapping) else str(self.dataset_info)
+
+    @property
     def effective_data_seed(self) -> int:
         """``data_seed``, or ``seed`` when it is not set."""
         return self.seed if self.data_seed is None else self.data_seed
@@ -339,45 +396,85 @@ class BagelDataConfig:
         return _to_config([cfg], source)
 
 
-def structured_merge(schema: type, parts: Sequence[Any], source: str) -> Any:
-    """Merge OmegaConf-compatible ``parts`` onto the dataclass ``schema``; errors name the source and key."""
+def structured_merge(schema: type, parts: Sequence[Any], source: str | Sequence[str]) -> Any:
+    """Merge OmegaConf-compatible ``parts`` onto the dataclass ``schema``; errors name the part and key.
+
+    ``source``: one name for all parts, or one name per part (a file path, ``override 'k=v'``): a key the
+    schema refuses is reported with the name of the part that holds it, not with every part's name.
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+    names = [source] * len(parts) if isinstance(source, str) else list(source)
+    base = OmegaConf.structured(schema)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), *parts)
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(base, *parts))
     except MissingMandatoryValue as exc:
-        raise ConfigError(f"{source}: required key {exc.full_key!r} is not set") from exc
+        where = " + ".join(dict.fromkeys(n for n in names if not n.startswith("override "))) or "the config"
+        raise ConfigError(f"required key {exc.full_key!r} is not set (in {where} or a key=value override)") from exc
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or getattr(exc, "key", None)
         msg = getattr(exc, "msg", None) or str(exc)
-        raise ConfigError(f"{source}: key {key!r}: {msg.splitlines()[0]}") from exc
+        culprit = names[-1] if names else "<defaults>"
+        merged = base
+        for name, part in zip(names, parts):  # the first part the schema refuses is the one to name
+            try:
+                merged = OmegaConf.merge(merged, part)
+            except OmegaConfBaseException:
+                culprit = name
+                break
+        raise ConfigError(f"{culprit}: key {key!r}: {msg.splitlines()[0]}") from exc
 
 
-def _to_config(parts: list[Any], source: str) -> BagelDataConfig:
+def config_parts(path: str | os.PathLike | None, overrides: Sequence[str], path_keys: Sequence[str],
+                 read: Any = None) -> tuple[list[Any], list[str]]:
+    """The OmegaConf parts of a config file plus ``key=value`` overrides, and one name per part.
+
+    ``path_keys`` (dotted) are resolved against the file's directory when relative (``resolve_path``);
+    overrides are kept as typed (relative to the working directory). Each override is its own part, so an
+    error names the one override at fault. ``read(path) -> dict`` reads the file (default ``read_mapping``).
+    """
+    from omegaconf import OmegaConf
+
+    parts: list[Any] = []
+    names: list[str] = []
+    if path is not None:
+        data = read(path) if read is not None else read_mapping(path, str(path))[0]
+        base = os.path.dirname(os.path.abspath(path))
+        for dotted in path_keys:
+            *outer, last = dotted.split(".")
+            node = data
+            for k in outer:
+                node = node.get(k) if isinstance(node, dict) else None
+            if isinstance(node, dict) and last in node:
+                node[last] = resolve_path(node[last], base)
+                if last == "dataset_info" and isinstance(node[last], dict):  # an inline registry
+                    resolve_registry_paths(node[last], base)
+        parts.append(OmegaConf.create(data))
+        names.append(str(path))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides: expected key=value, got {bad}")
+    for o in overrides:
+        parts.append(OmegaConf.from_dotlist([o]))
+        names.append(f"override {o!r}")
+    return parts, names
+
+
+def _to_config(parts: list[Any], source: str | Sequence[str]) -> BagelDataConfig:
     obj = structured_merge(BagelDataConfig, parts, source)
     assert isinstance(obj, BagelDataConfig)
     problems = obj.problems()
     if problems:
-        raise ConfigError.of([f"{source}: {p}" for p in problems], header=f"{source}: {len(problems)} invalid keys")
+        raise ConfigError.of(problems, header=f"{len(problems)} invalid data config keys")
     return obj
 
 
 def load_config(yaml_path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> BagelDataConfig:
-    """Load a ``BagelDataConfig`` from a YAML file merged with ``key=value`` dotlist overrides."""
-    from omegaconf import OmegaConf
+    """Load a ``BagelDataConfig`` from a YAML file merged with ``key=value`` dotlist overrides.
 
-    parts: list[Any] = []
-    sources = []
-    if yaml_path is not None:
-        data, src = read_mapping(yaml_path, str(yaml_path))
-        parts.append(OmegaConf.create(data))
-        sources.append(src)
-    if overrides:
-        bad = [o for o in overrides if "=" not in o]
-        if bad:
-            raise ConfigError(f"overrides: expected key=value, got {bad}")
-        parts.append(OmegaConf.from_dotlist(list(overrides)))
-        sources.append(f"overrides {list(overrides)}")
-    return _to_config(parts, " + ".join(sources) or "<defaults>")
+    Relative ``groups`` / ``dataset_info`` paths in the file are relative to the file's directory; in an
+    override, to the working directory. Raises ``ConfigError`` naming the file or override and the key.
+    """
+    parts, names = config_parts(yaml_path, overrides, DATA_PATH_KEYS)
+    return _to_config(parts, names or "<defaults>")

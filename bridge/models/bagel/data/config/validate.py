@@ -27,7 +27,7 @@ import dataclasses
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -116,12 +116,16 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
     g = resolved.group
     for name, entry in zip(g.dataset_names, resolved.datasets):
         if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
-            problems.add(f"{config.dataset_info}: {g.name}.{name}: no 'energon_path'; convert it first "
+            problems.add(f"{config.dataset_info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
                          "(bagel-data convert) and register the converted directory")
+        elif not os.path.isdir(entry.energon_path):
+            problems.add(f"{config.dataset_info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
+                         "fix energon_path (relative paths are relative to the registry file) or convert the "
+                         "dataset there (bagel-data convert)")
     if not g.image_transform_args:
-        problems.add(f"{config.groups}: group {g.name!r}: key 'image_transform_args' is required")
+        problems.add(f"{config.groups_source}: group {g.name!r}: key 'image_transform_args' is required")
     if config.order == "official" and g.num_used_data is None:
-        problems.add(f"{config.groups}: group {g.name!r}: order 'official' needs 'num_used_data' "
+        problems.add(f"{config.groups_source}: group {g.name!r}: order 'official' needs 'num_used_data' "
                      "(the official loader requires it)")
 
 
@@ -172,34 +176,41 @@ def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, pr
     return None
 
 
-def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True) -> ValidatedData:
+def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True,
+                  prior_problems: Sequence[str] = ()) -> ValidatedData:
     """Validate ``config`` and every file it names once; raise one ``ConfigError`` listing every problem.
 
     ``budgets``: ``"error"`` (budget errors are problems; warnings are logged once per process) or
     ``"report"`` (budget issues are returned in ``warnings`` only, none raised or logged). ``readers=False``
-    skips step 4 (for tools that read metadata only). Returns ``ValidatedData``.
+    skips step 4 (for tools that read metadata only). ``prior_problems``: what the caller found in its own
+    keys (the job's ``train.*``: ``job.config.validate_job``), reported first in the same error. Returns
+    ``ValidatedData``.
     """
     if budgets not in ("error", "report"):
         raise ValueError(f"validate_data: budgets must be 'error' or 'report', got {budgets!r}")
     problems = _Problems()
+    for message in prior_problems:
+        problems.add(message)
     with problems.check():
         config.validate()
     groups: list[GroupConfig] | None = None
     info = None
-    with problems.check():
-        groups = load_grouped_yaml(config.groups)
-    with problems.check():
-        info = load_dataset_info(config.dataset_info)
+    paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems.messages)
+    if paths_ok:
+        with problems.check():
+            groups = load_grouped_yaml(config.groups, source=config.groups_source)
+        with problems.check():
+            info = load_dataset_info(config.dataset_info, source=config.dataset_info_source)
     resolved: list[ResolvedGroup] = []
     if groups is not None and info is not None:
         with problems.check():
-            resolved = resolve_groups(groups, info, source=str(config.dataset_info))
+            resolved = resolve_groups(groups, info, source=config.dataset_info_source)
         if readers:
             for r in resolved:
                 _reader_problems(config, r, problems)
     issues: list[BudgetIssue] = []
     if groups is not None and not config.packer.problems():
-        issues = budget_issues(config.packer, groups, source=str(config.groups), official=config.order == "official")
+        issues = budget_issues(config.packer, groups, source=config.groups_source, official=config.order == "official")
         if budgets == "error":
             for issue in issues:
                 if issue.level == "error":
@@ -209,7 +220,7 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
         problem = socket_path_problem(workers=workers, prefetch=bool(config.prefetch))
         if problem:
             problems.add(problem)
-    problems.raise_if_any(str(config.groups))
+    problems.raise_if_any(config.groups_source)
     if budgets == "report":
         return ValidatedData(config, resolved, issues)
     return ValidatedData(config, resolved, log_warnings(issues))

@@ -7,6 +7,9 @@ unpickler on load); the step goes to ``{root}/latest_checkpointed_iteration.txt`
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import pickle
 import re
@@ -23,7 +26,23 @@ from ..config import ConfigError
 __all__ = ["TRACKER", "check_resume_dp", "loader_state_files", "rank_state_file", "read_loader_states", "read_step",
            "resize_checkpoint", "restore_loader", "save_checkpoint"]
 
+logger = logging.getLogger(__name__)
+
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+@contextlib.contextmanager
+def _bridge_prints() -> Any:
+    """Bridge's checkpoint helpers ``print`` their progress unprefixed ("saving dataloader checkpoint at iteration
+    …"); they go to this module's logger at DEBUG instead (the job logs its own INFO line)."""
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            yield
+    finally:
+        for line in buf.getvalue().splitlines():
+            if line.strip():
+                logger.debug("megatron-bridge: %s", line.strip())
 # What reading a damaged torch.save zip raises inside Bridge's loader (energon_torch_load parses the zip itself).
 _UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, pickle.UnpicklingError)
 
@@ -82,7 +101,9 @@ def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any) -> 
     step directory holds exactly one ``train_dataloader_dprankNNN.pt`` per DP replica.
     """
     api = _bridge_ckpt()
-    api.maybe_save_dataloader_state(None, iterator, step, os.path.join(root, "energon"), pg_collection=pg_collection)
+    with _bridge_prints():
+        api.maybe_save_dataloader_state(None, iterator, step, os.path.join(root, "energon"),
+                                        pg_collection=pg_collection)
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -100,11 +121,28 @@ def rank_state_file(state_dir: str, step: int, dp_rank: int) -> str:
     return os.path.join(iter_dir, f"train_dataloader_dprank{dp_rank:03d}.pt")
 
 
-def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
+#: Advice in Bridge's restricted-unpickler refusal that is wrong for a loader state file: a type outside the
+#: allowlist in such a file means the file is not ours (or was tampered with), never that the type should be allowed.
+_BRIDGE_ADVICE = ("Please file a bug", "please file a bug", "so it can be added")
+
+
+def _refusal_detail(exc: BaseException | str) -> str:
     detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    error = ConfigError(f"train.load: the loader state file {path} of DP rank {dp_rank} cannot be read: "
-                        f"truncated, corrupt or refused by Bridge's restricted loader ({detail}); resume from an "
-                        "earlier checkpoint or restore the file")
+    detail = " ".join(detail.split())
+    for advice in _BRIDGE_ADVICE:
+        at = detail.find(advice)
+        if at >= 0:
+            detail = detail[:at].rstrip(" .;,")
+    return detail
+
+
+def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
+    detail = _refusal_detail(exc)
+    error = ConfigError(f"train.load: the loader state file of DP rank {dp_rank} cannot be read: truncated, corrupt "
+                        f"or refused by Bridge's restricted loader; resume from an earlier checkpoint or restore the "
+                        f"file\nfile: {path}\ncause: {detail}\nA state file written by this package holds only "
+                        "types Bridge's restricted loader accepts: any other type means the file is not a loader state "
+                        "of this package (or was altered); do not add the type to the allowlist")
     error.brief = f"its loader state file {os.path.basename(path)} cannot be read"  # the other ranks' line
     return error
 
@@ -157,18 +195,22 @@ def resize_checkpoint(root: str, step: int, dp_size: int, open_loader: Callable[
 def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> None:
     """Restore this rank's loader from its DP replica's file at ``step`` through Bridge (every rank restores).
 
-    Refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then every
+    With ``data.fresh_stream`` (the loader's ``fresh_stream``) nothing is read: the stream starts fresh.
+    Otherwise refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then every
     old rank's file is read and resized for this rank (``BagelExternalLoader.resize_states``). Otherwise
     defers to Bridge's
     ``maybe_load_dataloader_state`` (file ``train_dataloader_dprank{dp:03d}.pt``, ``dp`` = rank in
     ``pg_collection.dp``). A truncated or corrupt state file is reported with its own path (Bridge's loader
     would only say ``BadZipFile: File is not a zip file``, and its log line names rank 0's file).
     """
+    loader = iterator.iterable
+    if getattr(loader, "fresh_stream", False):  # data.fresh_stream: the model resumes, the data stream starts fresh
+        loader.restore_state(None)  # nothing read or restored; the loader says so in one line
+        return
     api = _bridge_ckpt()
     state_dir = os.path.join(root, "energon")
     if not os.path.isdir(state_dir):
         raise ConfigError(f"train.load: {root} has no loader state directory ({state_dir})")
-    loader = iterator.iterable
     old_size = check_resume_dp(root, step, pg_collection.dp.size(), loader.order or "elastic")
     dp_rank = pg_collection.dp.rank()
     if old_size != pg_collection.dp.size():  # elastic order: every old rank's state, resized for this rank
@@ -184,6 +226,7 @@ def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> N
         if bad is not None:
             raise _unreadable(path, dp_rank, f"CRC mismatch in member {bad}")
     try:
-        api.maybe_load_dataloader_state(iterator, step, state_dir, pg_collection=pg_collection)
+        with _bridge_prints():
+            api.maybe_load_dataloader_state(iterator, step, state_dir, pg_collection=pg_collection)
     except _UNREADABLE as exc:
         raise _unreadable(path, dp_rank, exc) from exc

@@ -12,10 +12,11 @@ from typing import Any, Sequence
 
 import yaml
 
-from ..config import BagelDataConfig, ConfigError, structured_merge
+from ..config import (DATA_PATH_KEYS, BagelDataConfig, ConfigError, ValidatedData, config_parts, structured_merge,
+                      validate_data)
 from ..yaml_errors import yaml_problem
 
-__all__ = ["JobConfig", "TrainConfig", "load_job_config"]
+__all__ = ["JOB_PATH_KEYS", "JobConfig", "TrainConfig", "load_job_config", "validate_job"]
 
 
 @dataclass
@@ -45,28 +46,35 @@ class TrainConfig:
 
     _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
 
-    def validate(self) -> None:
-        """Check every knob on its own (``ConfigError`` naming the key); the layout needs ``parallel_layout``."""
+    def problems(self) -> list[str]:
+        """Every invalid ``train`` knob, one message per key (empty when valid); the layout needs
+        ``parallel_layout``."""
+        out: list[str] = []
         for key in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval", *self._PARALLEL):
             value = getattr(self, key)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"train.{key}: must be a positive integer, got {value!r}")
-        if self.micro_batch_size != 1:  # the provider refuses collation: a micro-batch is one packed sequence
-            raise ConfigError(f"train.micro_batch_size: must be 1 for BAGEL (each micro-batch is one packed sequence "
-                              f"of up to data.packer.max_num_tokens tokens), got {self.micro_batch_size}; for more "
-                              "tokens per step raise data.packer.expected_num_tokens/max_num_tokens or "
-                              "train.global_batch_size")
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                out.append(f"train.{key}: must be a positive integer, got {value!r}")
+        if self.micro_batch_size != 1 and isinstance(self.micro_batch_size, int) and self.micro_batch_size > 0:
+            # the provider refuses collation: a micro-batch is one packed sequence
+            out.append(f"train.micro_batch_size: must be 1 for BAGEL (each micro-batch is one packed sequence of up "
+                       f"to data.packer.max_num_tokens tokens), got {self.micro_batch_size}; for more tokens per step "
+                       "raise data.packer.expected_num_tokens/max_num_tokens or train.global_batch_size")
         if not isinstance(self.save_interval, int) or self.save_interval < 0:
-            raise ConfigError(f"train.save_interval: must be an integer >= 0, got {self.save_interval!r}")
+            out.append(f"train.save_interval: must be an integer >= 0, got {self.save_interval!r}")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             if not isinstance(vpp, int) or vpp < 2:
-                raise ConfigError(f"train.virtual_pipeline_model_parallel_size: must be null or an integer >= 2, "
-                                  f"got {vpp!r}")
-            if self.pipeline_model_parallel_size < 2:
-                raise ConfigError("train.virtual_pipeline_model_parallel_size: the interleaved pipeline schedule "
-                                  f"needs train.pipeline_model_parallel_size >= 2, got "
-                                  f"{self.pipeline_model_parallel_size}")
+                out.append(f"train.virtual_pipeline_model_parallel_size: must be null or an integer >= 2, got {vpp!r}")
+            elif isinstance(self.pipeline_model_parallel_size, int) and self.pipeline_model_parallel_size < 2:
+                out.append("train.virtual_pipeline_model_parallel_size: the interleaved pipeline schedule needs "
+                           f"train.pipeline_model_parallel_size >= 2, got {self.pipeline_model_parallel_size}")
+        return out
+
+    def validate(self) -> None:
+        """Raise one ``ConfigError`` naming every invalid knob (``problems``)."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError.of(problems, header=f"train: {len(problems)} invalid keys")
 
     def parallel_layout(self, world_size: int) -> dict[str, int]:
         """The Megatron layout for ``world_size`` ranks: ``{"tp", "pp", "cp", "dp", "num_microbatches"}``.
@@ -107,29 +115,47 @@ class JobConfig:
     demo_seed: int = 0
 
 
-def load_job_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> JobConfig:
-    """Merge a YAML file and ``key=value`` overrides into a validated ``JobConfig`` (errors name the key)."""
-    from omegaconf import OmegaConf
+#: ``JobConfig`` keys that hold file paths read by the data pipeline: in a config file, relative to that file's
+#: directory. ``train.save`` / ``load`` / ``tensorboard_dir`` / ``digest_log`` stay relative to the working
+#: directory, as Megatron's own paths are.
+JOB_PATH_KEYS: tuple[str, ...] = (*(f"data.{k}" for k in DATA_PATH_KEYS), "demo_data")
 
-    source = " + ".join(([str(path)] if path else []) + ([f"overrides {list(overrides)}"] if overrides else []))
-    parts: list[Any] = []
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path} does not exist")
-        try:
-            parts.append(OmegaConf.load(path))
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from exc
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"overrides: expected key=value, got {bad}")
-    if overrides:
-        parts.append(OmegaConf.from_dotlist(list(overrides)))
-    cfg = structured_merge(JobConfig, parts, source or "<defaults>")
-    assert isinstance(cfg, JobConfig)
+
+def _read_yaml(path: str | os.PathLike) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path} does not exist")
     try:
-        cfg.data.validate()
-        cfg.train.validate()
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from exc
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_job_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> JobConfig:
+    """Merge a YAML file and ``key=value`` overrides into a ``JobConfig`` (errors name the file or override and
+    the key).
+
+    Relative ``data.groups``, ``data.dataset_info`` and ``demo_data`` in the file resolve against the file's
+    directory (``JOB_PATH_KEYS``); typed in an override, against the working directory. Only the schema (known
+    keys, types) is checked here: every value and file goes through ``validate_job``, one pass, every problem
+    in one ``ConfigError``.
+    """
+    parts, names = config_parts(path, overrides, JOB_PATH_KEYS, read=_read_yaml)
+    cfg = structured_merge(JobConfig, parts, names or "<defaults>")
+    assert isinstance(cfg, JobConfig)
     return cfg
+
+
+def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True) -> ValidatedData:
+    """The job's one validation pass: the ``train`` knobs and ``validate_data`` (the data knobs, the grouped
+    YAML, the registry, the datasets, the budgets), every problem in one ``ConfigError``.
+
+    ``budgets`` / ``readers``: as for ``validate_data`` (``bagel-data stats`` reports budgets instead of
+    refusing them). Returns the ``ValidatedData`` to build the loader from.
+    """
+    return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=cfg.train.problems())

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 from ..packing import batch_digest
-from ..config import ValidatedData, validate_data
+from ..config import ValidatedData
 from .batch_check import account_batch, check_batch
 from .checkpoint import check_resume_dp, read_step, restore_loader, save_checkpoint
-from .config import JobConfig
+from .config import JobConfig, validate_job
 from .telemetry import Telemetry
 from .topology import agree, rank_coords
 
@@ -77,8 +77,10 @@ def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
     return import_bridge().make_data_iterator_list([None] * vpp, iterator)
 
 
-def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any]:
+def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None) -> dict[str, Any]:
     """Run ``cfg.train.train_iters`` steps (from the checkpoint step when ``train.load`` is set).
+
+    ``data``: ``cfg`` already through ``job.config.validate_job`` (validated here when None).
 
     ``pg_collection`` holds Megatron's ``tp``/``pp``/``cp``/``dp`` groups (``topology.init_model_parallel``).
     Collective: every rank must call it. A failure while building or restoring the loader on any rank is
@@ -97,14 +99,26 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any) -> dict[str, Any
     num_micro = nmc.get_num_microbatches()
     vpp = train.virtual_pipeline_model_parallel_size
 
+    from megatron.core import rerun_state_machine as rsm
+
+    if rsm._GLOBAL_RERUN_STATE_MACHINE is None:  # what the implicit init makes (mode disabled), without its warnings
+        rsm_log = logging.getLogger(rsm.__name__)
+        level = rsm_log.level
+        rsm_log.setLevel(logging.ERROR)  # "initialized in mode RerunMode.DISABLED": the CPU job's only mode
+        try:
+            rsm.initialize_rerun_state_machine()
+        finally:
+            rsm_log.setLevel(level)
     error: BaseException | None = None
-    iterator = loader = data = None
+    iterator = loader = None
     start_step = 0
     try:
-        data = validate_data(cfg.data)  # the one validation pass of this job
+        if data is None:
+            data = validate_job(cfg)  # the one validation pass of this job
         if train.load:
             start_step = read_step(train.load)
-            check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
+            if not cfg.data.fresh_stream:  # a fresh data stream reads no loader state
+                check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
         iterator, loader = build_iterator(cfg, pg_collection, tokenizer, data)
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)

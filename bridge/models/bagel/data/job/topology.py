@@ -20,6 +20,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..config import ConfigError
+from ..errors import shorten
 from .config import TrainConfig
 
 __all__ = ["AgreedError", "agree", "init_model_parallel", "rank_coords"]
@@ -54,9 +55,11 @@ def agree(error: BaseException | None, what: str = "setup") -> None:
     """
     mine = None
     if error is not None:
-        message = " ".join(str(error).split())
-        brief = " ".join(str(getattr(error, "brief", "") or "").split()) or message[:120]
-        mine = (type(error).__name__, message, brief)
+        message = "\n".join(" ".join(line.split()) for line in str(error).splitlines() if line.strip())
+        kind = error.kind if isinstance(error, AgreedError) else type(error).__name__
+        # the error's own short form (DataError, a refused state file), else its first line cut at a whole word
+        brief = " ".join(str(getattr(error, "brief", "") or "").split()) or shorten(message, 120)
+        mine = (kind, message, brief)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     failed = [(r, e) for r, e in enumerate(gathered) if e is not None]

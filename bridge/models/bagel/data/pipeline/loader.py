@@ -20,7 +20,7 @@ from typing import Any
 
 from ..config.schema import REMOVED_ORDERS
 from ..energon.readers.workers import shutdown_workers
-from ..state import (ELASTIC_TOPOLOGY_KEYS, ResizeContext, ResumeMismatchError, Stage, StateError, check_fields,
+from ..state import (ELASTIC_TOPOLOGY_KEYS, FRESH_STREAM_KEY, ResizeContext, ResumeMismatchError, Stage, StateError, check_fields,
                      check_restricted, energon_state_classes, fingerprint_diff, fingerprint_of, is_stateful,
                      load_value, mismatch_message, save_value, unsavable_fields, walk)
 from ..watchdog import batch_call
@@ -48,11 +48,11 @@ def _version_problem(state: Mapping[str, Any]) -> str:
     why = REMOVED_ORDERS.get(order)
     if why is not None:
         return (f"BagelExternalLoader.restore_state: this loader state was written with data.order {order!r}; {why}. "
-                "Start the data stream fresh (keep the model checkpoint, drop the loader state), or resume with the "
+                f"Start the data stream fresh while the model resumes ({FRESH_STREAM_KEY}=true), or resume with the "
                 "package version that wrote it")
     return (f"BagelExternalLoader.restore_state: loader state version {state.get('version')!r} is not supported (this "
             f"package reads and writes version {STATE_VERSION}); it was written by another version of "
-            "bagel-megatron-data: resume with that version, or start the data stream fresh")
+            f"bagel-megatron-data: resume with that version, or start the data stream fresh ({FRESH_STREAM_KEY}=true)")
 
 
 class BagelExternalLoader(Stage):
@@ -75,6 +75,9 @@ class BagelExternalLoader(Stage):
     (dotted paths) that may differ on restore because the stream does not depend on them (the elastic order's,
     ``state.ELASTIC_TOPOLOGY_KEYS``).
 
+    ``fresh_stream`` (``data.fresh_stream``): ``restore_state`` does not restore anything; it says so in one
+    log line and the stream starts fresh while the model resumes (a deliberate change of the data configuration).
+
     ``__len__`` is only a positive hint (Megatron's MIMO setup calls ``len``); iteration is not bounded by it
     and it is not part of the state, so a run may resume with a different ``train_iters``.
     """
@@ -82,7 +85,8 @@ class BagelExternalLoader(Stage):
     _savable_fields = ("version", "fingerprint", "generation", "position", "source", "stateful_loaders")
 
     def __init__(self, batches: Iterator[dict[str, Any]], *, length: int, stateful_loaders: Iterable[Any] = (),
-                 fingerprint: Mapping[str, Any] | None = None, topology_keys: Iterable[str] = ()) -> None:
+                 fingerprint: Mapping[str, Any] | None = None, topology_keys: Iterable[str] = (),
+                 fresh_stream: bool = False) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
         self.source = batches
@@ -99,6 +103,7 @@ class BagelExternalLoader(Stage):
             self.stateful_loaders.append(loader)
         self._config_fingerprint = dict(fingerprint or {})
         self.topology_keys = tuple(topology_keys)
+        self.fresh_stream = bool(fresh_stream)
         check_restricted(self._config_fingerprint, "fingerprint")
         self._closed = False
         self.reset_state()
@@ -216,8 +221,15 @@ class BagelExternalLoader(Stage):
         """Continue exactly where ``save_state()`` was taken; call before the first ``next()``.
 
         Raises ``StateError`` for a malformed or old-version state and ``ResumeMismatchError`` (naming every
-        differing key) when the configuration changed since the save.
+        differing key) when the configuration changed since the save. With ``fresh_stream`` nothing is restored
+        (whatever ``state`` is; ``None`` when the caller did not read it) and one INFO line says so.
         """
+        if self.fresh_stream:
+            saved = state.get("position") if isinstance(state, Mapping) else None
+            logger.info("%s=true: the loader state in the checkpoint%s is not restored; the data stream starts fresh "
+                        "(data seed, batch 0) while the model resumes", FRESH_STREAM_KEY,
+                        f" (batch {saved})" if isinstance(saved, int) else "")
+            return
         self.load_state_dict(state)
 
     def resize_states(self, olds: Sequence[Mapping[str, Any]], dp_rank: int, dp_size: int) -> dict[str, Any]:

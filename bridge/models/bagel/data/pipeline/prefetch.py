@@ -398,7 +398,7 @@ class PrefetchStage(Stage):
                  if s["shard"] else f"{s['process']}" if reports else f"the producer (pid {self._proc.pid})")
         return watchdog.DataTimeoutError(
             f"data time-out: the prefetch producer handed no batch for {waited:.0f}s (data.timeout_s="
-            f"{self.timeout_s:g} plus a margin for its own readers' time-out) waiting on {where}; see the debug log "
+            f"{self.timeout_s:g} plus a margin for its own readers' time-out) waiting on {where}\nSee the debug log "
             "for its stack. Check the storage of the datasets, or raise data.timeout_s",
             brief=f"data time-out in the prefetch producer, waiting on {where}")
 

@@ -1,4 +1,4 @@
-"""No shared-memory segment of a prefetch job outlives the job, whatever kills it.
+"""No shared-memory segment of a job's worker processes outlives the job, whatever kills it.
 
 The prefetch producer allocates batch tensors with torch's ``file_system`` sharing strategy: named files
 ``/dev/shm/torch_<creator pid>_<random>_<counter>``. Normally they are unlinked when the last user frees them,
@@ -19,6 +19,9 @@ So every producer is registered under an *owner file* ``/dev/shm/bagel-prefetch-
   lock cannot be taken, so a concurrently running job keeps its segments. Segments of a recorded pid that is
   alive again (pid reuse) are left alone, as are owner files written in another pid namespace.
 - ``JobRecord.release()`` (normal close / exit) removes the owner file.
+- ``register_workers()`` (trainer, before its read pool forks ``data.num_workers`` read processes without a
+  prefetch producer): the same owner file for the trainer's own forked children, recorded by an at-fork hook; a
+  worker's ``torch_<pid>_*`` segments (its tensors on their way to the trainer) are reclaimed like a producer's.
 
 The hand-over path is untouched (tensors still travel by name, no round trip to the producer), so the trainer's
 ``next()`` costs what it did; the bookkeeping is one small file per producer and a scan of /dev/shm per start.
@@ -37,7 +40,7 @@ import time
 from typing import Any
 
 __all__ = ["JobRecord", "SHM_DIR", "adopt", "owner_files", "reclaim_stale", "register_job", "register_process",
-           "segments_of"]
+           "register_workers", "segments_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,20 @@ def register_job(shm_dir: str = SHM_DIR) -> JobRecord:
     record = JobRecord(final, fd)
     atexit.register(record.release)  # runs after the producer's own atexit shutdown (registered later)
     _current = record
+    return record
+
+
+def register_workers(shm_dir: str = SHM_DIR) -> JobRecord:
+    """Trainer, before it forks read workers itself: this process's owner file (the current one when this
+    process already holds one) and an at-fork hook that records every process it forks from now on, so that the
+    workers' segments are reclaimed by the next start if the job is killed. Idempotent per process."""
+    global _at_fork_installed
+    record = _current
+    if record is None or record.fd < 0 or record._owner_pid != os.getpid():
+        record = register_job(shm_dir)
+    if not _at_fork_installed:
+        os.register_at_fork(after_in_child=register_process)  # inherited by the children: grandchildren too
+        _at_fork_installed = True
     return record
 
 
@@ -191,9 +208,10 @@ def _reclaim_one(path: str, pidns: str, shm_dir: str) -> tuple[int, int]:
                 count, size = count + 1, size + nbytes
         os.unlink(path)
         if count:
-            logger.warning("shm: reclaimed %d shared-memory segments (%.1f MB) left in %s by a killed prefetch job "
-                           "(trainer pid %s, processes %s)", count, size / 2**20, shm_dir, header.get("trainer"),
-                           sorted(set(pids)))
+            logger.info("shm: reclaimed %d shared-memory segments (%.1f MB) in %s left by an earlier job on this "
+                        "machine that ended without cleaning up (trainer pid %s); nothing of a running job is "
+                        "touched", count, size / 2**20, shm_dir, header.get("trainer"))
+            logger.debug("shm: the earlier job's processes: %s", sorted(set(pids)))
         return count, size
     finally:
         os.close(fd)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .protocol import StateError, tag_of
 
-__all__ = ["ELASTIC_TOPOLOGY_KEYS", "ResumeMismatchError", "fingerprint_diff", "fingerprint_of", "mismatch_message"]
+__all__ = ["ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM_KEY", "ResumeMismatchError", "fingerprint_diff", "fingerprint_of", "mismatch_message"]
 
 #: Fingerprint keys the elastic order's stream does not depend on: the loader's DP rank/size and worker count,
 #: and the RNG iterator's rank seed (a function of the DP rank).
@@ -68,6 +68,8 @@ def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any], ignor
             for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
 
 
+#: The key that starts the data stream fresh while the model resumes (``BagelDataConfig.fresh_stream``).
+FRESH_STREAM_KEY = "data.fresh_stream"
 #: A refused restore names at most this many differing keys, each cut to _DIFF_CHARS characters.
 _DIFF_SHOWN, _DIFF_CHARS = 8, 240
 #: Loader keys that only the elastic order lets a run change across a restart.
@@ -84,8 +86,8 @@ def mismatch_message(diff: list[str]) -> str:
     rest = len(diff) - len(shown)
     if rest:
         cut.append(f"(+{rest} more: keys of the stages" + (", which follow from these)" if config else ")"))
-    remedy = ("restore with the data configuration this state was saved with, or start the data stream fresh "
-              "(without this state)")
+    remedy = ("restore with the data configuration this state was saved with, or keep the change and start the data "
+              f"stream fresh while the model resumes: {FRESH_STREAM_KEY}=true (docs/resume.md)")
     if any(d.startswith(_ELASTIC_KEYS) for d in config) and not any(d.startswith("loader.order:") for d in config):
         remedy += ("; only data.order: elastic lets a run change DP size or data.num_workers across a restart "
                    "(docs/elastic.md)")

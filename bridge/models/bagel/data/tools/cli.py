@@ -1,5 +1,6 @@
-"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, verify them, or generate the demo
-dataset."""
+"""``bagel-data``: convert official BAGEL raw data to Energon crude WebDatasets, verify them (``verify``), check
+budgets (``stats``), look at packed batches (``inspect``), rewrite loader state for another DP size
+(``resize-state``), check a run's exactly-once ledger (``ledger``), or generate the demo dataset."""
 
 from __future__ import annotations
 
@@ -46,11 +47,22 @@ def format_summary(summaries: Sequence[ConvertSummary]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default (argparse's ``(default: …)``), unless the help names it already or
+    there is none to name (a required flag, a switch)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.required or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", name: str, **kw: Any) -> argparse.ArgumentParser:
     """A subcommand that also takes ``-v/--verbose`` after its name (``bagel-data convert t2i ... -v``)."""
     verbose = argparse.ArgumentParser(add_help=False)
     verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
-    return sub.add_parser(name, parents=[verbose], **kw)
+    return sub.add_parser(name, parents=[verbose], formatter_class=_HelpFormatter, **kw)
 
 
 def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -62,7 +74,7 @@ def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
     ins.add_argument("--size", type=int, default=512, help="attention matrix side in pixels (default 512)")
     ins.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank whose stream to inspect")
     ins.add_argument("--dp-size", type=int, default=1, help="data-parallel size of the run")
-    ins.add_argument("--no-progress", action="store_true")
+    ins.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
     ins.add_argument("overrides", nargs="*", help="key=value job config overrides (as for the job)")
 
 
@@ -108,7 +120,7 @@ def _at_least(low: int) -> Callable[[str], int]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagel-data", description=__doc__)
+    p = argparse.ArgumentParser(prog="bagel-data", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
     conv = _add(sub, "convert", help="official raw format -> <out>/<group>/<name>/ crude WebDataset")
@@ -120,9 +132,10 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--name", help="dataset name (default: data dir basename / jsonl stem)")
             sp.add_argument("--source-root", help="root that stored paths are relative to (default: the parent of "
                             "--data-dir; vlm: the parent of the folder holding both --jsonl and --image-dir)")
-        sp.add_argument("--samples-per-shard", type=_at_least(1), default=DEFAULT_SAMPLES_PER_SHARD)
+        sp.add_argument("--samples-per-shard", type=_at_least(1), default=DEFAULT_SAMPLES_PER_SHARD,
+                        help="samples per Energon tar shard")
         sp.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
-        sp.add_argument("--no-progress", action="store_true")
+        sp.add_argument("--no-progress", action="store_true", help="no progress bar (logs, array jobs)")
         sp.add_argument("--workers", type=_at_least(1), default=1, help="processes converting source files (default 1)")
         sp.add_argument("--part", type=_at_least(0), help="convert only part PART of --num-parts (0-based; required "
                         "with --num-parts > 1)")
@@ -134,16 +147,20 @@ def _parser() -> argparse.ArgumentParser:
                              " PIL's MAX_IMAGE_PIXELS)")
 
     t2i = _add(csub, "t2i", help="t2i_pretrain parquet folder")
-    t2i.add_argument("--data-dir", required=True)
+    t2i.add_argument("--data-dir", required=True, help="the folder of the dataset's *.parquet files (columns image, "
+                     "captions: docs/raw-formats.md)")
     common(t2i)
     edit = _add(csub, "edit", help="unified_edit parquet folder + parquet_info JSON")
-    edit.add_argument("--data-dir", required=True)
-    edit.add_argument("--parquet-info", required=True)
+    edit.add_argument("--data-dir", required=True, help="the folder of the dataset's *.parquet files (columns "
+                      "image_list, instruction_list)")
+    edit.add_argument("--parquet-info", required=True, help="the official parquet_info JSON {parquet path: "
+                      "{num_row_groups: N}}")
     edit.add_argument("--parquet-info-root", help="directory that relative parquet_info keys are relative to")
     common(edit)
     vlm = _add(csub, "vlm", help="vlm_sft jsonl + image folder")
-    vlm.add_argument("--jsonl", required=True)
-    vlm.add_argument("--image-dir", required=True)
+    vlm.add_argument("--jsonl", required=True, help="the JSONL file (image + conversations per line)")
+    vlm.add_argument("--image-dir", required=True, help="the folder relative image paths are relative to (the "
+                     "registry's data_dir)")
     common(vlm)
     cfg = _add(csub, "config", help="every sub-dataset a grouped YAML names, paths from dataset_info")
     cfg.add_argument("--dataset-info", required=True, help="YAML/JSON {group: {name: {data_dir, ...}}}")
@@ -158,9 +175,9 @@ def _parser() -> argparse.ArgumentParser:
     stats = _add(sub, "stats", help="token estimates per group/dataset and a budget advisor for a job config")
     stats.add_argument("--config", required=True, help="job YAML (configs/demo.yaml format)")
     stats.add_argument("overrides", nargs="*", help="key=value job config overrides")
-    stats.add_argument("--max-samples", type=int, help="read only the first N samples of each dataset")
+    stats.add_argument("--max-samples", type=int, help="read only the first N samples of each dataset (default: all)")
     stats.add_argument("--histogram", default="bagel-data-stats.png", help="PNG to write ('' = none)")
-    stats.add_argument("--no-progress", action="store_true")
+    stats.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
 
     rs = _add(sub, "resize-state", help="rewrite a checkpoint's loader state files for another DP size "
                         "(data.order: elastic), for Megatron-Bridge's pretrain(), which reads only its own rank's file")
@@ -181,11 +198,19 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--num-parts", type=_at_least(1), default=1,
                      help="split the shards into this many disjoint parts (one per job of an array)")
     ver.add_argument("--no-progress", action="store_true")
+    ldg = _add(sub, "ledger", help="check that an elastic-order run read every sample exactly once (exit 0: yes, "
+                         "1: no, 2: bad input)")
+    ldg.add_argument("root", help="the checkpoint root of the run's last world (train.save: holds energon/iter_N/)")
+    ldg.add_argument("--digests", nargs="+", required=True, metavar="JSONL",
+                     help="every digest log of the run (train.digest_log / --digest-log of each launch, all "
+                          "restarts), in launch order")
+    ldg.add_argument("--step", type=int, help="the checkpoint step whose loader states end the run (default: "
+                     "latest_checkpointed_iteration.txt); digest rows after it are left out")
 
     demo = _add(sub, "demo-data", help="generate the small procedural demo dataset (raw + converted)")
-    demo.add_argument("out")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--scale", choices=("small", "medium"), default="small")
+    demo.add_argument("out", help="output folder (raw/, energon/, groups.yaml, dataset_info.yaml)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the procedural scenes")
+    demo.add_argument("--scale", choices=("small", "medium"), default="small", help="dataset size")
     return p
 
 
@@ -230,6 +255,25 @@ def _verify(args: argparse.Namespace) -> int:
         bar.close()
     print(format_report(report))
     return report.exit_code
+def _ledger(args: argparse.Namespace) -> int:
+    """``bagel-data ledger``: ``ledger.check_exactly_once`` over a run's digest logs and its last checkpoint's loader
+    states; exit 0 when exactly once holds, 1 when it does not (problems printed), 2 for unusable input."""
+    from ..config import ConfigError
+    from ..job.checkpoint import read_loader_states, read_step
+    from .ledger import check_exactly_once, format_report, read_digest_reads
+
+    try:
+        step = args.step if args.step is not None else read_step(args.root)
+        states = read_loader_states(args.root, step)
+        if not states:
+            raise ConfigError(f"{args.root}: no loader state files at step {step}")
+        report = check_exactly_once(read_digest_reads(args.digests, up_to_step=step), states)
+    except (ConfigError, ValueError, OSError) as e:
+        logger.error("%s", e)
+        return 2
+    print(f"{args.root} step {step}: {len(states)} DP ranks, {len(args.digests)} digest logs")
+    print(format_report(report))
+    return 0 if report.ok else 1
 
 
 def _resize_state(args: argparse.Namespace) -> int:
@@ -309,6 +353,8 @@ def _command(args: argparse.Namespace) -> int:
         return _resize_state(args)
     if args.cmd == "verify":
         return _verify(args)
+    if args.cmd == "ledger":
+        return _ledger(args)
     try:
         if args.cmd == "demo-data":
             from ..converter.demo import make_demo_data

@@ -19,6 +19,8 @@ open for long while other ranks read later epochs: each (position, epoch) is sti
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +29,7 @@ from typing import Any
 from ..energon.readers.elastic import reads_taken
 from ..energon.readers.partitions import PartitionOrder
 
-__all__ = ["LedgerReport", "check_exactly_once"]
+__all__ = ["LedgerReport", "check_exactly_once", "format_report", "read_digest_reads"]
 
 
 @dataclass
@@ -131,3 +133,49 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
         report.problems.append(f"taken {total_taken} != packed + waiting {total_kept} + dropped {report.dropped}: "
                                f"{total_taken - total_kept - report.dropped} reads unaccounted for")
     return report
+
+
+def read_digest_reads(paths: Sequence[str | os.PathLike], *, up_to_step: int | None = None) -> list[dict[str, Any]]:
+    """The packed samples' ``{"dataset_name", "position", "epoch"}`` from the job's digest logs (``train.digest_log``,
+    one JSON row per batch per rank, with ``reads`` under the elastic order), in file order.
+
+    One row per (DP size, DP rank, step, micro-batch) is kept, the last one (the TP / PP / CP peers of a DP replica
+    log the same batch; a run restarted on the same world from a checkpoint logs the steps after it again); rows
+    after ``up_to_step`` (the checkpoint the final states come from) are left out. Raises ValueError naming the file
+    and line of a row that is not a digest row, or of a log without any ``reads`` (not the elastic order).
+    """
+    rows: dict[tuple[int, int, int, int], list[dict[str, Any]]] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as fh:
+            for n, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    key = (int(row["dp_size"]), int(row["dp"]), int(row["step"]), int(row["micro"]))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}:{n}: not a digest row of the job (train.digest_log): "
+                                     f"{type(exc).__name__}: {exc}") from None
+                if up_to_step is not None and key[2] > up_to_step:
+                    continue
+                rows.pop(key, None)  # the last occurrence wins, in file order
+                rows[key] = [{"dataset_name": g, "position": int(j), "epoch": int(e)} for g, j, e in row.get("reads", ())]
+    reads = [r for batch in rows.values() for r in batch]
+    if rows and not reads:
+        raise ValueError(f"{', '.join(map(str, paths))}: no row records 'reads' (only data.order: elastic logs them)")
+    return reads
+
+
+def format_report(report: LedgerReport) -> str:
+    """The report as text: one line per group, the drops, the verdict and every problem."""
+    lines = [f"{'group':<16} {'selection':>9} {'taken':>7} {'packed':>7} {'waiting':>7}  epoch 0"]
+    for g, c in report.groups.items():
+        lines.append(f"{g:<16} {c['selection']:>9} {c['taken']:>7} {c['packed']:>7} {c['waiting']:>7}  "
+                     f"{'complete' if g in report.complete_groups else 'open'}")
+    lines.append(f"dropped (counted with a reason): {report.dropped}")
+    if report.ok:
+        lines.append("exactly once: yes (every taken read packed once, dropped with a reason, or waiting)")
+    else:
+        lines.append(f"exactly once: NO ({len(report.problems)} problems)")
+        lines += [f"  - {p}" for p in report.problems]
+    return "\n".join(lines)

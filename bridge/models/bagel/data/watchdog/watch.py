@@ -149,7 +149,7 @@ class ReadWatch:
         where = wait_line(s, self.datasets)
         self.stuck = DataTimeoutError(
             f"data time-out: {self.what} got nothing for {waited:.0f}s (data.timeout_s={self.timeout_s:g}) waiting "
-            f"on {where}. The storage under it does not answer (a hung mount?): check it (ls -l / cat the shard "
+            f"on {where}.\nThe storage under it does not answer (a hung mount?): check it (ls -l / cat the shard "
             "file), fix or remove the dataset, or raise data.timeout_s if reads there are merely slow",
             brief=f"data time-out in {where}")
         raise self.stuck

@@ -83,9 +83,8 @@ def run_inspect(config: str | os.PathLike | None, *, overrides: Sequence[str] = 
     batch. Raises ``ConfigError`` for a bad config and ``ValueError`` for ``batches < 1``.
     """
     from ...build import build_bagel_train_loader
-    from ...job.config import load_job_config
+    from ...job.config import load_job_config, validate_job
     from ...tokenizer import load_tokenizer
-    from ...config import validate_data
 
     if batches < 1:
         raise ValueError(f"inspect: --batches must be >= 1, got {batches}")
@@ -96,7 +95,7 @@ def run_inspect(config: str | os.PathLike | None, *, overrides: Sequence[str] = 
 
         make_demo_data(cfg.demo_data, seed=cfg.demo_seed)
     packer_cfg = cfg.data.packer
-    data = validate_data(cfg.data)
+    data = validate_job(cfg)  # the job's own validation pass and messages
     vae_norm, vit_norm = _norms(data.group_configs)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if out is not None:

@@ -1,0 +1,70 @@
+"""``data.fresh_stream``: the model resumes, the data stream starts fresh — the way out of a deliberate change.
+
+A checkpoint written under one packer budget is refused under another (the refusal names the changed key and
+``data.fresh_stream``); with ``data.fresh_stream=true`` the same resume runs, says so in one line, and the loader
+starts at batch 0. The last run is a real 2-rank ``torchrun`` job launched from another directory with a
+relative-path config (the path rule of ``load_job_config``), on another DP size than the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _external_common import single_process_pg_collection
+from _relative_project import project
+from bridge.models.bagel.data.job.config import load_job_config
+from bridge.models.bagel.data.job.runner import run_job
+from bridge.models.bagel.data.job.topology import AgreedError
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+REPO = Path(__file__).resolve().parents[1]
+SMALL = ["data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=8192",
+         "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
+         "train.global_batch_size=1", "train.progress=false", "train.log_interval=1"]
+
+
+def test_fresh_stream_resumes_a_changed_budget_and_says_so(demo_setup, tmp_path, caplog):
+    job_yaml = project(demo_setup, tmp_path)
+    _, tokenizer = demo_setup
+    ckpt = tmp_path / "ckpt"
+    from megatron.core import num_microbatches_calculator as nmc
+
+    def run(*overrides: str) -> dict:
+        cfg = load_job_config(job_yaml, [*SMALL, *overrides])
+        try:
+            return run_job(cfg, single_process_pg_collection(), tokenizer)
+        finally:
+            nmc.destroy_num_microbatches_calculator()
+
+    first = run("train.train_iters=2", f"train.save={ckpt}")
+    assert first["pipeline"]["position"] == 2
+    changed = ["train.train_iters=3", f"train.load={ckpt}", "data.packer.max_num_tokens=9216"]
+    with pytest.raises(AgreedError) as refused:
+        run(*changed)
+    text = str(refused.value)
+    assert refused.value.kind == "ResumeMismatchError"
+    assert "packer.max_num_tokens: saved=8192 current=9216" in text and "data.fresh_stream=true" in text, text
+
+    # the same change, from another directory, on 2 ranks (the checkpoint has 1), with the key
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    rel_config = os.path.relpath(job_yaml, elsewhere)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29593")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29593",
+         str(REPO / "scripts" / "pretrain_bagel.py"), "--config", rel_config, *SMALL,
+         "train.global_batch_size=2", *changed, "data.fresh_stream=true"],
+        cwd=elsewhere, capture_output=True, text=True, timeout=600, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    said = [line for line in out.splitlines() if "data.fresh_stream=true: the loader state" in line]
+    assert len(said) == 1 and "[rank0]" in said[0], said  # one line per job (rank 0's INFO)
+    summary = json.loads(next(line for line in out.splitlines() if " summary: " in line).split(" summary: ", 1)[1])
+    assert summary["start_step"] == 2 and summary["steps"] == 1
+    assert summary["pipeline"]["position"] == 1  # batch 1 of a fresh stream, not batch 3 of the old one
