@@ -46,8 +46,15 @@ def _repo_files() -> set[str]:
 FILES = _repo_files()
 
 
+#: Paths of the official BAGEL repository that pages cite as the source a piece mirrors (not files of ours).
+OFFICIAL = ("data/", "modeling/", "train/", "eval/")
+
+
 def _exists(name: str) -> bool:
-    """A path from one of ``ROOTS``, or the tail of a repository path (``readers/core.py``, ``bench_scale.py``)."""
+    """A path from one of ``ROOTS``, the tail of a repository path (``readers/core.py``, ``bench_scale.py``), or a
+    path of the official BAGEL repository (``OFFICIAL``)."""
+    if name.startswith(OFFICIAL):
+        return True
     if any((root / name).exists() for root in ROOTS):
         return True
     return any(f == name or f.endswith("/" + name) for f in FILES)

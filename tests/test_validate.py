@@ -129,8 +129,8 @@ def test_a_temp_dir_too_long_for_worker_sockets_is_a_problem_of_the_pass(tmp_pat
         return path
 
     long_dir = temp_dir(90)
-    for kw, cause in ((dict(num_workers=2), "Energon worker processes"), (dict(prefetch=2), "torch_shm_manager"),
-                      (dict(num_workers=2, prefetch=2), "Energon worker processes")):
+    for kw, cause in ((dict(num_workers=2), "read worker processes"), (dict(prefetch=2), "torch_shm_manager"),
+                      (dict(num_workers=2, prefetch=2), "read worker processes")):
         [p] = problems(long_dir, **kw)  # the socket that is really bound is the one named
         assert p.startswith(f"temp dir {str(long_dir)!r} is 90 bytes long") and "TMPDIR" in p, p
         assert cause in p and ("worker" not in p) == ("num_workers" not in kw), (kw, p)  # remedy included

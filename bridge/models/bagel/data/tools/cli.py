@@ -197,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--part", type=_at_least(0), help="check only part PART of --num-parts (0-based)")
     ver.add_argument("--num-parts", type=_at_least(1), default=1,
                      help="split the shards into this many disjoint parts (one per job of an array)")
-    ver.add_argument("--no-progress", action="store_true")
+    ver.add_argument("--no-progress", action="store_true", help="no progress bar (logs, array jobs)")
     ldg = _add(sub, "ledger", help="check that an elastic-order run read every sample exactly once (exit 0: yes, "
                          "1: no, 2: bad input)")
     ldg.add_argument("root", help="the checkpoint root of the run's last world (train.save: holds energon/iter_N/)")
