@@ -12,7 +12,6 @@ the one validation pass (``validate.validate_data``; pass its ``ValidatedData`` 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from importlib import metadata
@@ -28,6 +27,7 @@ from .pipeline.elastic import ELASTIC_TOPOLOGY_KEYS
 from .pipeline.loader import BagelExternalLoader
 from .pipeline.official_mode import OfficialWorkers
 from .packing import BagelPacker
+from .packing.balanced_packer import BalancedPacker
 from .pipeline.prefetch import PrefetchStage
 from .pipeline.rng import BagelRNGIterator, elastic_rank_seed
 from .tokenizer import add_special_tokens
@@ -98,14 +98,16 @@ def _reader(group: ResolvedGroup, tokenizer: Any, config: BagelDataConfig, dp_ra
 
 def _packer(groups: list[ResolvedGroup], special: dict[str, int], config: BagelDataConfig,
             make_reader: Callable[[ResolvedGroup], Any]) -> BagelPacker:
-    """One reader per group (``make_reader``) owned by a ``BagelPacker``; readers opened so far are closed when
+    """One reader per group (``make_reader``) owned by a ``BagelPacker`` (``BalancedPacker`` under
+    ``packer.strategy: balanced``); readers opened so far are closed when
     building fails."""
     readers: list[Any] = []
     try:
         for g in groups:
             readers.append(make_reader(g))
-        return BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
-                           special, config.packer, group_names=[g.group.name for g in groups])
+        packer_cls = BalancedPacker if config.packer.strategy == "balanced" else BagelPacker
+        return packer_cls(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
+                          special, config.packer, group_names=[g.group.name for g in groups])
     except BaseException:
         for reader in readers:
             reader.close()
@@ -148,7 +150,7 @@ def _fingerprint(config: BagelDataConfig, groups: list[ResolvedGroup], special: 
         "dp_rank": dp_rank,
         "dp_size": dp_size,
         "num_workers": config.num_workers,
-        "packer": dataclasses.asdict(config.packer),
+        "packer": config.packer.stream_identity(),
         "special_tokens": dict(special),
         "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
                     "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,

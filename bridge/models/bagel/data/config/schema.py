@@ -32,8 +32,11 @@ __all__ = [
     "OFFICIAL_NON_PACKER_KEYS",
     "ORDERS",
     "PREFETCH_STARTS",
+    "STRATEGIES",
     "BagelDataConfig",
+    "BalanceConfig",
     "ConfigError",
+    "CostConfig",
     "DatasetInfoEntry",
     "GroupConfig",
     "PackerConfig",
@@ -48,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 #: Values ``BagelDataConfig.prefetch_start`` accepts (``prefetch.START_METHODS``; kept here, prefetch is downstream).
 PREFETCH_STARTS: tuple[str, ...] = ("fork", "forkserver")
+#: Values ``PackerConfig.strategy`` accepts: the official greedy loop (default, bit-exact) or the cost-balanced
+#: loop (``packing.balance``).
+STRATEGIES: tuple[str, ...] = ("official", "balanced")
 #: Values ``BagelDataConfig.order`` accepts.
 ORDERS: tuple[str, ...] = ("energon", "official", "elastic")
 #: Keys of the official ``PackedDataset(data_config, **packed_dataset_args)`` call that are not packer knobs
@@ -61,6 +67,78 @@ _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_pat
 
 # --------------------------------------------------------------------------------------------------
 # Packer
+
+
+@dataclass
+class CostConfig:
+    """The model whose compute one pack costs (``packing.cost.CostModel``; ``data.packer.cost.*``).
+
+    Defaults: BAGEL-7B, i.e. Qwen2-7B (hidden 3584, 28 layers, 28 heads, 4 KV heads, FFN 18944) with
+    SigLIP-so400m/14 cut to 26 layers as BAGEL runs it (hidden 1152, FFN 4304). The FLOPs these give are
+    derived in ``packing/cost.py``. ``vae_flops_per_token``: FLOPs of the (frozen, forward-only) VAE encoder per
+    latent token, 0 = not counted (not derived here: measure it for your VAE and image sizes).
+    """
+
+    hidden_size: int = 3584
+    num_layers: int = 28
+    num_attention_heads: int = 28
+    num_query_groups: int = 4
+    ffn_hidden_size: int = 18944
+    vit_hidden_size: int = 1152
+    vit_num_layers: int = 26
+    vit_ffn_hidden_size: int = 4304
+    vae_flops_per_token: float = 0.0
+
+    def problems(self, where: str = "packer.cost") -> list[str]:
+        """Every value the cost model cannot work with, one message per key (empty when valid)."""
+        out: list[str] = []
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            v = getattr(self, name)
+            if not is_int(v) or v <= 0:
+                out.append(f"{where}.{name}: must be a positive integer, got {v!r}")
+        for name in ("vit_hidden_size", "vit_num_layers", "vit_ffn_hidden_size"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 0:
+                out.append(f"{where}.{name}: must be a non-negative integer (0 = no ViT cost), got {v!r}")
+        v = self.vae_flops_per_token
+        if not is_number(v) or v < 0:
+            out.append(f"{where}.vae_flops_per_token: must be a number >= 0 (0 = not counted), got {v!r}")
+        if out:
+            return out
+        if self.hidden_size % self.num_attention_heads:
+            out.append(f"{where}.hidden_size ({self.hidden_size}) must be a multiple of num_attention_heads "
+                       f"({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_query_groups:
+            out.append(f"{where}.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                       f"num_query_groups ({self.num_query_groups})")
+        return out
+
+
+@dataclass
+class BalanceConfig:
+    """Knobs of ``packer.strategy: balanced`` (``packing.balance``; ``data.packer.balance.*``).
+
+    ``target_tokens``: the mean real tokens a balanced pack aims at; every pack's cost target is this many
+    tokens at the stream's mean cost per token (None = ``(expected_num_tokens + max_num_tokens) / 2``).
+    ``lookahead``: packs' worth of cost the look-ahead buffer is refilled to before each pack (at most
+    ``max_buffer_size`` samples). ``max_wait``: packs after which a waiting sample is packed whenever the token cap
+    allows, even past the cost target.
+    """
+
+    target_tokens: int | None = None
+    lookahead: float = 3.0
+    max_wait: int = 8
+
+    def problems(self, where: str = "packer.balance") -> list[str]:
+        """Every invalid value, one message per key (empty when valid)."""
+        out: list[str] = []
+        if self.target_tokens is not None and (not is_int(self.target_tokens) or self.target_tokens <= 0):
+            out.append(f"{where}.target_tokens: must be a positive integer or null, got {self.target_tokens!r}")
+        if not is_number(self.lookahead) or not self.lookahead >= 1.0:
+            out.append(f"{where}.lookahead: must be a number of packs >= 1 (3.0 by default), got {self.lookahead!r}")
+        if not is_int(self.max_wait) or self.max_wait < 1:
+            out.append(f"{where}.max_wait: must be a positive integer (packs), got {self.max_wait!r}")
+        return out
 
 
 @dataclass
@@ -91,10 +169,42 @@ class PackerConfig:
     #: (``flush_drop`` / ``flush_drop_buffered``) for the next pack, and never let mandatory samples overflow
     #: ``max_num_tokens`` (``packing.step``; docs/packing_ledger.md).
     lossless: bool = False
+    #: Not an official knob: ``official`` (the official loop, default) or ``balanced`` (every pack close to one
+    #: common compute target, so no data-parallel rank waits for another; ``packing.balance``, docs/packing.md).
+    strategy: str = "official"
+    #: ``strategy: balanced`` only: its target and waiting bound.
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    #: The model's dimensions for the compute estimate of a pack (the balanced strategy, the job's straggler
+    #: telemetry and ``bagel-data stats``; ``packing.cost``). Never changes an official pack.
+    cost: CostConfig = field(default_factory=CostConfig)
+
+    def stream_identity(self) -> dict[str, Any]:
+        """The knobs that decide the batch stream, for resume fingerprints: every knob under ``strategy:
+        balanced``; under ``official`` all but ``strategy``, ``balance`` and ``cost`` (which only feed telemetry
+        there), so states saved before these keys existed still resume."""
+        out = dataclasses.asdict(self)
+        if self.strategy == "official":
+            for key in ("strategy", "balance", "cost"):
+                out.pop(key)
+        return out
+
+    @property
+    def balanced_target_tokens(self) -> int:
+        """``balance.target_tokens``, or ``(expected_num_tokens + max_num_tokens) // 2`` when it is null."""
+        t = self.balance.target_tokens
+        return int(t) if t is not None else (self.expected_num_tokens + self.max_num_tokens) // 2
 
     def problems(self, where: str = "packer") -> list[str]:
         """Every value the packer cannot work with, one message per key (empty when valid)."""
         out: list[str] = []
+        if self.strategy not in STRATEGIES:
+            out.append(f"{where}.strategy: must be one of {list(STRATEGIES)}, got {self.strategy!r}")
+        for sub, cls in (("balance", BalanceConfig), ("cost", CostConfig)):
+            value = getattr(self, sub)
+            if isinstance(value, cls):
+                out += value.problems(f"{where}.{sub}")
+            else:
+                out.append(f"{where}.{sub}: must be a mapping of {cls.__name__} keys, got {value!r:.60}")
         for name in ("expected_num_tokens", "max_num_tokens_per_sample", "max_num_tokens", "prefer_buffer_before",
                      "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side",
                      "max_consecutive_drops"):
@@ -121,6 +231,14 @@ class PackerConfig:
         if self.max_num_tokens_per_sample > self.max_num_tokens:
             out.append(f"{where}.max_num_tokens_per_sample ({self.max_num_tokens_per_sample}) exceeds "
                        f"max_num_tokens ({self.max_num_tokens}): such samples could never be packed")
+        if self.strategy == "balanced":
+            if self.max_buffer_size < 1:
+                out.append(f"{where}.max_buffer_size: strategy 'balanced' packs from a look-ahead buffer of this "
+                           f"many samples; it must be at least 1 (50, the default, or more), got "
+                           f"{self.max_buffer_size}")
+            if self.balanced_target_tokens > self.max_num_tokens:
+                out.append(f"{where}.balance.target_tokens ({self.balanced_target_tokens}) exceeds max_num_tokens "
+                           f"({self.max_num_tokens}): no pack could reach it")
         return out
 
     def validate(self, where: str = "packer") -> None:
@@ -150,7 +268,15 @@ class PackerConfig:
         unknown = sorted(str(k) for k in values if k not in names and k not in ignore)
         if unknown:
             raise ConfigError(f"{where}: unknown packer key(s) {unknown} (known: {sorted(names)})")
-        cfg = cls(**{k: v for k, v in values.items() if k in names})
+        kw = {k: v for k, v in values.items() if k in names}
+        for sub, sub_cls in (("balance", BalanceConfig), ("cost", CostConfig)):
+            if isinstance(kw.get(sub), Mapping):
+                sub_names = {f.name for f in dataclasses.fields(sub_cls)}
+                bad = sorted(str(k) for k in kw[sub] if k not in sub_names)
+                if bad:
+                    raise ConfigError(f"{where}.{sub}: unknown key(s) {bad} (known: {sorted(sub_names)})")
+                kw[sub] = sub_cls(**kw[sub])
+        cfg = cls(**kw)
         cfg.validate(where)
         return cfg
 
