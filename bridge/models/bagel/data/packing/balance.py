@@ -266,9 +266,10 @@ class BalancedLoop(Generic[S]):
             chosen[j], chosen[k] = False, True
             rest[rest.index(j)] = k
 
-    def fill(self, target: BalanceTarget[S], pool: list[tuple[int, S]], book: PoolBook) -> None:
+    def fill(self, target: BalanceTarget[S], pool: list[tuple[int, S]], book: PoolBook) -> tuple[int, float]:
         """Build one pack into ``target`` (``target.add`` per sample: mandatory picks first in group order, then
         pool order) from ``pool`` (updated in place, oldest first) after refilling it; ``book`` updated.
+        Returns the pack's (tokens, cost) as planned (exact: :meth:`BalanceTarget.measure` of its samples).
 
         Propagates StopIteration from ``target.next_sample`` (the pool keeps what was drawn; nothing was
         packed)."""
@@ -279,9 +280,12 @@ class BalancedLoop(Generic[S]):
             book.metrics = [target.measure(s, n) for (_, s), n in zip(pool, book.notes)]
         self._refill(target, pool, book)
         firsts, rest = self._select(pool, book)
+        tokens, cost = 0, 0.0
         for i in (*firsts, *rest):
             group, sample = pool[i]
             target.add(group, sample, book.metrics[i][0], book.notes[i])
+            tokens += book.metrics[i][0]
+            cost += book.metrics[i][1]
         taken = set(firsts) | set(rest)
         keep = [i for i in range(len(pool)) if i not in taken]
         pool[:] = [pool[i] for i in keep]
@@ -289,3 +293,4 @@ class BalancedLoop(Generic[S]):
         book.notes = [book.notes[i] for i in keep]
         book.metrics = [book.metrics[i] for i in keep]
         book.packs += 1
+        return tokens, cost

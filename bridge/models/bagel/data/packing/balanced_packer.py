@@ -130,6 +130,8 @@ class BalancedPacker(BagelPacker):
     def reset_state(self) -> None:
         super().reset_state()
         self._book = PoolBook(metrics=[])
+        #: (tokens, FLOPs) of the last pack as the loop planned it (not state: (0, 0.0) after a restore)
+        self.last_pack: tuple[int, float] = (0, 0.0)
 
     def draw_dropout(self, sample: Any) -> int:
         """The sample's CFG dropout, drawn now from the global ``random`` (one coin per ``enable_cfg`` item in plan
@@ -169,7 +171,7 @@ class BalancedPacker(BagelPacker):
         self._book = PoolBook.of_state(state)
 
     def _fill(self, fill: _PackFill) -> None:
-        self._balanced.fill(_CostedFill(fill, self), self.buffer, self._book)
+        self.last_pack = self._balanced.fill(_CostedFill(fill, self), self.buffer, self._book)
 
     @classmethod
     def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
@@ -192,10 +194,12 @@ class BalancedPacker(BagelPacker):
 
     def stats(self) -> dict[str, Any]:
         """``BagelPacker.stats()`` plus ``balance``: this rank's ``packs``, the ``target_flops`` of a pack, the
-        ``flops_per_token`` it derives from (mean over the samples drawn) and the ``pool_flops`` waiting."""
+        ``flops_per_token`` it derives from (mean over the samples drawn), the ``last_pack_flops`` /
+        ``last_pack_tokens`` the loop planned for the last pack and the ``pool_flops`` waiting."""
         out = super().stats()
         book = self._book
         out["balance"] = {"packs": book.packs, "target_flops": self._balanced.target_cost(book),
+                          "last_pack_tokens": self.last_pack[0], "last_pack_flops": self.last_pack[1],
                           "flops_per_token": book.cost_per_token,
                           "pool_flops": sum(c for _, c in book.metrics or ())}
         return out

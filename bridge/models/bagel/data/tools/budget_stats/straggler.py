@@ -5,7 +5,8 @@
 streams and its own group draws, where a sample is its estimate (tokens) and its cost (FLOPs,
 ``packing.cost.CostModel.cost``); step ``s`` is pack ``s`` of every rank. It reports what a step loses to the
 slowest rank, tokens per pack, how long samples wait, the group mix against the draw and the loop's CPU time
-per pack. ``bagel-data stats`` and ``scripts/bench_balance.py`` both call it.
+per pack. ``scripts/bench_balance.py`` calls it; ``bagel-data stats`` through :func:`predict` (both strategies
+on a config's datasets, from their metadata).
 
 Known approximations: CFG dropout is ignored (as in :func:`.simulate.simulate_packing`); a step is one pack per
 rank (one micro-batch); the cost model is FLOPs, not time (see ``packing.cost``).
@@ -13,6 +14,7 @@ rank (one micro-batch); the cost model is FLOPs, not time (see ``packing.cost``)
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -22,9 +24,11 @@ from dataclasses import dataclass, field
 
 from ...config import PackerConfig
 from ...packing.balance import BalancedLoop, PoolBook
+from ...packing.cost import CostModel
 from ...packing.step import PackBudgets, PackLoop
+from .estimate import GroupStats
 
-__all__ = ["RankRun", "StragglerResult", "cycled", "simulate_ranks", "straggler_ratio"]
+__all__ = ["Prediction", "RankRun", "StragglerResult", "cycled", "predict", "simulate_ranks", "straggler_ratio"]
 
 #: A simulated sample: (estimate in tokens, cost in FLOPs).
 Sample = tuple[int, float]
@@ -67,6 +71,8 @@ class _Rank:
         self.packed = [Counter() for _ in sources]
         self.drops: Counter[str] = Counter()
         self.waits: list[int] = []
+        self.waits_long: list[int] = []  # waits of samples of at least long_tokens
+        self.long_tokens = 0
 
     def random(self) -> float:
         return self.rng.random()
@@ -91,6 +97,8 @@ class _Rank:
         self.curr += est
         self.pack_cost += sample[1]
         self.waits.append(self.pack_index - sample[2])
+        if est >= self.long_tokens:
+            self.waits_long.append(self.pack_index - sample[2])
         self.packed[group]["samples"] += 1
         self.packed[group]["tokens"] += est
 
@@ -103,7 +111,7 @@ class _Rank:
 
 @dataclass
 class RankRun:
-    """One rank's packs: ``costs`` (FLOPs) and ``tokens`` per pack, after the warm-up."""
+    """One rank's packs: ``costs`` (FLOPs) and ``tokens`` per pack, warm-up included."""
 
     costs: list[float]
     tokens: list[int]
@@ -111,11 +119,14 @@ class RankRun:
 
 @dataclass
 class StragglerResult:
-    """What :func:`simulate_ranks` measured (after ``warmup`` packs per rank, except the mix and the drops).
+    """What :func:`simulate_ranks` measured (after ``warmup`` packs per rank, except ``cold_*``, the waits, the
+    mix and the drops, which count every pack).
 
     ``ratio``: mean over steps of the slowest rank's pack cost over the mean; ``lost``: share of step time
-    spent waiting for the slowest rank; ``tokens_per_pack``, ``cost_per_pack``: means; ``waits``: packs each
-    packed sample waited between being drawn and being packed; ``mix_dev``: the largest difference, over groups,
+    spent waiting for the slowest rank; ``cold_ratio`` / ``cold_lost``: the same over the warm-up steps (a fresh
+    start); ``tokens_per_pack``, ``cost_per_pack``: means; ``waits``: packs each packed sample waited between
+    being drawn and being packed (``waits_long``: those of samples estimated at half ``max_num_tokens_per_sample``
+    or more); ``mix_dev``: the largest difference, over groups,
     between a group's share of the packed samples (or tokens) and its share of the samples drawn and kept (the
     weighted draw); ``shares``: per group (packed samples share, packed tokens share); ``drops`` by reason;
     ``cpu_us_per_pack``: the loop's CPU time per pack (microseconds; sample streams included).
@@ -126,18 +137,21 @@ class StragglerResult:
     steps: int
     ratio: float = 1.0
     lost: float = 0.0
+    cold_ratio: float = 1.0
+    cold_lost: float = 0.0
     tokens_per_pack: float = 0.0
     cost_per_pack: float = 0.0
     waits: list[int] = field(default_factory=list)
+    waits_long: list[int] = field(default_factory=list)
     mix_dev: float = 0.0
     shares: list[tuple[float, float]] = field(default_factory=list)
     drops: dict[str, int] = field(default_factory=dict)
     cpu_us_per_pack: float = 0.0
     ranks: list[RankRun] = field(default_factory=list)
 
-    def wait_quantile(self, q: float) -> int:
-        """The ``q`` quantile of :attr:`waits` (packs; 0 without samples)."""
-        w = sorted(self.waits)
+    def wait_quantile(self, q: float, long: bool = False) -> int:
+        """The ``q`` quantile of :attr:`waits` (or :attr:`waits_long`; packs; 0 without samples)."""
+        w = sorted(self.waits_long if long else self.waits)
         return w[min(len(w) - 1, int(q * len(w)))] if w else 0
 
 
@@ -166,6 +180,7 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
     cpu = 0.0
     for r in range(dp):
         rank = _Rank(make_sources(r), random.Random(seed * 1_000_003 + r))
+        rank.long_tokens = packer.max_num_tokens_per_sample // 2
         buffer: list = []
         carry: list = []
         book = PoolBook(metrics=[])
@@ -177,12 +192,12 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
                 loop.fill(rank, buffer, book)
             else:
                 loop.fill(rank, buffer, carry)
-            if p >= warmup:
-                run.costs.append(rank.pack_cost)
-                run.tokens.append(rank.curr)
+            run.costs.append(rank.pack_cost)
+            run.tokens.append(rank.curr)
         cpu += time.process_time() - t0
         res.ranks.append(run)
         res.waits += rank.waits
+        res.waits_long += rank.waits_long
         res.drops = dict(Counter(res.drops) + rank.drops)
         waiting = Counter(g for g, _ in (*buffer, *carry))
         for g in range(n):
@@ -191,9 +206,11 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
             kept[g]["tokens"] += (rank.packed[g]["tokens"] + rank.kept[g]["flushed_tokens"]
                                   + sum(s[0] for gg, s in (*buffer, *carry) if gg == g))
             packed[g].update(rank.packed[g])
-    res.ratio, res.lost = straggler_ratio([run.costs for run in res.ranks])
-    all_costs = [c for run in res.ranks for c in run.costs]
-    all_tokens = [t for run in res.ranks for t in run.tokens]
+    res.ratio, res.lost = straggler_ratio([run.costs[warmup:] for run in res.ranks])
+    if warmup:
+        res.cold_ratio, res.cold_lost = straggler_ratio([run.costs[:warmup] for run in res.ranks])
+    all_costs = [c for run in res.ranks for c in run.costs[warmup:]]
+    all_tokens = [t for run in res.ranks for t in run.tokens[warmup:]]
     res.cost_per_pack = statistics.fmean(all_costs) if all_costs else 0.0
     res.tokens_per_pack = statistics.fmean(all_tokens) if all_tokens else 0.0
     res.cpu_us_per_pack = 1e6 * cpu / max(dp * (warmup + packs), 1)
@@ -203,3 +220,44 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
     res.mix_dev = max((abs(packed[g][k] / tot[k] - kept[g][k] / drawn[k]) for g in range(n)
                        for k in ("samples", "tokens")), default=0.0)
     return res
+
+
+@dataclass
+class Prediction:
+    """The straggler prediction at one DP size: the official and the balanced strategy on the same streams."""
+
+    dp: int
+    official: StragglerResult
+    balanced: StragglerResult
+
+
+def predict(groups: Sequence[GroupStats], packer: PackerConfig, *, dps: Sequence[int] = (8, 64), packs: int = 8,
+            warmup: int = 10, seed: int = 0) -> list[Prediction] | str:
+    """Both strategies at each DP size in ``dps`` on the groups' estimates (``bagel-data stats``): every rank
+    draws from its own shuffle of each group's samples (mean estimate, cost of the expected work,
+    ``packing.cost.CostModel.cost`` under ``packer.cost``). Returns why no prediction can be made instead (a
+    mandatory group without a usable sample, budgets a loop refuses)."""
+    model = CostModel.of(packer.cost)
+    samples = [[(max(1, round(e.mean)), model.cost(e.work)) for e in g.estimates] for g in groups]
+    empty = [g.group.name for g, s in zip(groups, samples) if not s]
+    if any(g.group.is_mandatory for g, s in zip(groups, samples) if not s):
+        return f"mandatory group(s) without a usable sample: {empty}"
+    weights = [g.group.weight if s else 0.0 for g, s in zip(groups, samples)]
+    if not sum(weights) > 0:
+        return "no usable samples"
+    mandatory = [g.group.is_mandatory for g in groups]
+
+    def sources(rank: int) -> list[Iterator[Sample]]:
+        rng = random.Random(seed * 7919 + rank)
+        return [cycled(s, rng) if s else iter(()) for s in samples]
+
+    out = []
+    try:
+        for dp in dps:
+            runs = [simulate_ranks(sources, weights, mandatory, dataclasses.replace(packer, strategy=strategy),
+                                   dp=dp, packs=packs, warmup=warmup, seed=seed)
+                    for strategy in ("official", "balanced")]
+            out.append(Prediction(dp, *runs))
+    except ValueError as exc:
+        return str(exc)
+    return out
