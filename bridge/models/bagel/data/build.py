@@ -26,8 +26,7 @@ from .energon.layout import ManifestError
 from .pipeline.elastic import ELASTIC_TOPOLOGY_KEYS
 from .pipeline.loader import BagelExternalLoader
 from .pipeline.official_mode import OfficialWorkers
-from .packing import BagelPacker
-from .packing.balanced_packer import BalancedPacker
+from .packing import BagelPacker, BalancedPacker
 from .pipeline.prefetch import PrefetchStage
 from .pipeline.rng import BagelRNGIterator, elastic_rank_seed
 from .tokenizer import add_special_tokens

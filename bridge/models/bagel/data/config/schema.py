@@ -179,13 +179,15 @@ class PackerConfig:
     cost: CostConfig = field(default_factory=CostConfig)
 
     def stream_identity(self) -> dict[str, Any]:
-        """The knobs that decide the batch stream, for resume fingerprints: every knob under ``strategy:
-        balanced``; under ``official`` all but ``strategy``, ``balance`` and ``cost`` (which only feed telemetry
-        there), so states saved before these keys existed still resume."""
+        """The knobs that decide the batch stream, for resume fingerprints: the official knobs, and under
+        ``strategy: balanced`` also ``strategy: {name, balance, cost}`` (so a fingerprint difference names the
+        strategy in every line). Under ``official`` the three keys only feed telemetry and are left out, so states
+        saved before they existed still resume."""
         out = dataclasses.asdict(self)
-        if self.strategy == "official":
-            for key in ("strategy", "balance", "cost"):
-                out.pop(key)
+        balance, cost = out.pop("balance"), out.pop("cost")
+        del out["strategy"]
+        if self.strategy != "official":
+            out["strategy"] = {"name": self.strategy, "balance": balance, "cost": cost}
         return out
 
     @property

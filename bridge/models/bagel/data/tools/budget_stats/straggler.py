@@ -30,8 +30,9 @@ from .estimate import GroupStats
 
 __all__ = ["Prediction", "RankRun", "StragglerResult", "cycled", "predict", "simulate_ranks", "straggler_ratio"]
 
-#: A simulated sample: (estimate in tokens, cost in FLOPs).
-Sample = tuple[int, float]
+#: A simulated sample: (estimate in tokens, cost in FLOPs), or (estimate, cost, packed length in tokens) when the
+#: packed length is shorter than the official estimate (images no plan item uses, quirk §13.14).
+Sample = tuple[int, float] | tuple[int, float, int]
 
 
 def cycled(samples: Sequence[Sample], rng: random.Random) -> Iterator[Sample]:
@@ -78,8 +79,8 @@ class _Rank:
         return self.rng.random()
 
     def next_sample(self, group: int) -> list:
-        est, cost = next(self.sources[group])
-        return [est, cost, self.pack_index, group]
+        est, cost, *length = next(self.sources[group])
+        return [est, cost, self.pack_index, group, length[0] if length else est]
 
     @staticmethod
     def estimate(sample: list) -> int:
@@ -91,7 +92,7 @@ class _Rank:
 
     @staticmethod
     def measure(sample: list, note: int) -> tuple[int, float]:
-        return sample[0], sample[1]
+        return sample[4], sample[1]
 
     def add(self, group: int, sample: list, est: int, note: int = 0) -> None:
         self.curr += est
