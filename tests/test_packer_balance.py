@@ -413,10 +413,10 @@ def test_job_logs_the_straggler_line_under_torchrun_dp2(demo_setup, tmp_path) ->
            f"data.dataset_info={out}/dataset_info.yaml", "data.prefetch=0", "data.packer.strategy=balanced",
            "data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=8192",
            "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
-           "train.train_iters=3", "train.log_interval=1", "train.progress=false", "train.save=null"]
+           "train.train_iters=2", "train.log_interval=1", "train.progress=false", "train.save=null"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     lines = [x for x in log.splitlines() if "straggler: compute max/mean over 2 DP ranks" in x]
-    assert len(lines) == 3, log[-4000:]
+    assert len(lines) == 2, log[-4000:]
     assert '"straggler_ratio": ' in log  # the summary carries the run's ratio
