@@ -28,6 +28,7 @@ from _external_common import assert_same, demo_config
 from bridge.models.bagel.data.attention import flex_metadata, mask_rule
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import BalanceConfig, ConfigError, CostConfig, PackerConfig, validate_data
+from bridge.models.bagel.data.config.validate import strategy_problems
 from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.job.batch_check import check_batch
 from bridge.models.bagel.data.job.telemetry import StragglerStats, Telemetry
@@ -35,8 +36,7 @@ from bridge.models.bagel.data.packing import ListGroupSource
 from bridge.models.bagel.data.packing.balanced_packer import BalancedPacker
 from bridge.models.bagel.data.packing.cost import CostModel, Work, batch_work, sample_work, split_pairs
 from bridge.models.bagel.data.packing.packer import ledger_errors
-from bridge.models.bagel.data.pipeline.elastic import resize_loader_states
-from bridge.models.bagel.data.state import StateError
+from bridge.models.bagel.data.state import ResizeContext, StateError
 from bridge.models.bagel.data.tools.budget_stats.straggler import simulate_ranks, straggler_ratio
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
 from packer_golden import load_case
@@ -188,7 +188,7 @@ def test_state_round_trip_and_refusals() -> None:
     for _ in range(6):
         next(packer)
     state = packer.state_dict()
-    assert state["balance"]["since"] and len(state["balance"]["since"]) == len(state["buffer_keys"])
+    assert state["balance"]["since"] and len(state["balance"]["since"]) == len(state["buffer"])
     rng = random.getstate(), np.random.get_state()
     expected = [next(packer) for _ in range(6)]
     fresh = _golden_balanced()
@@ -231,16 +231,20 @@ def test_straggler_ratio_at_dp64_official_vs_balanced() -> None:
 # -- configuration ----------------------------------------------------------------------------------------------
 
 def test_config_keys_are_checked() -> None:
-    with pytest.raises(ConfigError, match="packer.strategy: must be one of"):
-        PackerConfig(strategy="greedy").validate()
+    def problems(**kw) -> str:
+        return "\n".join(strategy_problems(PackerConfig(**kw)))
+
+    assert problems() == "" and problems(strategy="balanced") == ""
+    assert "packer.strategy: must be one of ['official', 'balanced'], got 'greedy'" in problems(strategy="greedy")
     with pytest.raises(ConfigError, match=r"packer.balance: unknown key\(s\) \['maxwait'\]"):
         PackerConfig.from_mapping({"strategy": "balanced", "balance": {"maxwait": 3}})
-    with pytest.raises(ConfigError, match="packer.balance.lookahead: must be a number of packs >= 1"):
-        PackerConfig(balance=BalanceConfig(lookahead=0.5)).validate()
-    with pytest.raises(ConfigError, match="packer.cost.hidden_size .* must be a multiple of num_attention_heads"):
-        PackerConfig(cost=CostConfig(hidden_size=100)).validate()
-    with pytest.raises(ConfigError, match="balance.target_tokens .* exceeds max_num_tokens"):
-        PackerConfig(strategy="balanced", balance=BalanceConfig(target_tokens=40000)).validate()
+    assert "packer.balance.lookahead: must be a number of packs >= 1" in problems(balance=BalanceConfig(lookahead=0.5))
+    assert "packer.cost.hidden_size (100) must be a multiple of num_attention_heads" in problems(
+        cost=CostConfig(hidden_size=100))
+    assert "balance.target_tokens (40000) exceeds max_num_tokens" in problems(
+        strategy="balanced", balance=BalanceConfig(target_tokens=40000))
+    assert "max_buffer_size: strategy 'balanced' packs from a look-ahead buffer" in problems(
+        strategy="balanced", max_buffer_size=0)
     assert PackerConfig(strategy="balanced").balanced_target_tokens == (32768 + 36864) // 2
     # the official stream's identity does not name the new keys (states saved before them still resume)
     assert set(PackerConfig().stream_identity()) == set(PackerConfig.keys()) - {"strategy", "balance", "cost"}
@@ -254,6 +258,10 @@ def test_mandatory_groups_that_could_overflow_are_refused(demo_setup) -> None:
         cfg.packer, strategy="balanced", max_num_tokens_per_sample=8000))
     with pytest.raises(ConfigError, match="2 mandatory groups .* each put one sample"):
         validate_data(cfg)
+    # the one validation pass collects the strategy's key problems with the others
+    bad = dataclasses.replace(cfg, packer=dataclasses.replace(cfg.packer, strategy="greedy"))
+    with pytest.raises(ConfigError, match="packer.strategy: must be one of"):
+        validate_data(bad)
 
 
 # -- the real loader: Energon readers, the Qwen2 tokenizer ---------------------------------------------------
@@ -308,7 +316,7 @@ def _world(cfg, tok, size, states=None):
     loaders = [build_bagel_train_loader(cfg, tok, (r, size), length=10) for r in range(size)]
     if states is not None:
         for r, loader in enumerate(loaders):
-            loader.restore_state(states[r] if len(states) == size else resize_loader_states(states, r, size))
+            loader.restore_state(states[r] if len(states) == size else loader.resize_states(states, r, size))
     return loaders
 
 
@@ -335,19 +343,25 @@ def test_elastic_resize_is_exactly_once_with_the_balanced_pool(small_elastic) ->
     twice, _ = _run(_world(cfg, tok, 1, s3), 6)  # the same resize again: the same batches
     for a, b in zip(batches[0], twice[0]):
         assert_same(a, b)
-    new = BalancedPacker.resize_state([_packer_state(s) for s in s2], _Ctx(0, 3))
-    assert new["balance"]["since"] == [] and new["balance"]["packs"] == 0
-    assert new["balance"]["seen_tokens"] == sum(_packer_state(s)["balance"]["seen_tokens"] for s in s2)
+    live = build_bagel_train_loader(cfg, tok, (0, 3), length=10)
+    packer = _packer_stage(live)
+    olds = [_packer_state(s) for s in s2]
+    for rank in range(3):
+        new = packer.resize_state(olds, ResizeContext(rank, 3, 1, cfg.seed))
+        assert new["balance"]["since"] == [] and new["balance"]["packs"] == 0 and new["buffer"] == []
+        assert new["balance"]["seen_tokens"] == sum(o["balance"]["seen_tokens"] for o in olds)  # one common target
+    official = [dict((k, v) for k, v in o.items() if k != "balance") for o in olds]
+    with pytest.raises(StateError, match="saved under another packer.strategy"):
+        packer.resize_state(official, ResizeContext(0, 3, 1, cfg.seed))
+    live.close()
 
 
-class _Ctx:
-    """A resize context whose nested sources keep their old rank's state (enough for the packer's own rule)."""
-
-    def __init__(self, rank: int, size: int) -> None:
-        self.dp_rank, self.dp_size, self.generation = rank, size, 1
-
-    def resize(self, tagged_olds, handover=()):
-        return tagged_olds[0]
+def _packer_stage(loader) -> BalancedPacker:
+    """The live BalancedPacker of a built loader (through the chain's ``source``)."""
+    stage = loader
+    while not isinstance(stage, BalancedPacker):
+        stage = stage.source
+    return stage
 
 
 def _packer_state(loader_state: dict) -> dict:

@@ -58,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from .lengths import is_overlength, mandatory_tokens
+from ..config.lengths import is_overlength
 from .step import GroupDraw, PackBudgets
 
 __all__ = ["COMPLETION_GAP", "BalanceTarget", "BalancedLoop", "PoolBook"]
@@ -84,7 +84,7 @@ class BalanceTarget(Protocol[S]):
         """The next sample of group ``group`` (may raise StopIteration)."""
 
     def estimate(self, sample: S) -> int:
-        """The sample's official length estimate (tokens, :func:`.lengths.estimate`; the over-length rule)."""
+        """The sample's official length estimate (tokens, :func:`..config.lengths.estimate`; the over-length rule)."""
 
     def enter(self, sample: S) -> int:
         """The note of a sample entering the pool (draws what must be drawn now; 0 if nothing)."""
@@ -138,29 +138,21 @@ class BalancedLoop(Generic[S]):
     """The balanced pack loop (module docstring) for groups of ``weights`` / ``mandatory`` flags.
 
     ``target_tokens``: mean real tokens per pack aimed at; ``max_wait``: packs after which a waiting sample
-    only needs to fit the token cap; ``lookahead``: packs' worth of cost the pool is refilled to. Raises ValueError for mismatched lengths, a pool of fewer than one
-    sample, or budgets where the mandatory samples alone could exceed ``max_num_tokens``.
+    only needs to fit the token cap; ``lookahead``: packs' worth of cost the pool is refilled to. The budgets are
+    trusted (``config.validate.validate_data`` checks them: a pool of at least one sample, mandatory samples that
+    fit ``max_num_tokens`` together); raises ValueError only for mismatched per-group lengths.
     """
 
     def __init__(self, budgets: PackBudgets, weights: Sequence[float], mandatory: Sequence[bool], *,
                  target_tokens: int, max_wait: int, lookahead: float) -> None:
         if len(weights) != len(mandatory):
             raise ValueError(f"{len(weights)} group weights but {len(mandatory)} mandatory flags")
-        if budgets.max_buffer_size < 1:
-            raise ValueError("packer.strategy balanced: max_buffer_size (the look-ahead pool) must be >= 1")
         self.budgets = budgets
         self.draw_group = GroupDraw(weights)
         self.mandatory = [g for g, m in enumerate(mandatory) if m]
         self.target_tokens = int(target_tokens)
         self.max_wait = int(max_wait)
         self.lookahead = float(lookahead)
-        worst = mandatory_tokens(len(self.mandatory), budgets.max_num_tokens_per_sample)
-        if worst > budgets.max_num_tokens:
-            raise ValueError(
-                f"packer.strategy balanced: {len(self.mandatory)} mandatory groups x (max_num_tokens_per_sample "
-                f"{budgets.max_num_tokens_per_sample} - 1) = {worst} tokens > max_num_tokens "
-                f"{budgets.max_num_tokens}: mandatory samples alone could overflow a pack. Lower "
-                f"max_num_tokens_per_sample, raise max_num_tokens, or make fewer groups is_mandatory")
 
     # -- 1. refill -----------------------------------------------------------------------------------------
     def _enter(self, target: BalanceTarget[S], pool: list[tuple[int, S]], book: PoolBook, group: int,

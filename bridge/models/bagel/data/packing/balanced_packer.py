@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..config.schema import PackerConfig
-from ..state import StateError, register_resizable
+from ..state import ResizeContext, StateError
 from .balance import BalancedLoop, PoolBook
 from .cost import CostModel, Work, sample_work
 from .packer import BagelPacker, _PackFill, _resize_packer_state
@@ -103,12 +103,11 @@ class _CostedFill:
         self.fill.drop(reason, group, sample, est, curr)
 
 
-@register_resizable
 class BalancedPacker(BagelPacker):
     """``BagelPacker`` with the balanced loop (module docstring); ``config.strategy`` must be ``balanced``.
 
-    Same arguments as ``BagelPacker``. Raises ValueError for another strategy or budgets the balanced loop
-    refuses (mandatory samples that could overflow ``max_num_tokens`` together).
+    Same arguments as ``BagelPacker``; the config is trusted (``config.validate.validate_data`` checks the
+    strategy's knobs and budgets). Raises ValueError for a config of another strategy (a wiring error).
     """
 
     _savable_fields = (*BagelPacker._savable_fields, "balance")
@@ -159,34 +158,51 @@ class BalancedPacker(BagelPacker):
 
     @property
     def balance(self) -> dict[str, Any]:
-        """The balanced loop's record (``PoolBook.state``): entry pack per pooled sample, packs, cost sums."""
+        """The balanced loop's record (``PoolBook.state``): entry pack and note per pooled sample, packs, cost
+        sums (the declared state field ``balance``)."""
         return self._book.state()
 
-    @balance.setter
-    def balance(self, state: dict[str, Any]) -> None:
-        _check_book(state, "BalancedPacker.load_state_dict")
-        if len(state["since"]) != len(self.buffer):
-            raise StateError(f"BalancedPacker.load_state_dict: {len(state['since'])} entry packs for "
-                             f"{len(self.buffer)} buffered samples")
-        self._book = PoolBook.of_state(state)
+    def state_dict(self) -> dict[str, Any]:
+        """``BagelPacker.state_dict()`` (the pool is its ``buffer``, as restore keys) plus ``balance``."""
+        state = super().state_dict()
+        state["balance"] = self._book.state()
+        return state
+
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """``BagelPacker.check_compatible``, and ``balance`` must be a balanced packer's record with one entry
+        per buffered sample."""
+        super().check_compatible(state)
+        _check_book(state["balance"], "BalancedPacker.load_state_dict")
+        if len(state["balance"]["since"]) != len(state["buffer"]):
+            raise StateError(f"BalancedPacker.load_state_dict: {len(state['balance']['since'])} entry packs for "
+                             f"{len(state['buffer'])} buffered samples")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``BagelPacker.load_state_dict`` (the pool rebuilt from its restore keys), then the pool's record; the
+        samples' lengths and costs are measured again at the next pack."""
+        super().load_state_dict(state)
+        self._book = PoolBook.of_state(state["balance"])
 
     def _fill(self, fill: _PackFill) -> None:
         self.last_pack = self._balanced.fill(_CostedFill(fill, self), self.buffer, self._book)
 
-    @classmethod
-    def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
-        """``BagelPacker.resize_state`` (the pool is handed over as the buffer is; docs/packing_ledger.md), plus
-        ``balance``: an empty record with the old world's summed cost and token sums, on every new rank.
-        Raises ``StateError`` (one line) for states that are not balanced packer states."""
+    def resize_state(self, olds: list[dict[str, Any]], ctx: ResizeContext, **kw: Any) -> dict[str, Any]:
+        """``BagelPacker.resize_state`` (the pool is handed to the readers as the buffer is;
+        docs/packing_ledger.md), plus ``balance``: an empty record with the old world's summed cost and token
+        sums, on every new rank (one common target from the first pack after the resize). Raises ``StateError``
+        (one line) for states that are not balanced packer states."""
         base = BagelPacker._savable_fields
-        for i, old in enumerate(olds if isinstance(olds, (list, tuple)) else ()):
-            if not isinstance(old, dict) or set(old) != set(cls._savable_fields):
+        if not isinstance(olds, (list, tuple)) or not olds:
+            raise StateError(f"BalancedPacker.resize_state: needs the packer states of all old ranks (a non-empty "
+                             f"list), got {olds!r:.80}")
+        for i, old in enumerate(olds):
+            if not isinstance(old, dict) or set(old) != set(self._savable_fields):
                 got = sorted(old) if isinstance(old, dict) else type(old).__name__
                 raise StateError(f"BalancedPacker.resize_state: old rank {i}'s state has fields {got}, a "
-                                 f"BalancedPacker state has {list(cls._savable_fields)} (saved under another "
+                                 f"BalancedPacker state has {list(self._savable_fields)} (saved under another "
                                  "packer.strategy or version)")
             _check_book(old["balance"], f"BalancedPacker.resize_state: old rank {i}")
-        state = _resize_packer_state(base, [{k: old[k] for k in base} for old in olds] if olds else olds, ctx)
+        state = _resize_packer_state(base, self.source, [{k: old[k] for k in base} for old in olds], ctx)
         state["balance"] = {"since": [], "notes": [], "packs": 0,
                             "seen_cost": float(sum(float(old["balance"]["seen_cost"]) for old in olds)),
                             "seen_tokens": sum(int(old["balance"]["seen_tokens"]) for old in olds)}

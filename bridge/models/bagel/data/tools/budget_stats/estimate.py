@@ -26,11 +26,11 @@ from PIL import Image
 
 from ...config.budgets import edit_outcomes, image_tokens, t2i_estimate, vlm_estimate
 from ...config import ConfigError, GroupConfig
-from ...energon.damage import diagnose
+from ...energon.layout.damage import diagnose
 from ...energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
-from ...energon.reader import DataReadError
+from ...errors import DataReadError
+from ...config.lengths import is_overlength
 from ...packing.cost import Work, split_pairs
-from ...packing.lengths import is_overlength
 from ...transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
 __all__ = ["DatasetStats", "GroupStats", "SampleEstimate", "dataset_stats", "layout_work"]
@@ -142,8 +142,8 @@ def _t2i(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
 
 
 def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
-    from ...energon.cook_common import DropSample
-    from ...energon.cook_vlm import conversation_elements
+    from ...energon.cooking.common import DropSample
+    from ...energon.cooking.vlm import conversation_elements
 
     t = g.transform()
     try:
@@ -363,7 +363,7 @@ class GroupStats:
 
     def over(self, limit: int) -> tuple[int, int]:
         """(always dropped, dropped for some random choices) sample counts under ``max_num_tokens_per_sample =
-        limit`` tokens (:func:`..packing.lengths.is_overlength`)."""
+        limit`` tokens (:func:`..config.lengths.is_overlength`)."""
         m = self.group.is_mandatory
         always = sum(is_overlength(e.lo, limit, m) for e in self.estimates)
         some = sum(is_overlength(e.hi, limit, m) and not is_overlength(e.lo, limit, m) for e in self.estimates)
