@@ -31,7 +31,8 @@ from bridge.models.bagel.data.config import BalanceConfig, ConfigError, CostConf
 from bridge.models.bagel.data.config.validate import strategy_problems
 from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.job.batch_check import check_batch
-from bridge.models.bagel.data.job.telemetry import StragglerStats, Telemetry
+from bridge.models.bagel.data.job.straggler import StragglerMeter, StragglerStats
+from bridge.models.bagel.data.job.telemetry import Telemetry
 from bridge.models.bagel.data.packing import ListGroupSource
 from bridge.models.bagel.data.packing.balanced_packer import BalancedPacker
 from bridge.models.bagel.data.packing.cost import CostModel, Work, batch_work, sample_work, split_pairs
@@ -380,21 +381,24 @@ def _packer_state(loader_state: dict) -> dict:
 
 # -- telemetry, bagel-data stats, the job ----------------------------------------------------------------------
 
-def test_telemetry_reports_the_straggler_ratio(caplog) -> None:
-    tele = Telemetry(max_num_tokens=320, group_weights={"a": 1.0}, enabled=True)
+def test_straggler_meter_reports_the_ratio_and_the_lost_share(caplog) -> None:
     stats = StragglerStats(2, (3.0, 4.0), (2.0, 4.0))
     assert stats.ratio == pytest.approx((1.5 + 1.0) / 2) and stats.lost == pytest.approx(1 / 7)
+    meter = StragglerMeter(enabled=True)
     batch = load_case(FLEX)["batches"][0]
-    from bridge.models.bagel.data.job.batch_check import account_batch
-    tele.record(account_batch(batch, max_num_tokens=320), 0.0, step=1)
-    tele.record(account_batch(batch, max_num_tokens=320), 0.0, step=1)
-    single = tele.reduce_costs()  # no process group: this rank alone
+    assert meter.record(1, batch) == CostModel.of().cost(batch_work(batch))
+    meter.record(1, batch)
+    single = meter.reduce()  # no process group: this rank alone
     assert single.step_max == (2 * CostModel.of().cost(batch_work(batch)),) and single.ratio == 1.0
-    with caplog.at_level("INFO", logger="bridge.models.bagel.data.job.telemetry"):
-        out = tele.log(1, {}, straggler=stats)
-    assert out["straggler_ratio"] == stats.ratio
+    assert meter.reduce().step_max == ()  # a new interval
+    with caplog.at_level("INFO", logger="bridge.models.bagel.data.job.straggler"):
+        out = meter.log(1, stats)
+    assert out["straggler_ratio"] == stats.ratio and out["tflops_per_step"] == pytest.approx(3e-12)
     assert "straggler: compute max/mean over 2 DP ranks 1.2500, 14.3% of step time waiting" in caplog.text
-    assert tele.summary()["straggler_lost"] == pytest.approx(1 / 7)
+    assert meter.summary()["straggler_lost"] == pytest.approx(1 / 7)
+    # the telemetry carries the figures to TensorBoard and its return value
+    tele = Telemetry(max_num_tokens=320, group_weights={"a": 1.0}, enabled=False)
+    assert tele.log(1, {}, extra=out)["straggler_lost"] == stats.lost
 
 
 def test_stats_prints_both_predictions(demo_setup) -> None:

@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from ..packing.cost import batch_work
-
 __all__ = ["BatchAccount", "account_batch", "check_batch"]
 
 _MODES = {"causal", "full", "noise"}
@@ -118,8 +116,7 @@ def check_batch(batch: dict[str, Any], *, max_num_tokens: int, use_flex: bool, m
 
 
 class BatchAccount(dict):
-    """Per-batch numbers: tokens, padding, ce_tokens, mse_tokens, samples, groups (Counter), work
-    (``packing.cost.Work``: what the batch asks of the model, for its cost)."""
+    """Per-batch numbers: tokens, padding, ce_tokens, mse_tokens, samples, groups (Counter)."""
 
 
 def account_batch(batch: dict[str, Any], *, max_num_tokens: int) -> BatchAccount:
@@ -134,5 +131,4 @@ def account_batch(batch: dict[str, Any], *, max_num_tokens: int) -> BatchAccount
         samples=len(batch["batch_data_indexes"]),
         images=int(len(batch.get("vit_token_seqlens", ()))) + int(len(batch.get("patchified_vae_latent_shapes", ()))),
         groups=groups,
-        work=batch_work(batch),
     )

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...config import PackerConfig
+from ...config.lengths import is_overlength, mandatory_tokens
 from ...packing.balance import BalancedLoop, PoolBook
 from ...packing.cost import CostModel
 from ...packing.step import PackBudgets, PackLoop
@@ -171,7 +172,7 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
 
     ``make_sources(rank)``: that rank's per-group streams of (estimate, cost) samples (infinite iterators;
     :func:`cycled` over a dataset's estimates). Group draws come from ``random.Random(seed * 1_000_003 +
-    rank)``. Raises ValueError for budgets the loop refuses.
+    rank)``. The budgets are trusted (``config.validate.validate_data`` checks them).
     """
     loop = _loop(packer, weights, mandatory)
     n = len(weights)
@@ -236,17 +237,26 @@ def predict(groups: Sequence[GroupStats], packer: PackerConfig, *, dps: Sequence
             warmup: int = 10, seed: int = 0) -> list[Prediction] | str:
     """Both strategies at each DP size in ``dps`` on the groups' estimates (``bagel-data stats``): every rank
     draws from its own shuffle of each group's samples (mean estimate, cost of the expected work,
-    ``packing.cost.CostModel.cost`` under ``packer.cost``). Returns why no prediction can be made instead (a
+    ``packing.cost.CostModel.cost`` under ``packer.cost``), those over ``max_num_tokens_per_sample`` left out (the
+    loops would drop them; a group left without samples is not drawn). Returns why no prediction can be made instead (a
     mandatory group without a usable sample, budgets a loop refuses)."""
     model = CostModel.of(packer.cost)
-    samples = [[(max(1, round(e.mean)), model.cost(e.work)) for e in g.estimates] for g in groups]
+    limit = packer.max_num_tokens_per_sample
+    # only samples the loops would keep: a group of over-length samples alone would be drawn from forever
+    samples = [[(max(1, round(e.mean)), model.cost(e.work)) for e in g.estimates
+                if not is_overlength(max(1, round(e.mean)), limit, mandatory=g.group.is_mandatory)] for g in groups]
     empty = [g.group.name for g, s in zip(groups, samples) if not s]
     if any(g.group.is_mandatory for g, s in zip(groups, samples) if not s):
-        return f"mandatory group(s) without a usable sample: {empty}"
+        return (f"mandatory group(s) without a sample under max_num_tokens_per_sample {limit}: {empty} (no pack "
+                "would ever be built)")
     weights = [g.group.weight if s else 0.0 for g, s in zip(groups, samples)]
     if not sum(weights) > 0:
         return "no usable samples"
     mandatory = [g.group.is_mandatory for g in groups]
+    worst = mandatory_tokens(sum(mandatory), limit)
+    if worst > packer.max_num_tokens:  # the budget checks refuse strategy balanced there
+        return (f"{sum(mandatory)} mandatory samples of up to max_num_tokens_per_sample - 1 tokens ({worst}) could "
+                f"overflow max_num_tokens {packer.max_num_tokens}: strategy balanced refuses these budgets")
 
     def sources(rank: int) -> list[Iterator[Sample]]:
         rng = random.Random(seed * 7919 + rank)
