@@ -8,8 +8,8 @@ exact when the loop chooses.
 The design and its guarantees are in :mod:`.balance`; the official strategy (``BagelPacker``) is untouched.
 
 State: ``BagelPacker``'s fields plus ``balance`` (:meth:`.balance.PoolBook.state`: the pack at which each
-pooled sample entered and its dropout coins as a bit mask, this rank's pack count, and the sums of cost and tokens of every sample drawn, from
-which the target follows). On an elastic resize (:meth:`BalancedPacker.resize_state`) the pool is handed to
+pooled sample entered and its dropout coins as a bit mask, this rank's pack count, and the sums of cost and
+tokens of every sample drawn, from which the target follows). On an elastic resize (:meth:`BalancedPacker.resize_state`) the pool is handed to
 the readers as ``BagelPacker``'s buffer is, every new rank starts with an empty pool and a pack count of 0,
 and every new rank gets the old world's sums (one common target from the first pack after the resize).
 """
