@@ -221,7 +221,11 @@ def test_packer_defaults_and_from_mapping():
         "prefer_buffer_before": 16384, "max_buffer_size": 50, "interpolate_pos": False, "use_flex": False,
         "text_cond_dropout_prob": 0.1, "vit_cond_dropout_prob": 0.4, "vae_cond_dropout_prob": 0.1,
         "vae_image_downsample": 16, "max_latent_size": 32, "vit_patch_size": 14, "max_num_patch_per_side": 70,
-        "max_consecutive_drops": 100, "lossless": False,
+        "max_consecutive_drops": 100, "lossless": False, "strategy": "official",
+        "balance": {"target_tokens": None, "lookahead": 3.0, "max_wait": 8},
+        "cost": {"hidden_size": 3584, "num_layers": 28, "num_attention_heads": 28, "num_query_groups": 4,
+                 "ffn_hidden_size": 18944, "vit_hidden_size": 1152, "vit_num_layers": 26, "vit_ffn_hidden_size": 4304,
+                 "vae_flops_per_token": 0.0},
     }
     assert PackerConfig.from_mapping({"use_flex": True}) == PackerConfig(use_flex=True)
     with pytest.raises(ConfigError, match=r"unknown packer key\(s\) \['seed'\]"):

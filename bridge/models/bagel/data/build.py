@@ -23,7 +23,7 @@ from .config import BagelDataConfig, ConfigError, ResolvedGroup, ValidatedData, 
 from .energon.cooking import make_cook_context
 from .energon.layout import ManifestError
 from .energon.readers import GroupDatasets, ReadPool, open_group_reader
-from .packing import BagelPacker
+from .packing import BagelPacker, BalancedPacker
 from .pipeline import shm
 from .pipeline.loader import BagelExternalLoader
 from .pipeline.official_mode import OfficialWorkers
@@ -109,14 +109,15 @@ def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer
 
 def _packer(groups: list[ResolvedGroup], special: dict[str, int], config: BagelDataConfig,
             make_reader: Callable[[int, ResolvedGroup], Any]) -> BagelPacker:
-    """One reader per group (``make_reader(index, group)``) owned by a ``BagelPacker``; readers opened so far are
-    closed when building fails."""
+    """One reader per group (``make_reader(index, group)``) owned by a ``BagelPacker`` (``BalancedPacker`` under
+    ``packer.strategy: balanced``); readers opened so far are closed when building fails."""
     readers: list[Any] = []
     try:
         for i, g in enumerate(groups):
             readers.append(make_reader(i, g))
-        return BagelPacker(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
-                           special, config.packer, group_names=[g.group.name for g in groups])
+        packer_cls = BalancedPacker if config.packer.strategy == "balanced" else BagelPacker
+        return packer_cls(readers, [g.group.weight for g in groups], [g.group.is_mandatory for g in groups],
+                          special, config.packer, group_names=[g.group.name for g in groups])
     except BaseException:
         for reader in readers:
             reader.close()

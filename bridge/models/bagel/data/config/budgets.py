@@ -369,9 +369,10 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
     if len(mandatory) > 1 and worst > p.max_num_tokens:
         fit = p.max_num_tokens // len(mandatory) + 1
         # data.order: official reproduces the official stream, whose configs may carry this risk (it only bites
-        # when large mandatory samples meet): a warning there, an error for the default order and with
-        # packer.lossless (which promises that every pack obeys max_num_tokens).
-        issues.append(BudgetIssue("warning" if official and not p.lossless else "error",
+        # when large mandatory samples meet): a warning there, an error for the default order, with
+        # packer.lossless and with packer.strategy: balanced (which promise that every pack obeys max_num_tokens).
+        risk_allowed = official and not p.lossless and p.strategy == "official"
+        issues.append(BudgetIssue("warning" if risk_allowed else "error",
                                   f"{pw}.max_num_tokens_per_sample", (
             f"{source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
             f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "

@@ -36,8 +36,11 @@ __all__ = [
     "ORDERS",
     "PREFETCH_STARTS",
     "REMOVED_ORDERS",
+    "STRATEGIES",
     "BagelDataConfig",
+    "BalanceConfig",
     "ConfigError",
+    "CostConfig",
     "DatasetInfoEntry",
     "GroupConfig",
     "PackerConfig",
@@ -52,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 #: Values ``BagelDataConfig.prefetch_start`` accepts (``prefetch.START_METHODS``; kept here, prefetch is downstream).
 PREFETCH_STARTS: tuple[str, ...] = ("fork", "forkserver")
+#: Values ``PackerConfig.strategy`` accepts: the official greedy loop (default, bit-exact) or the cost-balanced
+#: loop (``packing.balance``).
+STRATEGIES: tuple[str, ...] = ("official", "balanced")
 #: Values ``BagelDataConfig.order`` accepts, the default first.
 ORDERS: tuple[str, ...] = ("elastic", "official")
 #: Orders earlier versions had, with what replaces them (refused in one line).
@@ -78,6 +84,43 @@ _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_pat
 
 #: The risky packer budgets already warned about in this process (``PackerConfig.validate``).
 _WARNED: set[tuple[int, int, int]] = set()
+
+
+@dataclass
+class CostConfig:
+    """The model whose compute one pack costs (``packing.cost.CostModel``; ``data.packer.cost.*``).
+
+    Defaults: BAGEL-7B, i.e. Qwen2-7B (hidden 3584, 28 layers, 28 heads, 4 KV heads, FFN 18944) with
+    SigLIP-so400m/14 cut to 26 layers as BAGEL runs it (hidden 1152, FFN 4304). The FLOPs these give are
+    derived in ``packing/cost.py``. ``vae_flops_per_token``: FLOPs of the (frozen, forward-only) VAE encoder per
+    latent token, 0 = not counted (not derived here: measure it for your VAE and image sizes).
+    """
+
+    hidden_size: int = 3584
+    num_layers: int = 28
+    num_attention_heads: int = 28
+    num_query_groups: int = 4
+    ffn_hidden_size: int = 18944
+    vit_hidden_size: int = 1152
+    vit_num_layers: int = 26
+    vit_ffn_hidden_size: int = 4304
+    vae_flops_per_token: float = 0.0
+
+
+@dataclass
+class BalanceConfig:
+    """Knobs of ``packer.strategy: balanced`` (``packing.balance``; ``data.packer.balance.*``).
+
+    ``target_tokens``: the mean real tokens a balanced pack aims at; every pack's cost target is this many
+    tokens at the stream's mean cost per token (None = ``(expected_num_tokens + max_num_tokens) / 2``).
+    ``lookahead``: packs' worth of cost the look-ahead buffer is refilled to before each pack (at most
+    ``max_buffer_size`` samples). ``max_wait``: packs after which a waiting sample is packed whenever the token cap
+    allows, even past the cost target.
+    """
+
+    target_tokens: int | None = None
+    lookahead: float = 3.0
+    max_wait: int = 8
 
 
 @dataclass
@@ -108,6 +151,32 @@ class PackerConfig:
     #: (``flush_drop`` / ``flush_drop_buffered``) for the next pack, and never let mandatory samples overflow
     #: ``max_num_tokens`` (``packing.step``; docs/packing_ledger.md).
     lossless: bool = False
+    #: Not an official knob: ``official`` (the official loop, default) or ``balanced`` (every pack close to one
+    #: common compute target, so no data-parallel rank waits for another; ``packing.balance``, docs/packing.md).
+    strategy: str = "official"
+    #: ``strategy: balanced`` only: its target and waiting bound.
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    #: The model's dimensions for the compute estimate of a pack (the balanced strategy, the job's straggler
+    #: telemetry and ``bagel-data stats``; ``packing.cost``). Never changes an official pack.
+    cost: CostConfig = field(default_factory=CostConfig)
+
+    def stream_identity(self) -> dict[str, Any]:
+        """The knobs that decide the batch stream, for resume fingerprints: the official knobs, and under
+        ``strategy: balanced`` also ``strategy: {name, balance, cost}`` (so a fingerprint difference names the
+        strategy in every line). Under ``official`` the three keys only feed telemetry and are left out, so states
+        saved before they existed still resume."""
+        out = dataclasses.asdict(self)
+        balance, cost = out.pop("balance"), out.pop("cost")
+        del out["strategy"]
+        if self.strategy != "official":
+            out["strategy"] = {"name": self.strategy, "balance": balance, "cost": cost}
+        return out
+
+    @property
+    def balanced_target_tokens(self) -> int:
+        """``balance.target_tokens``, or ``(expected_num_tokens + max_num_tokens) // 2`` when it is null."""
+        t = self.balance.target_tokens
+        return int(t) if t is not None else (self.expected_num_tokens + self.max_num_tokens) // 2
 
     def problems(self, where: str = "packer") -> list[str]:
         """Every value the packer cannot work with, one message per key (empty when valid)."""
@@ -169,7 +238,15 @@ class PackerConfig:
         unknown = sorted(str(k) for k in values if k not in names and k not in ignore)
         if unknown:
             raise ConfigError(f"{where}: unknown packer key(s) {unknown} (known: {sorted(names)})")
-        cfg = cls(**{k: v for k, v in values.items() if k in names})
+        kw = {k: v for k, v in values.items() if k in names}
+        for sub, sub_cls in (("balance", BalanceConfig), ("cost", CostConfig)):
+            if isinstance(kw.get(sub), Mapping):
+                sub_names = {f.name for f in dataclasses.fields(sub_cls)}
+                bad = sorted(str(k) for k in kw[sub] if k not in sub_names)
+                if bad:
+                    raise ConfigError(f"{where}.{sub}: unknown key(s) {bad} (known: {sorted(sub_names)})")
+                kw[sub] = sub_cls(**kw[sub])
+        cfg = cls(**kw)
         cfg.validate(where)
         return cfg
 

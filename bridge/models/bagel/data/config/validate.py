@@ -2,7 +2,9 @@
 
 ``validate_data(config)`` checks, in one pass and collecting every problem instead of stopping at the first:
 
-1. the data config's own keys (``BagelDataConfig`` and its ``packer`` knobs; ``PackerConfig.problems``);
+1. the data config's own keys (``BagelDataConfig`` and its ``packer`` knobs; ``PackerConfig.problems``), and the
+   not-official packer knobs ``packer.strategy`` / ``packer.balance`` / ``packer.cost``
+   (:func:`strategy_problems`);
 2. the grouped-datasets YAML (``config.groups``: every group, every key; ``grouped_yaml``);
 3. the dataset registry (``config.dataset_info``: every entry) and that it registers every group's names;
 4. what the readers need from each group: a converted ``energon_path`` per dataset, ``image_transform_args``,
@@ -23,7 +25,6 @@ exactly once per process.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import tempfile
@@ -33,11 +34,13 @@ from importlib import metadata
 from typing import Any
 
 from .budgets import BudgetIssue, budget_issues, log_warnings
-from .schema import (BagelDataConfig, ConfigError, DatasetInfoEntry, ResolvedGroup, load_dataset_info,
-                     load_grouped_yaml, resolve_groups)
-from .grouped_yaml import GroupConfig
+from .schema import (STRATEGIES, BagelDataConfig, BalanceConfig, ConfigError, CostConfig, DatasetInfoEntry,
+                     PackerConfig, ResolvedGroup, load_dataset_info, load_grouped_yaml,
+                     resolve_groups)
+from .grouped_yaml import GroupConfig, is_int, is_number
 
-__all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "package_version", "socket_path_problem", "validate_data"]
+__all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "package_version", "socket_path_problem",
+           "strategy_problems", "validate_data"]
 
 PACKAGE_NAME = "bagel-megatron-data"
 
@@ -99,7 +102,7 @@ class ValidatedData:
             "dp_rank": int(dp_rank),
             "dp_size": int(dp_size),
             "num_workers": config.num_workers,
-            "packer": dataclasses.asdict(config.packer),
+            "packer": config.packer.stream_identity(),
             "special_tokens": dict(special_tokens),
             "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
                         "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,
@@ -176,6 +179,69 @@ def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, pr
     return None
 
 
+def _cost_problems(cost: CostConfig, where: str) -> list[str]:
+    """Every value of ``packer.cost`` the cost model (``packing.cost.CostModel``) cannot work with."""
+    out: list[str] = []
+    for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        v = getattr(cost, name)
+        if not is_int(v) or v <= 0:
+            out.append(f"{where}.{name}: must be a positive integer, got {v!r}")
+    for name in ("vit_hidden_size", "vit_num_layers", "vit_ffn_hidden_size"):
+        v = getattr(cost, name)
+        if not is_int(v) or v < 0:
+            out.append(f"{where}.{name}: must be a non-negative integer (0 = no ViT cost), got {v!r}")
+    v = cost.vae_flops_per_token
+    if not is_number(v) or v < 0:
+        out.append(f"{where}.vae_flops_per_token: must be a number >= 0 (0 = not counted), got {v!r}")
+    if out:
+        return out
+    if cost.hidden_size % cost.num_attention_heads:
+        out.append(f"{where}.hidden_size ({cost.hidden_size}) must be a multiple of num_attention_heads "
+                   f"({cost.num_attention_heads})")
+    if cost.num_attention_heads % cost.num_query_groups:
+        out.append(f"{where}.num_attention_heads ({cost.num_attention_heads}) must be a multiple of "
+                   f"num_query_groups ({cost.num_query_groups})")
+    return out
+
+
+def _balance_problems(balance: BalanceConfig, where: str) -> list[str]:
+    """Every invalid value of ``packer.balance``."""
+    out: list[str] = []
+    if balance.target_tokens is not None and (not is_int(balance.target_tokens) or balance.target_tokens <= 0):
+        out.append(f"{where}.target_tokens: must be a positive integer or null, got {balance.target_tokens!r}")
+    if not is_number(balance.lookahead) or not balance.lookahead >= 1.0:
+        out.append(f"{where}.lookahead: must be a number of packs >= 1 (3.0 by default), got {balance.lookahead!r}")
+    if not is_int(balance.max_wait) or balance.max_wait < 1:
+        out.append(f"{where}.max_wait: must be a positive integer (packs), got {balance.max_wait!r}")
+    return out
+
+
+def strategy_problems(packer: PackerConfig, where: str = "packer") -> list[str]:
+    """Every problem of the packer's not-official knobs, one message per key (empty when valid):
+    ``strategy`` (one of ``STRATEGIES``), ``balance`` and ``cost`` (checked under every strategy: the job's
+    straggler telemetry and ``bagel-data stats`` use the cost model too), and under ``strategy: balanced`` the
+    look-ahead pool (``max_buffer_size >= 1``) and a target within ``max_num_tokens``. The mandatory samples'
+    bound (they must fit ``max_num_tokens`` together) is a budget check (``budgets.budget_issues``)."""
+    out: list[str] = []
+    if packer.strategy not in STRATEGIES:
+        out.append(f"{where}.strategy: must be one of {list(STRATEGIES)}, got {packer.strategy!r}")
+    for sub, cls, check in (("balance", BalanceConfig, _balance_problems), ("cost", CostConfig, _cost_problems)):
+        value = getattr(packer, sub)
+        if isinstance(value, cls):
+            out += check(value, f"{where}.{sub}")
+        else:
+            out.append(f"{where}.{sub}: must be a mapping of {cls.__name__} keys, got {value!r:.60}")
+    if out or packer.strategy != "balanced" or packer.problems(where):
+        return out
+    if packer.max_buffer_size < 1:
+        out.append(f"{where}.max_buffer_size: strategy 'balanced' packs from a look-ahead buffer of this many "
+                   f"samples; it must be at least 1 (50, the default, or more), got {packer.max_buffer_size}")
+    if packer.balanced_target_tokens > packer.max_num_tokens:
+        out.append(f"{where}.balance.target_tokens ({packer.balanced_target_tokens}) exceeds max_num_tokens "
+                   f"({packer.max_num_tokens}): no pack could reach it")
+    return out
+
+
 def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True,
                   prior_problems: Sequence[str] = ()) -> ValidatedData:
     """Validate ``config`` and every file it names once; raise one ``ConfigError`` listing every problem.
@@ -193,6 +259,8 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
         problems.add(message)
     with problems.check():
         config.validate()
+    for message in strategy_problems(config.packer):
+        problems.add(message)
     groups: list[GroupConfig] | None = None
     info = None
     paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems.messages)
@@ -209,7 +277,7 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
             for r in resolved:
                 _reader_problems(config, r, problems)
     issues: list[BudgetIssue] = []
-    if groups is not None and not config.packer.problems():
+    if groups is not None and not config.packer.problems() and not strategy_problems(config.packer):
         issues = budget_issues(config.packer, groups, source=config.groups_source, official=config.order == "official")
         if budgets == "error":
             for issue in issues:

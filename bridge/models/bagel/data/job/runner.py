@@ -30,6 +30,7 @@ from ..config import ValidatedData
 from .batch_check import account_batch, check_batch
 from .checkpoint import check_resume_dp, read_step, restore_loader, save_checkpoint
 from .config import JobConfig, validate_job
+from .straggler import StragglerMeter
 from .telemetry import Telemetry
 from .topology import agree, rank_coords
 
@@ -138,6 +139,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     weights = {g.name: g.weight for g in data.group_configs}
     tele = Telemetry(max_num_tokens=packer_cfg.max_num_tokens, group_weights=weights,
                      tensorboard_dir=train.tensorboard_dir if rank == 0 else None, enabled=rank == 0)
+    straggler = StragglerMeter(packer_cfg.cost, enabled=rank == 0)
     digest_fh = open(train.digest_log, "a", encoding="utf-8") if train.digest_log else None
     bar = None
     if rank == 0 and train.progress:
@@ -161,6 +163,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                     if problems:
                         raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
                     tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)
+                    straggler.record(step, batch)
                     if digest_fh is not None:
                         row = {**coords, "step": step, "micro": micro, "digest": batch_digest(batch)}
                         reads = [[d["dataset_name"], d["position"], d["epoch"]]
@@ -176,7 +179,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             if step % train.log_interval == 0 or step == train.train_iters:
                 tokens = torch.tensor([tele.interval["tokens"]], dtype=torch.int64)
                 dist.all_reduce(tokens, group=pg_collection.dp)  # TP/PP/CP peers hold copies of the same batches
-                tele.log(step, loader.stats(), global_tokens=int(tokens.item()))
+                waits = straggler.log(step, straggler.reduce(pg_collection.dp))  # compute per step over DP ranks
+                tele.log(step, loader.stats(), global_tokens=int(tokens.item()), extra=waits)
             if train.exit_after_step is not None and step == train.exit_after_step:
                 logger.warning("train.exit_after_step=%d: simulating a crash (no final checkpoint)", step)
                 if digest_fh is not None:
@@ -196,7 +200,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             digest_fh.close()
         tele.close()
         loader.close()
-    summary = tele.summary()
+    summary = {**tele.summary(), **straggler.summary()}
     summary.update(start_step=start_step, steps=max(train.train_iters - start_step, 0),
                    micro_batches_per_step=num_micro,
                    layout=layout, pipeline=loader.stats())

@@ -49,8 +49,10 @@ class Telemetry:
         self.waits.append(wait_s)
         self.interval_waits.append(wait_s)
 
-    def log(self, step: int, pipeline: Mapping[str, Any], global_tokens: int | None = None) -> dict[str, float]:
-        """Emit and reset the interval; ``pipeline`` holds buffer_len and drops (packer + readers)."""
+    def log(self, step: int, pipeline: Mapping[str, Any], global_tokens: int | None = None,
+            extra: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Emit and reset the interval; ``pipeline`` holds buffer_len and drops (packer + readers); ``extra``: more
+        scalars of the interval for TensorBoard and the return value (the straggler figures, ``job.straggler``)."""
         now = time.perf_counter()
         dt = max(now - self._tint, 1e-9)
         b = max(self.interval["batches"], 1)
@@ -62,6 +64,7 @@ class Telemetry:
             "samples_per_pack": self.interval["samples"] / b,
             "wait_ms_mean": 1000 * sum(self.interval_waits) / max(len(self.interval_waits), 1),
             "buffer_len": float(pipeline.get("buffer_len", 0)),
+            **(extra or {}),
         }
         drops = dict(pipeline.get("drops", {}))
         unused = dict(pipeline.get("unused", {}))

@@ -18,7 +18,6 @@ The ledger (``stats()["ledger"]``) accounts for every sample taken from a group'
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from collections.abc import Iterator, Mapping, Sequence
@@ -194,7 +193,7 @@ class BagelPacker(Stage):
 
     def identity(self) -> dict[str, Any]:
         """Packing knobs, groups, weights and special tokens: a saved state applies only to the same packer."""
-        return {"config": dataclasses.asdict(self.config), "group_names": list(self.group_names),
+        return {"config": self.config.stream_identity(), "group_names": list(self.group_names),
                 "group_weights": list(self.group_weights), "is_mandatory": list(self.is_mandatory),
                 "special_tokens": [self.layout.bos_token_id, self.layout.eos_token_id, self.layout.start_of_image,
                                    self.layout.end_of_image]}
@@ -337,10 +336,18 @@ class BagelPacker(Stage):
     def __iter__(self) -> "BagelPacker":
         return self
 
+    def _builder(self) -> SequenceBuilder:
+        """A new pack's layout builder (``BalancedPacker`` replays CFG coins drawn earlier)."""
+        return SequenceBuilder(self.layout)
+
+    def _fill(self, fill: "_PackFill") -> None:
+        """Fill one pack through the strategy's loop (the official ``PackLoop`` here; ``BalancedPacker``'s own)."""
+        self._loop.fill(fill, self.buffer, self.carry)
+
     def __next__(self) -> dict[str, Any]:
-        fill = _PackFill(self, SequenceBuilder(self.layout))
+        fill = _PackFill(self, self._builder())
         try:
-            self._loop.fill(fill, self.buffer, self.carry)
+            self._fill(fill)
         except StopIteration:
             for group, indexes in zip(fill.groups, fill.data_indexes):  # the unfinished pack is never yielded
                 self.group_drops[group][END_OF_STREAM] = self.group_drops[group].get(END_OF_STREAM, 0) + 1

@@ -52,6 +52,16 @@ class LedgerReport:
         return not self.problems
 
 
+#: The packer stages a loader state may hold (``packer.strategy`` official / balanced); both keep their waiting
+#: samples as ``buffer`` (and ``carry``).
+PACKER_STAGES = ("BagelPacker", "BalancedPacker")
+
+
+def _packer_nodes(obj: Any) -> list[Any]:
+    """The packer nodes (either stage of ``PACKER_STAGES``) of a saved state or fingerprint."""
+    return [n for stage in PACKER_STAGES for n in _nodes(obj, stage)]
+
+
 def _nodes(obj: Any, stage: str) -> list[Any]:
     """Every nested ``{"stage": stage, ...}`` dict of a saved state or fingerprint, depth first."""
     out: list[Any] = []
@@ -82,9 +92,9 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
     """
     report = LedgerReport()
     first = final_states[0]
-    packer_fp = _nodes(first["fingerprint"]["source"], "BagelPacker")
+    packer_fp = _packer_nodes(first["fingerprint"]["source"])
     if not packer_fp:
-        raise ValueError("check_exactly_once: the states hold no BagelPacker")
+        raise ValueError(f"check_exactly_once: the states hold no packer ({' / '.join(PACKER_STAGES)})")
     groups = list(packer_fp[0]["group_names"])
     plan_fps = [fp.get("source", {}) for fp in packer_fp[0]["source"]]
     if any(fp.get("stage") != "ElasticPlan" for fp in plan_fps):
@@ -95,7 +105,7 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
     waiting: dict[str, Counter] = {g: Counter() for g in groups}
     plans: dict[str, list[Any]] = {g: [] for g in groups}
     for state in final_states:
-        packer = _nodes(state["source"], "BagelPacker")[0]["state"]
+        packer = _packer_nodes(state["source"])[0]["state"]
         report.dropped += sum(packer["drops"]["state"]["counts"].values())
         for group_index, key in packer["buffer"] + [list(e) for e in packer["carry"]]:
             waiting[groups[group_index]][_identity(key)] += 1

@@ -12,6 +12,9 @@ module per concern:
   ``packing.step.PackLoop``: mandatory first, weighted draws, overflow buffer, flush) on the estimates,
   for the configured and a few :func:`candidate_budgets`: fill ratio (``sequence_length /
   max_num_tokens``), samples per pack, share of consumed samples dropped;
+* ``straggler``: :func:`.straggler.predict` runs both ``packer.strategy`` loops for several simulated DP
+  ranks on the same estimates (each sample costed by ``packing.cost.CostModel.cost`` of its expected work):
+  the predicted straggler ratio (the slowest rank's compute per step over the mean), official vs balanced;
 * ``report``: :class:`StatsReport` (per group and dataset: sample counts, unusable samples, the
   distribution of estimated tokens, the largest VAE / ViT grid; the advisor table; findings) and
   :func:`draw_histogram`.
@@ -38,8 +41,9 @@ from ...config import ConfigError, PackerConfig, ResolvedGroup
 from .estimate import DatasetStats, GroupStats, SampleEstimate, dataset_stats
 from .report import StatsReport, data_findings, draw_histogram
 from .simulate import Candidate, SimResult, candidate_budgets, simulate_packing
+from .straggler import Prediction, predict
 
-__all__ = ["Candidate", "DatasetStats", "GroupStats", "SampleEstimate", "SimResult", "StatsReport",
+__all__ = ["Candidate", "DatasetStats", "GroupStats", "Prediction", "SampleEstimate", "SimResult", "StatsReport",
            "candidate_budgets", "collect_stats", "dataset_stats", "draw_histogram", "job_stats", "simulate_packing"]
 
 logger = logging.getLogger(__name__)
@@ -47,12 +51,13 @@ logger = logging.getLogger(__name__)
 
 def collect_stats(groups: Sequence[ResolvedGroup], packer: PackerConfig, tokenizer: Any, *, source: str = "groups",
                   packer_where: str = "data.packer", max_samples: int | None = None, progress: bool = True,
-                  sim_packs: int = 200, histogram: str | None = None) -> StatsReport:
+                  sim_packs: int = 200, histogram: str | None = None,
+                  straggler_dp: Sequence[int] = (8, 64)) -> StatsReport:
     """Read every dataset of ``groups`` once and build the report (see the package docstring).
 
     ``tokenizer``: anything with ``encode(str) -> list[int]`` (the job's tokenizer). ``sim_packs``: packs
-    replayed per candidate. ``histogram``: PNG path to write (None = none). Raises ConfigError for a dataset
-    without ``energon_path`` or manifest.
+    replayed per candidate. ``histogram``: PNG path to write (None = none). ``straggler_dp``: the DP sizes of the
+    straggler prediction (empty: none). Raises ConfigError for a dataset without ``energon_path`` or manifest.
     """
     gstats = []
     for rg in groups:
@@ -79,7 +84,9 @@ def collect_stats(groups: Sequence[ResolvedGroup], packer: PackerConfig, tokeniz
                              [g.group.name for g in gstats], c.packer, packs=sim_packs)
         advice.append((c, r, budget_issues(c.packer, cfg_groups, source=source, packer_where=packer_where)))
     sampled = max_samples is not None and any(d.read < d.samples for g in gstats for d in g.datasets)
-    report = StatsReport(source, packer, gstats, advice, findings, sampled=sampled, packer_where=packer_where)
+    straggler = predict(gstats, packer, dps=straggler_dp) if straggler_dp else []
+    report = StatsReport(source, packer, gstats, advice, findings, sampled=sampled, packer_where=packer_where,
+                         straggler=straggler)
     if histogram:
         report.histogram = draw_histogram(report, histogram)
     return report

@@ -30,9 +30,10 @@ from ...energon.layout.damage import diagnose
 from ...energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
 from ...errors import DataReadError
 from ...config.lengths import is_overlength
+from ...packing.cost import Work, split_pairs
 from ...transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
-__all__ = ["DatasetStats", "GroupStats", "SampleEstimate", "dataset_stats"]
+__all__ = ["DatasetStats", "GroupStats", "SampleEstimate", "dataset_stats", "layout_work"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 class SampleEstimate:
     """Estimated packed length of one sample (tokens): ``lo`` / ``hi`` over the reader's random choices,
     ``mean`` their expectation; ``vae_side`` / ``vit_side`` the largest image side in patches (0 = none),
-    ``vae_px`` the largest VAE image side in pixels after the transform."""
+    ``vae_px`` the largest VAE image side in pixels after the transform; ``work`` below."""
 
     lo: int
     hi: int
@@ -49,6 +50,9 @@ class SampleEstimate:
     vae_side: int = 0
     vit_side: int = 0
     vae_px: int = 0
+    #: What the sample asks of the model (``packing.cost.Work``), its expectation over the reader's random
+    #: choices (mean text lengths; CFG dropout ignored): the straggler prediction's cost of the sample.
+    work: Work = Work()
 
 
 class _Unusable(Exception):
@@ -97,6 +101,26 @@ class _Encoder:
         return n
 
 
+def layout_work(items: list[tuple[str, float]]) -> Work:
+    """The work of a sample laid out as ``items``: (mode, tokens without the two special tokens) per plan item, in
+    order, one split each (``causal`` text, ``full`` ViT or clean VAE image, ``noise`` noised VAE target); ViT
+    items are ``full`` splits marked ``vit``, VAE ones ``vae`` (``("full", n, "vae")``-style triples accepted)."""
+    lens = [n + 2 for _, n, *_ in items]
+    modes = [m for m, *_ in items]
+    vit = [n for m, n, *k in items if k and k[0] == "vit"]
+    vae = sum(n for m, n, *k in items if k and k[0] == "vae")
+    return Work(tokens=sum(lens), attn_pairs=split_pairs(lens, modes), vit_tokens=sum(vit),
+                vit_pairs=sum(n * n for n in vit), vae_tokens=vae)
+
+
+def _mean_work(works: list[tuple[float, Work]]) -> Work:
+    """The expectation of (probability, work) pairs."""
+    out = Work()
+    for p, w in works:
+        out = out.plus(w.scaled(p))
+    return out
+
+
 def _t2i(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
     t = g.transform()
     if meta.get("image_null"):
@@ -112,8 +136,9 @@ def _t2i(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
     lens = [enc(v) for v in caps.values()] or [enc(" ")]
     img = image_tokens(t, w, h)
     side, px = _side(t, w, h)
+    work = _mean_work([(1 / len(lens), layout_work([("causal", n), ("noise", img, "vae")])) for n in lens])
     return SampleEstimate(t2i_estimate(img, min(lens)), t2i_estimate(img, max(lens)),
-                          t2i_estimate(img, 0) + sum(lens) / len(lens), vae_side=side, vae_px=px)
+                          t2i_estimate(img, 0) + sum(lens) / len(lens), vae_side=side, vae_px=px, work=work)
 
 
 def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
@@ -137,20 +162,24 @@ def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
         elements = conversation_elements(rec.get("conversations"), len(sizes))
     except DropSample as d:
         raise _Unusable(d.reason) from None
+    toks = [image_tokens(t, w, h, len(sizes)) for w, h in sizes]
     texts, images, loss = [], 0, False
+    items: list[tuple] = []
     for kind, text, has_loss in elements:
         if kind == "text":
             n = enc(text)
             texts.append(n)
             loss |= bool(has_loss and n)
+            if n:
+                items.append(("causal", n))
         else:
+            items.append(("full", toks[images], "vit"))
             images += 1
     if not loss:
         raise _Unusable("no_loss_item")
-    toks = [image_tokens(t, w, h, len(sizes)) for w, h in sizes]
     side = max((_side(t, w, h, len(sizes))[0] for w, h in sizes), default=0)
     est = vlm_estimate(toks, texts, images)
-    return SampleEstimate(est, est, float(est), vit_side=side)
+    return SampleEstimate(est, est, float(est), vit_side=side, work=layout_work(items))
 
 
 def _edit(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
@@ -184,10 +213,47 @@ def _edit(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) ->
         return min(lens), max(lens), sum(lens) / len(lens)
 
     outs = edit_outcomes(vae, vit, text_lens, concat_lens)
+    work = _edit_work(vae, vit, lambda st: text_lens(st)[2], lambda steps: concat_lens(steps)[2])
     vae_side, vae_px = max(_side(t, w, h) for w, h in sizes)
     vit_side = max(_side(vt, w, h)[0] for w, h in sizes) if vt is not None else 0
     return SampleEstimate(min(o.lo for o in outs), max(o.hi for o in outs), sum(o.probability * o.mean for o in outs),
-                          vae_side=vae_side, vit_side=vit_side, vae_px=vae_px)
+                          vae_side=vae_side, vit_side=vit_side, vae_px=vae_px, work=work)
+
+
+def _edit_work(vae: Sequence[int], vit: Sequence[int], text_mean: Callable[[int], float],
+               concat_mean: Callable[[list[int]], float]) -> Work:
+    """The expected work of an edit row over the reader's draws (the outcomes of ``budgets.edit_outcomes``, spec
+    §4.5; mean instruction lengths): context clean VAE + ViT, then the concatenated instruction and the target,
+    or per step its instruction, and a noised + clean VAE + ViT copy of each intermediate image, the target
+    noised last. ``vit[i]`` 0 = no ViT copy."""
+    n = len(vae)
+
+    def image(i: int, clean: bool) -> list[tuple]:
+        out: list[tuple] = [] if clean else [("noise", vae[i], "vae")]
+        if clean:
+            out.append(("full", vae[i], "vae"))
+            if vit[i]:
+                out.append(("full", vit[i], "vit"))
+        return out
+
+    works: list[tuple[float, Work]] = []
+    for s in range(n - 1):
+        ends = list(range(s + 1, min(s + 3, n)))
+        for e in ends:
+            p = 1.0 / (n - 1) / len(ends)
+            ctx = image(s, True)
+            variants = [("step", p)] if e - s == 1 else [("concat", p / 2), ("step", p / 2)]
+            for kind, q in variants:
+                if kind == "concat":
+                    e2 = e - 1 if e == n - 1 else e
+                    items = ctx + [("causal", concat_mean(list(range(s, e2))))] + image(e2, False)
+                else:
+                    items = list(ctx)
+                    for i in range(s + 1, e + 1):
+                        items.append(("causal", text_mean(i - 1)))
+                        items += image(i, False) + (image(i, True) if i != e else [])
+                works.append((q, layout_work(items)))
+    return _mean_work(works)
 
 
 _ESTIMATORS: dict[str, Callable[[dict, dict, GroupConfig, _Encoder], SampleEstimate]] = {

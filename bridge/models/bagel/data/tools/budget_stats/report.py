@@ -7,7 +7,7 @@ import math
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from PIL import Image
 
@@ -15,6 +15,7 @@ from ...config.budgets import VAE_GROUPS, BudgetIssue
 from ...config import PackerConfig
 from .estimate import GroupStats
 from .simulate import Candidate, SimResult
+from .straggler import Prediction
 
 __all__ = ["StatsReport", "data_findings", "draw_histogram"]
 
@@ -33,6 +34,28 @@ class StatsReport:
     sampled: bool = False
     histogram: str | None = None
     packer_where: str = "data.packer"
+    #: the straggler prediction per DP size (``straggler.predict``), or why there is none
+    straggler: list[Prediction] | str = field(default_factory=list)
+
+    def _straggler_lines(self) -> list[str]:
+        """``packer.strategy`` official vs balanced: predicted straggler ratio and time lost per DP size."""
+        pred, p = self.straggler, self.packer
+        if isinstance(pred, str):
+            return ["", f"straggler prediction: none ({pred})"]
+        if not pred:
+            return []
+        c = p.cost
+        lines = ["", f"straggler prediction, {self.packer_where}.strategy official vs balanced (configured: "
+                     f"{p.strategy}): estimated compute per DP rank and step, slowest / mean over the ranks",
+                 f"({self.packer_where}.cost: hidden {c.hidden_size}, {c.num_layers} layers; both strategies on the "
+                 f"same estimates, CFG dropout ignored, one pack per rank and step, {pred[0].official.steps} steps "
+                 "after a warm-up):"]
+        head = ("DP", "official", "balanced", "time lost official", "balanced", "tokens/pack official", "balanced",
+                "wait p99 balanced")
+        rows = [(str(x.dp), f"{x.official.ratio:.3f}", f"{x.balanced.ratio:.3f}", f"{x.official.lost:.1%}",
+                 f"{x.balanced.lost:.1%}", f"{x.official.tokens_per_pack:.0f}", f"{x.balanced.tokens_per_pack:.0f}",
+                 f"{x.balanced.wait_quantile(0.99)} packs") for x in pred]
+        return lines + _table(head, rows)
 
     @property
     def impossible(self) -> bool:
@@ -90,6 +113,7 @@ class StatsReport:
                          f"{r.dropped_share:.1%}" if r.consumed else "-",
                          f"refused: {errs[0].key}" if errs else "ok"))
         lines += _table(head, rows)
+        lines += self._straggler_lines()
         lines += ["", "findings:" if self.findings else "findings: none"]
         lines += [f"  {f.level.upper()}: {f.message}" for f in self.findings]
         if self.histogram:
