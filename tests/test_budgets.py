@@ -28,7 +28,7 @@ REPORT_BUDGETS = dict(expected_num_tokens=4096, max_num_tokens=5120, max_num_tok
 
 
 def _write_config(tmp_path: Path, groups: dict, packer: PackerConfig) -> BagelDataConfig:
-    """A BagelDataConfig over ``groups`` (registry entries need not exist on disk for validate_data)."""
+    """A BagelDataConfig over ``groups`` (registry entries need not exist on disk: validate_data(readers=False))."""
     (tmp_path / "groups.yaml").write_text(yaml.safe_dump(groups, sort_keys=False))
     info = {g: {n: {"data_dir": "raw", "energon_path": str(tmp_path / n)} for n in v["dataset_names"]}
             for g, v in groups.items()}
@@ -55,15 +55,15 @@ def test_b4_default_max_latent_size_with_1024px_t2i_is_refused_by_load_groups(tm
                                                     "image_transform_args": T2I_1024}},
                         PackerConfig(**REPORT_BUDGETS))  # max_latent_size left at its default 32
     with pytest.raises(ConfigError) as exc:
-        validate_data(cfg).groups
+        validate_data(cfg, readers=False).groups
     msg = str(exc.value)
     assert f"{tmp_path / 'groups.yaml'}: group 't2i_pretrain'" in msg
     assert "64 latent patches per side" in msg and "packer.max_latent_size is 32" in msg
     assert "Set packer.max_latent_size >= 64" in msg and "max_image_size <= 512" in msg
     cfg.packer.max_latent_size = 64
-    assert [g.group.name for g in validate_data(cfg).groups] == ["t2i_pretrain"]
+    assert [g.group.name for g in validate_data(cfg, readers=False).groups] == ["t2i_pretrain"]
     cfg.packer.max_latent_size, cfg.packer.interpolate_pos = 32, True  # interpolated ids always stay in the table
-    validate_data(cfg).groups
+    validate_data(cfg, readers=False).groups
 
 
 def test_b6_two_mandatory_groups_over_max_num_tokens_are_refused(tmp_path: Path) -> None:
@@ -76,14 +76,14 @@ def test_b6_two_mandatory_groups_over_max_num_tokens_are_refused(tmp_path: Path)
                           prefer_buffer_before=64, use_flex=True, max_latent_size=64)
     cfg = _write_config(tmp_path, groups, packer)
     with pytest.raises(ConfigError) as exc:
-        validate_data(cfg).groups
+        validate_data(cfg, readers=False).groups
     msg = str(exc.value)
     assert "2 mandatory groups ['t2i_pretrain', 'vlm_sft']" in msg and "510 > max_num_tokens 320" in msg
     assert "packer.max_num_tokens_per_sample <= 161" in msg and "packer.max_num_tokens >= 510" in msg
     cfg.packer.max_num_tokens_per_sample = 161  # 2 x 160 = 320 fits
-    validate_data(cfg).groups
+    validate_data(cfg, readers=False).groups
     groups["vlm_sft"]["is_mandatory"] = False
-    validate_data(_write_config(tmp_path, groups, dataclasses.replace(packer)))
+    validate_data(_write_config(tmp_path, groups, dataclasses.replace(packer)), readers=False)
 
 
 def test_b3_largest_image_over_the_per_sample_limit_warns_at_config_time(tmp_path: Path, caplog) -> None:
@@ -91,8 +91,8 @@ def test_b3_largest_image_over_the_per_sample_limit_warns_at_config_time(tmp_pat
                                                     "image_transform_args": T2I_1024}},
                         PackerConfig(**REPORT_BUDGETS, max_latent_size=64))
     with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.config.budgets"):
-        validate_data(cfg).groups
-        validate_data(cfg).groups  # the builder and the job both load the groups: one warning, not two
+        validate_data(cfg, readers=False).groups
+        validate_data(cfg, readers=False).groups  # the builder and the job both load the groups: one warning, not two
     warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warn) == 1, warn
     assert "group 't2i_pretrain'" in warn[0] and "1024x1024 px = 4096 latent tokens" in warn[0]
@@ -107,7 +107,7 @@ def test_b3_no_sample_can_fit_is_refused(tmp_path: Path) -> None:
                         PackerConfig(expected_num_tokens=60, max_num_tokens=64, max_num_tokens_per_sample=60,
                                      prefer_buffer_before=30, max_latent_size=64))
     with pytest.raises(ConfigError, match=r"even the smallest sample .* estimated at 68 tokens.*never yields a batch"):
-        validate_data(cfg).groups
+        validate_data(cfg, readers=False).groups
 
 
 # --------------------------------------------------------------------------------------------------

@@ -38,7 +38,11 @@ def _expected() -> dict[str, Any]:
     for name, default in _fields(BagelDataConfig).items():
         if name != "packer":
             keys[f"data.{name}"] = default
-    keys.update(_fields(PackerConfig))  # the packer table names knobs bare
+    for name, default in _fields(PackerConfig).items():  # the packer table names knobs bare
+        if dataclasses.is_dataclass(default):  # a nested section (balance, cost): its keys as section.key
+            keys.update({f"{name}.{k}": v for k, v in _fields(type(default)).items()})
+        else:
+            keys[name] = default
     keys.update({f"train.{k}": v for k, v in _fields(TrainConfig).items() if not k.startswith("_")})
     keys.update({k: v for k, v in _fields(JobConfig).items() if k not in ("data", "train")})
     return keys
@@ -90,7 +94,10 @@ def test_real_data_template_is_a_valid_job_config_with_every_key():
     path = REPO / "configs" / "real_data.yaml"
     cfg = load_job_config(path)  # the schema accepts it (unknown keys would be refused)
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    named = {f"data.{k}" for k in raw["data"] if k != "packer"} | set(raw["data"]["packer"])
+    packer = raw["data"]["packer"]
+    named = {f"data.{k}" for k in raw["data"] if k != "packer"}
+    named |= {f"{k}.{sub}" if isinstance(v, dict) else k for k, v in packer.items()
+              for sub in (v if isinstance(v, dict) else [None])}
     named |= {f"train.{k}" for k in raw["train"]} | {k for k in raw if k not in ("data", "train")}
     always_defaulted = {"train.digest_log", "train.exit_after_step", "train.progress", "demo_seed"}  # test / demo knobs
     assert set(_expected()) - named <= always_defaulted, sorted(set(_expected()) - named - always_defaulted)
