@@ -218,8 +218,10 @@ class BagelModel(MegatronModule):
             parts.append((batch["packed_vae_token_indexes"], vae))
             target = (eps - x0)[torch.isfinite(raw)]
         indexes = torch.cat([i for i, _ in parts])
-        if indexes.numel() != length:
-            raise ValueError(f"text/ViT/VAE indexes cover {indexes.numel()} positions, sequence_length is {length}")
+        if indexes.numel() != length or not torch.equal(torch.sort(indexes).values,
+                                                          torch.arange(length, device=indexes.device)):
+            raise ValueError(f"packed_text/vit/vae indexes ({indexes.numel()} positions) do not tile the "
+                             f"{length} packed positions exactly once (sequence_length)")
         hidden = torch.zeros(length, self.cfg.hidden_size, dtype=dtype, device=device)
         hidden = hidden.index_copy(0, indexes, torch.cat([e for _, e in parts]))
         out = self.decoder(hidden[:, None, :], attention, rotary_pos_emb=self._rope(batch["packed_position_ids"]))
