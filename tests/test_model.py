@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _external_common import single_process_pg_collection
+from _train_common import small_image_groups
 
 from bridge.models.bagel.model.attention import BagelCoreAttention, PackedAttention, packed_attention
 from bridge.models.bagel.model.config import BagelModelConfig
@@ -37,21 +38,6 @@ def megatron():
         parallel_state.initialize_model_parallel(1, 1)
     yield pgs
     parallel_state.destroy_model_parallel()
-
-
-def small_image_groups(out, dest):
-    """The demo's groups YAML with images resized to at most 256 px (VAE) / 224 px (ViT): a few hundred tokens
-    per image, so 2K-token packs hold several samples of every group and CPU steps take a second."""
-    import yaml
-
-    groups = yaml.safe_load((out / "groups.yaml").read_text())
-    for name, group in groups.items():
-        for key, size in (("image_transform_args", 256 if name != "vlm_sft" else 224), ("vit_image_transform_args", 224)):
-            if key in group:
-                group[key].update(max_image_size=size, min_image_size=size // 2)
-                group[key].pop("max_pixels", None)
-    dest.write_text(yaml.safe_dump(groups))
-    return dest
 
 
 def _loader(out, groups, tok, use_flex: bool):
