@@ -119,9 +119,12 @@ def test_bench_quick(name, demo_setup, short_tmp_path):
 
 
 def test_gpu_check_dry_run(demo_setup):
-    """The GPU check's CPU smoke path: demo loader, mask build, eager FlexAttention, flex-vs-SDPA, exact masks."""
+    """The GPU check's CPU smoke path: demo loader, mask build, eager FlexAttention, flex-vs-SDPA, exact masks, and
+    the training step (the recipe for Bridge's pretrain(), trained on CPU with the same forward step)."""
     pairs = check("gpu_check.py", ["--dry-run", DATA_OPTION["gpu_check.py"], str(demo_setup[0])])
     assert pairs["ok"] == "true", pairs
+    # the training step: the reference model's recipe, dataset provider and forward step, optimizer steps on CPU
+    assert int(pairs["train_steps"]) >= 2 and float(pairs["loss_last"]) < float(pairs["loss_first"]), pairs
 
 
 def test_last_line_rule():

@@ -45,8 +45,8 @@ from ..data.transforms import patchify
 from .attention import PackedAttention, bagel_layer_spec
 from .config import BagelModelConfig
 
-__all__ = ["BagelModel", "TimestepEmbedder", "VaeEncoderStandIn", "build_model", "noise_seed", "sincos_2d_table",
-           "transformer_config"]
+__all__ = ["BagelModel", "TimestepEmbedder", "VaeEncoderStandIn", "build_model", "decoder_fields", "noise_seed",
+           "sincos_2d_table", "transformer_config"]
 
 
 def transformer_config(cfg: BagelModelConfig, *, cpu: bool = True, bf16: bool = False) -> Any:
@@ -58,7 +58,12 @@ def transformer_config(cfg: BagelModelConfig, *, cpu: bool = True, bf16: bool = 
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    return TransformerConfig(**decoder_fields(cfg, cpu=cpu, bf16=bf16))
+
+
+def decoder_fields(cfg: BagelModelConfig, *, cpu: bool, bf16: bool = False) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``transformer_config`` (shared with the Megatron-Bridge provider)."""
+    return dict(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.head_dim,
         normalization="RMSNorm", layernorm_epsilon=cfg.layernorm_epsilon, gated_linear_unit=True,
