@@ -1,7 +1,8 @@
 """The README's layout table matches the tree: every module has its row, every row names a real path.
 
-The README holds the only copy of the table, between ``<!-- layout:package ROOT -->`` and
-``<!-- /layout:package -->`` (paths relative to ROOT), and the repository-level one between
+The README holds the only copy of each package's table, between ``<!-- layout:package ROOT -->`` and
+``<!-- /layout:package -->`` (paths relative to ROOT; one block per package: the data package, the reference
+model package), and the repository-level one between
 ``<!-- layout:repo -->`` and ``<!-- /layout:repo -->`` (paths from the repository root). The table's format is
 free: a row's path is the first back-quoted word of a table line (``| `path` | ... |``). The set of paths is
 strict: for the package, exactly the ``.py`` files under ROOT, where a sub-package's ``__init__.py`` is written
@@ -29,6 +30,19 @@ def block(text: str, tag: str) -> tuple[str, list[str]]:
     return m[1], paths
 
 
+def blocks(text: str, tag: str) -> list[tuple[str, list[str]]]:
+    """Every marked block of ``tag`` (the README holds one package table per package: data, model)."""
+    found = re.findall(rf"<!--\s*layout:{tag}\b\s*([^>]*?)\s*-->", text)
+    assert found, f"README.md has no <!-- layout:{tag} ... --> block"
+    out = []
+    rest = text
+    for _ in found:
+        arg, paths = block(rest, tag)
+        out.append((arg, paths))
+        rest = rest[rest.index(f"/layout:{tag}") + 1:]
+    return out
+
+
 def tree_modules(root: Path) -> set[str]:
     """Every module under ``root`` as the table writes it: ``a/b.py``, a sub-package as ``a/``."""
     out = set()
@@ -42,8 +56,9 @@ def tree_modules(root: Path) -> set[str]:
     return out
 
 
-def test_package_table_matches_tree():
-    root_arg, paths = block(README.read_text(encoding="utf-8"), "package")
+@pytest.mark.parametrize("index", range(len(blocks(README.read_text(encoding="utf-8"), "package"))))
+def test_package_table_matches_tree(index):
+    root_arg, paths = blocks(README.read_text(encoding="utf-8"), "package")[index]
     root = REPO / root_arg
     assert root_arg and root.is_dir(), f"layout:package names {root_arg!r}, not a folder of the repository"
     dupes = sorted({p for p in paths if paths.count(p) > 1})
