@@ -92,7 +92,8 @@ class Runs:
                        "model.name=bagel-tiny", "model.optimizer.lr=0.01", "train.progress=false",
                        "train.log_interval=2", "train.micro_batch_size=1"]
         dp2 = [*self.common, f"train.train_iters={STEPS}", "train.global_batch_size=4", "train.save_interval=2"]
-        self.a = self.run(2, [*dp2, f"train.save={root}/a", f"--digest-log={root}/a.jsonl"], "a")
+        self.a = self.run(2, [*dp2, f"train.save={root}/a", f"train.tensorboard_dir={root}/tb",
+                              f"--digest-log={root}/a.jsonl"], "a")
         self.b_killed_at = self.run_and_kill(2, [*dp2, f"train.save={root}/b", f"--digest-log={root}/b.jsonl"], "b")
         self.resumed_from = int((root / "b" / TRACKER).read_text())
         self.c = self.run(2, [*dp2, f"train.save={root}/b", f"train.load={root}/b", f"--digest-log={root}/c.jsonl"],
@@ -125,7 +126,10 @@ class Runs:
             for pid in [proc.pid, *job]:
                 os.kill(pid, signal.SIGKILL)
             proc.wait(timeout=60)
-            assert not any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in job)
+            deadline = time.monotonic() + 30  # SIGKILL is delivered asynchronously
+            while any(_state(pid) not in ("Z", "X", "gone") for pid in job) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert all(_state(pid) in ("Z", "X", "gone") for pid in job), {pid: _state(pid) for pid in job}
         return max(r["step"] for r in _rows(digest).values())
 
 
@@ -140,6 +144,13 @@ def test_loss_goes_down(runs: Runs) -> None:
     assert losses[STEPS] < losses[1], losses
     a_log = (runs.root / "a.log").read_text()
     assert "| loss " in a_log and '"loss_first"' in a_log and '"loss_last"' in a_log  # interval lines + summary
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs.root / "tb"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(logged) == list(range(2, STEPS + 1, 2))  # one point per log interval (2 steps)
+    assert logged[STEPS] == pytest.approx((losses[STEPS - 1] + losses[STEPS]) / 2, rel=1e-6)
 
 
 def test_two_micro_batches_per_rank_and_identical_losses_on_every_rank(runs: Runs) -> None:

@@ -89,7 +89,7 @@ class BagelTrainer:
         """
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
-        reports = torch.zeros(3, dtype=torch.float64)
+        reports = torch.zeros(3, dtype=torch.float64, device=self.device)  # on the device: NCCL gathers only CUDA
         error: BaseException | None = None
         try:
             for micro, batch in enumerate(batches):
