@@ -169,9 +169,9 @@ def run(args: argparse.Namespace, data: Path) -> int:
     print(f"training check: {len(losses)} steps, losses {[round(x, 4) for x in losses]}; ok={trained}", flush=True)
     ok &= trained
     copy_ms, mask_ms, attn_ms = (statistics.fmean(r[i] for r in rows) for i in range(3))
+    first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     print(f"gpu_check: copy_ms={copy_ms:.2f} mask_ms={mask_ms:.2f} attn_ms={attn_ms:.2f} train_steps={len(losses)} "
-          f"loss_first={losses[0] if losses else float('nan'):.4f} loss_last={losses[-1] if losses else float('nan'):.4f} "
-          f"ok={str(ok).lower()}")
+          f"loss_first={first:.4f} loss_last={last:.4f} ok={str(ok).lower()}")
     return 0 if ok else 1
 
 

@@ -16,7 +16,8 @@ def small_image_groups(out: Path, dest: Path) -> Path:
     per image, so 2K-token packs hold several samples of every group and a CPU step of the tiny model is short."""
     groups = yaml.safe_load((out / "groups.yaml").read_text())
     for name, group in groups.items():
-        for key, size in (("image_transform_args", 256 if name != "vlm_sft" else 224), ("vit_image_transform_args", 224)):
+        vae_or_vlm = 256 if name != "vlm_sft" else 224
+        for key, size in (("image_transform_args", vae_or_vlm), ("vit_image_transform_args", 224)):
             if key in group:
                 group[key].update(max_image_size=size, min_image_size=size // 2)
                 group[key].pop("max_pixels", None)

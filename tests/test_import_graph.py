@@ -219,7 +219,8 @@ def test_data_never_imports_the_model_or_the_launcher():
     model_dir = BAGEL_DIR / "model"
     uses_data = {p.name for p in model_dir.rglob("*.py") if any(n.startswith(PKG) for n in _absolute_imports(p))}
     assert "model.py" in uses_data  # the parser sees the model's real (relative) imports of the data package
-    never_launch = [p.name for p in model_dir.rglob("*.py") if any(n.startswith(CONSUMERS[1]) for n in _absolute_imports(p))]
+    never_launch = [p.name for p in model_dir.rglob("*.py")
+                    if any(n.startswith(CONSUMERS[1]) for n in _absolute_imports(p))]
     assert not never_launch, f"the model package imports the launcher: {never_launch}"
 
 

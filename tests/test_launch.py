@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[1]
 def recipe(demo_setup):
     from bridge.models.bagel.model.provider import bagel_recipe
 
-    data = load_job_config(str(REPO / "configs" / "demo.yaml"), [f"data.groups={demo_setup[0]}/groups.yaml",
-                                                                 f"data.dataset_info={demo_setup[0]}/dataset_info.yaml"])
+    out = demo_setup[0]
+    data = load_job_config(str(REPO / "configs" / "demo.yaml"),
+                           [f"data.groups={out}/groups.yaml", f"data.dataset_info={out}/dataset_info.yaml"])
     return bagel_recipe(data.data, BagelModelConfig(name="bagel-tiny"), tokenizer=demo_setup[1], train_iters=12,
                         global_batch_size=4)
 
@@ -62,8 +63,8 @@ def test_recipe_owns_train_iters_batch_sizes_and_layout(recipe):
 def test_recipe_refuses_a_disagreeing_override_and_validation(recipe):
     with pytest.raises(ConfigError) as err:
         reconcile_recipe(recipe, TrainConfig(train_iters=3), explicit={"train_iters"})
-    assert str(err.value) == ("--recipe: train.train_iters=3 but the recipe has 12: the recipe owns these keys; drop the "
-                              "override or change the recipe")
+    assert str(err.value) == ("--recipe: train.train_iters=3 but the recipe has 12: the recipe owns these keys; drop "
+                              "the override or change the recipe")
     recipe.validation.eval_iters, recipe.validation.eval_interval = 5, 10
     try:
         with pytest.raises(ConfigError, match="no validation split"):
@@ -82,5 +83,5 @@ def test_cli_refuses_a_recipe_mismatch_in_one_line():
                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
-    assert lines == ["error [rank 0]: ConfigError: --recipe: train.global_batch_size=8 but the recipe has 1: the recipe "
-                     "owns these keys; drop the override or change the recipe"], proc.stderr[-3000:]
+    assert lines == ["error [rank 0]: ConfigError: --recipe: train.global_batch_size=8 but the recipe has 1: the "
+                     "recipe owns these keys; drop the override or change the recipe"], proc.stderr[-3000:]

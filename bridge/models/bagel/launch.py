@@ -84,8 +84,8 @@ def reconcile_recipe(container: Any, train: Any, explicit: set[str]) -> list[str
 
     recipe = {key: getattr(getattr(container, part), attr, None) for key, (part, attr) in RECIPE_KEYS.items()}
     if recipe["train_iters"] is None:
-        raise ConfigError("--recipe: the recipe sets no train.train_iters (train_samples / num_epochs are not used with "
-                          "the external BAGEL loader): set cfg.train.train_iters in the recipe")
+        raise ConfigError("--recipe: the recipe sets no train.train_iters (train_samples / num_epochs are not used "
+                          "with the external BAGEL loader): set cfg.train.train_iters in the recipe")
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         recipe[key] = recipe[key] or 1
     clash = [f"train.{k}={getattr(train, k)!r} but the recipe has {recipe[k]!r}" for k in sorted(explicit & set(recipe))
@@ -96,9 +96,9 @@ def reconcile_recipe(container: Any, train: Any, explicit: set[str]) -> list[str
     validation = getattr(container, "validation", None)
     eval_iters = getattr(validation, "eval_iters", 0) or 0
     if eval_iters > 0 and getattr(validation, "eval_interval", None):
-        raise ConfigError(f"--recipe: the recipe asks for validation (validation.eval_iters={eval_iters}, eval_interval="
-                          f"{validation.eval_interval}) but the BAGEL providers have no validation split: set "
-                          "cfg.validation.eval_iters = 0 in the recipe")
+        raise ConfigError(f"--recipe: the recipe asks for validation (validation.eval_iters={eval_iters}, "
+                          f"eval_interval={validation.eval_interval}) but the BAGEL providers have no validation "
+                          "split: set cfg.validation.eval_iters = 0 in the recipe")
     changed = [k for k in RECIPE_KEYS if getattr(train, k) != recipe[k]]
     for key, value in recipe.items():
         setattr(train, key, value)

@@ -206,7 +206,8 @@ class BagelModel(MegatronModule):
         parts = [(batch["packed_text_indexes"], self.embedding(batch["packed_text_ids"]).to(dtype))]
         if "packed_vit_tokens" in batch:
             vit = self.vit_connector(batch["packed_vit_tokens"].to(dtype))
-            parts.append((batch["packed_vit_token_indexes"], vit + self.vit_pos_table[batch["packed_vit_position_ids"]]))
+            vit = vit + self.vit_pos_table[batch["packed_vit_position_ids"]]
+            parts.append((batch["packed_vit_token_indexes"], vit))
         target = None
         if "padded_images" in batch:
             x0 = self.vae_encoder(batch["padded_images"], batch["patchified_vae_latent_shapes"]).float()
