@@ -1,7 +1,7 @@
-"""The README's layout table matches the tree: every module has its row, every row names a real path.
+"""The contributor page's layout table matches the tree: every module has its row, every row names a real path.
 
-The README holds the only copy of each package's table, between ``<!-- layout:package ROOT -->`` and
-``<!-- /layout:package -->`` (paths relative to ROOT; one block per package: the data package, the reference
+``docs/contributing.md`` holds the only copy of each package's table, between ``<!-- layout:package ROOT -->``
+and ``<!-- /layout:package -->`` (paths relative to ROOT; one block per package: the data package, the reference
 model package), and the repository-level one between
 ``<!-- layout:repo -->`` and ``<!-- /layout:repo -->`` (paths from the repository root). The table's format is
 free: a row's path is the first back-quoted word of a table line (``| `path` | ... |``). The set of paths is
@@ -17,30 +17,32 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "contributing.md"
 ROW_PATH = re.compile(r"^\s*\|\s*`([^`]+)`")
 
 
+def _block_re(tag: str) -> re.Pattern:
+    return re.compile(rf"<!--\s*layout:{tag}\b\s*([^>]*?)\s*-->(.*?)<!--\s*/layout:{tag}\s*-->", re.S)
+
+
+def _rows(body: str, tag: str) -> list[str]:
+    paths = [r[1] for line in body.splitlines() if (r := ROW_PATH.match(line))]
+    assert paths, f"a layout:{tag} block of docs/contributing.md has no table rows"
+    return paths
+
+
 def block(text: str, tag: str) -> tuple[str, list[str]]:
-    """``(argument of the opening marker, first back-quoted path of each table row)`` of one marked block."""
-    m = re.search(rf"<!--\s*layout:{tag}\b\s*([^>]*?)\s*-->(.*?)<!--\s*/layout:{tag}\s*-->", text, re.S)
-    assert m, f"README.md has no <!-- layout:{tag} ... --> ... <!-- /layout:{tag} --> block"
-    paths = [r[1] for line in m[2].splitlines() if (r := ROW_PATH.match(line))]
-    assert paths, f"the layout:{tag} block of README.md has no table rows"
-    return m[1], paths
+    """``(argument of the opening marker, first back-quoted path of each table row)`` of the first marked block."""
+    m = _block_re(tag).search(text)
+    assert m, f"docs/contributing.md has no <!-- layout:{tag} ... --> ... <!-- /layout:{tag} --> block"
+    return m[1], _rows(m[2], tag)
 
 
 def blocks(text: str, tag: str) -> list[tuple[str, list[str]]]:
-    """Every marked block of ``tag`` (the README holds one package table per package: data, model)."""
-    found = re.findall(rf"<!--\s*layout:{tag}\b\s*([^>]*?)\s*-->", text)
-    assert found, f"README.md has no <!-- layout:{tag} ... --> block"
-    out = []
-    rest = text
-    for _ in found:
-        arg, paths = block(rest, tag)
-        out.append((arg, paths))
-        rest = rest[rest.index(f"/layout:{tag}") + 1:]
-    return out
+    """Every marked block of ``tag``, in page order (one package table per package: data, model)."""
+    found = [(m[1], _rows(m[2], tag)) for m in _block_re(tag).finditer(text)]
+    assert found, f"docs/contributing.md has no <!-- layout:{tag} ... --> ... <!-- /layout:{tag} --> block"
+    return found
 
 
 def tree_modules(root: Path) -> set[str]:
@@ -56,25 +58,32 @@ def tree_modules(root: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("index", range(len(blocks(README.read_text(encoding="utf-8"), "package"))))
+@pytest.mark.parametrize("index", range(len(blocks(PAGE.read_text(encoding="utf-8"), "package"))))
 def test_package_table_matches_tree(index):
-    root_arg, paths = blocks(README.read_text(encoding="utf-8"), "package")[index]
+    root_arg, paths = blocks(PAGE.read_text(encoding="utf-8"), "package")[index]
     root = REPO / root_arg
     assert root_arg and root.is_dir(), f"layout:package names {root_arg!r}, not a folder of the repository"
     dupes = sorted({p for p in paths if paths.count(p) > 1})
-    assert not dupes, f"README layout table lists these more than once: {dupes}"
+    assert not dupes, f"docs/contributing.md layout table lists these more than once: {dupes}"
     listed, tree = set(paths), tree_modules(root)
     missing, stale = sorted(tree - listed), sorted(listed - tree)
     assert not missing and not stale, (
-        f"README.md layout table (under {root_arg}) is out of date.\n"
+        f"docs/contributing.md layout table (under {root_arg}) is out of date.\n"
         f"  modules without a row (add them): {missing}\n"
         f"  rows naming no module (remove or rename them): {stale}")
 
 
+def test_every_bagel_package_has_a_table():
+    """Each sub-package of ``bridge/models/bagel`` (data, model) has its own block: none is left unchecked."""
+    roots = {arg for arg, _ in blocks(PAGE.read_text(encoding="utf-8"), "package")}
+    packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "bridge/models/bagel").glob("*/__init__.py")}
+    assert packages <= roots, f"docs/contributing.md has no layout:package block for {sorted(packages - roots)}"
+
+
 def test_repo_table_paths_exist():
-    _, paths = block(README.read_text(encoding="utf-8"), "repo")
+    _, paths = block(PAGE.read_text(encoding="utf-8"), "repo")
     absent = [p for p in paths if not (REPO / p).exists()]
-    assert not absent, f"README.md repository layout table names paths that do not exist: {absent}"
+    assert not absent, f"docs/contributing.md repository layout table names paths that do not exist: {absent}"
 
 
 @pytest.mark.parametrize("text, expect", [
@@ -86,3 +95,9 @@ def test_repo_table_paths_exist():
 def test_block_parsing(text, expect):
     """Only the first back-quoted word of a table line is a path; prose in the block is ignored."""
     assert block(text, "package") == expect
+
+
+def test_blocks_reads_every_block():
+    text = ("<!-- layout:package a -->\n| `x.py` | X |\n<!-- /layout:package -->\nprose\n"
+            "<!-- layout:package b -->\n| `y/` | Y |\n| `y/z.py` | Z |\n<!-- /layout:package -->")
+    assert blocks(text, "package") == [("a", ["x.py"]), ("b", ["y/", "y/z.py"])]
