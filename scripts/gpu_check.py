@@ -15,9 +15,10 @@
 4. Training through Megatron-Bridge: the tiny reference model (``bridge.models.bagel.model``) trained ``--train-steps``
    steps by Bridge's own ``pretrain()`` with this package's recipe (``bagel_recipe``: ``BagelModelProvider``,
    ``BagelDatasetProvider`` over the demo data, NullTokenizer, constant-LR Adam, no validation) and forward step
-   (``step.forward_step``, wrapped to record each micro-batch's loss): every loss finite, the last below the first.
+   (``step.forward_step``, wrapped to record each micro-batch's loss): every loss finite, and step 1's batch,
+   evaluated again at the last step, has a lower loss than at step 1 (every step reads a new pack).
 Last line: ``gpu_check: copy_ms=<x> mask_ms=<y> attn_ms=<z> train_steps=<n> loss_first=<a> loss_last=<b>
-ok=<true|false>`` (means over 32K batches; the losses of step 4).
+ok=<true|false>`` (means over 32K batches; step 4's loss of step 1's batch before training and at the last step).
 Exit codes: 0 all checks passed, 1 a check failed, 77 CUDA absent (nothing checked; ``--dry-run`` runs the
 same steps on the CPU at small sizes, as a smoke test of everything but the GPU: step 4 then builds the same
 recipe, validates it, and trains its provider's model on its dataset provider's loader with the same forward step
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import math
 import os
 import statistics
@@ -36,6 +38,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--train-steps", type=int, default=5, help="optimizer steps of the training check (default 5)")
+    ap.add_argument("--train-steps", type=int, default=5,
+                    help="optimizer steps of the training check, at least 2 (default 5)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke path: 1 batch at 7168/8192 tokens, 2/1 heads of 16, eager FlexAttention, "
                          "no create_block_mask comparison")
@@ -71,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.batches, args.expected, args.max = 1, 7168, 8192
         args.heads, args.kv_heads, args.head_dim = 2, 1, 16
         args.train_steps = min(args.train_steps, 3)
+    if args.train_steps < 2:
+        ap.error("--train-steps must be at least 2 (the check compares step 1's batch before and after training)")
     return args
 
 
@@ -164,20 +170,27 @@ def run(args: argparse.Namespace, data: Path) -> int:
                   f"mask {mask.ms:7.2f} ms | attention {attn.ms:8.2f} ms (first call {first.ms:.0f} ms)", flush=True)
             del q, kk, v, out
     ok &= small_pack_check(args, data, tok, device, dtype, flex)
-    losses = train_check(args, data, tok)
-    trained = len(losses) == args.train_steps and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-    print(f"training check: {len(losses)} steps, losses {[round(x, 4) for x in losses]}; ok={trained}", flush=True)
+    losses, after = train_check(args, data, tok)
+    first, last = (losses[0] if losses else float("nan")), after
+    trained = (len(losses) == args.train_steps and all(math.isfinite(x) for x in [*losses, last])
+               and last < first)
+    print(f"training check: {len(losses)} steps, losses {[round(x, 4) for x in losses]}; step 1's batch: loss "
+          f"{first:.4f} before training, {last:.4f} after {args.train_steps - 1} updates; ok={trained}", flush=True)
     ok &= trained
     copy_ms, mask_ms, attn_ms = (statistics.fmean(r[i] for r in rows) for i in range(3))
-    first, last = (losses[0], losses[-1]) if losses else (float("nan"), float("nan"))
     print(f"gpu_check: copy_ms={copy_ms:.2f} mask_ms={mask_ms:.2f} attn_ms={attn_ms:.2f} train_steps={len(losses)} "
           f"loss_first={first:.4f} loss_last={last:.4f} ok={str(ok).lower()}")
     return 0 if ok else 1
 
 
-def train_check(args: argparse.Namespace, data: Path, tok) -> list[float]:
+def train_check(args: argparse.Namespace, data: Path, tok) -> tuple[list[float], float]:
     """Step 4: the reference model trained through Bridge's ``pretrain()`` (``--dry-run``: the same recipe and
-    forward step in a CPU loop); the mean loss of every optimizer step."""
+    forward step in a CPU loop); ``(the loss of every optimizer step, step 1's batch's loss at the last step)``.
+
+    Every step reads a new pack, so the step losses alone do not show learning (the packs differ in their mix of
+    text and images); the recorded forward step therefore keeps a copy of step 1's batch and, at the last step,
+    evaluates it (no gradient) with the model after ``train_steps - 1`` updates: that loss must be below step 1's.
+    NaN when the check did not get that far."""
     from bridge.models.bagel.model.config import BagelModelConfig
     from bridge.models.bagel.model.provider import bagel_recipe
     from bridge.models.bagel.model.step import forward_step
@@ -187,8 +200,18 @@ def train_check(args: argparse.Namespace, data: Path, tok) -> list[float]:
     model_cfg.optimizer.lr = 1e-2
     container = bagel_recipe(data_cfg, model_cfg, tokenizer=tok, train_iters=args.train_steps, global_batch_size=1)
     micro_losses: list[float] = []
+    held: dict[str, Any] = {}  # step 1's batch (a copy: the loader may reuse its memory) and its loss at the end
 
     def recording_forward_step(data_iterator, model):
+        if "batch" not in held:
+            batch = next(data_iterator)
+            held["batch"] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                             for k, v in batch.items()}
+            data_iterator = iter([batch])
+        elif len(micro_losses) == args.train_steps - 1:  # the last step: the model after train_steps - 1 updates
+            with torch.no_grad():
+                out, fn = forward_step(iter([held["batch"]]), model)
+                held["loss_after"] = float(fn(out)[1]["loss"])
         output, loss_fn = forward_step(data_iterator, model)
 
         def recording_loss(output_tensor):
@@ -199,18 +222,19 @@ def train_check(args: argparse.Namespace, data: Path, tok) -> list[float]:
         return output, recording_loss
 
     if args.dry_run:
-        return dry_run_training(container, recording_forward_step, micro_losses, args.train_steps)
+        dry_run_training(container, recording_forward_step, micro_losses, args.train_steps)
+        return micro_losses, held.get("loss_after", float("nan"))
     from bridge.models.bagel.data._bridge import import_bridge_training
 
     api = import_bridge_training()
     if api.pretrain is None:
         print(f"training check: {api.error}", flush=True)
-        return []
+        return [], float("nan")
     for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", "29533")
     api.pretrain(config=container, forward_step_func=recording_forward_step)
-    return micro_losses  # one micro-batch per step at global batch 1, DP 1
+    return micro_losses, held.get("loss_after", float("nan"))  # one micro-batch per step at global batch 1, DP 1
 
 
 def dry_run_training(container, forward_step_func, micro_losses: list[float], steps: int) -> list[float]:

@@ -123,7 +123,8 @@ def test_gpu_check_dry_run(demo_setup):
     the training step (the recipe for Bridge's pretrain(), trained on CPU with the same forward step)."""
     pairs = check("gpu_check.py", ["--dry-run", DATA_OPTION["gpu_check.py"], str(demo_setup[0])])
     assert pairs["ok"] == "true", pairs
-    # the training step: the reference model's recipe, dataset provider and forward step, optimizer steps on CPU
+    # the training step: the reference model's recipe, dataset provider and forward step, optimizer steps on CPU;
+    # loss_first / loss_last: step 1's batch before training and again at the last step (every step reads a new pack)
     assert int(pairs["train_steps"]) >= 2 and float(pairs["loss_last"]) < float(pairs["loss_first"]), pairs
 
 
