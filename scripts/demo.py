@@ -48,11 +48,13 @@ def read_digests(path: Path) -> dict[tuple[int, int, int], tuple[str, str | None
     return out
 
 
-def print_loss_lines(log: Path) -> None:
-    """The run's per-interval loss lines, as the job logged them."""
-    for line in log.read_text().splitlines():
-        if "| loss " in line:
-            print("   ", line.split(": ", 1)[-1], flush=True)
+def print_loss_lines(log: Path, note: str = "") -> None:
+    """The run's per-interval loss lines, as the job logged them (then ``note``, when there were any)."""
+    lines = [line.split(": ", 1)[-1] for line in log.read_text().splitlines() if "| loss " in line]
+    for line in lines:
+        print("   ", line, flush=True)
+    if lines and note:
+        print("   ", note, flush=True)
 
 
 def same_final_model(ckpt_a: Path, ckpt_b: Path, step: int) -> bool | None:
@@ -105,7 +107,9 @@ def main() -> int:
                 out / "c.log"):
         print((out / "c.log").read_text()[-3000:])
         return 1
-    print_loss_lines(out / "c.log")
+    print_loss_lines(out / "c.log", f"(a line's loss is the mean over the steps since the previous line: the restart's "
+                                    f"first line covers steps from {resume_step + 1} only, the verdict compares every "
+                                    "step's loss)")
 
     a, b, c = read_digests(out / "a.jsonl"), read_digests(out / "b.jsonl"), read_digests(out / "c.jsonl")
     resumed = {**{k: v for k, v in b.items() if k[1] <= resume_step}, **c}
