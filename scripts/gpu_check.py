@@ -12,21 +12,33 @@
 3. Correctness on a small pack (5120 tokens): the mask materialised on the GPU equals the block-diagonal of
    the dense-mode masks of the same pack (same seed), the BlockMask tiles match it, and FlexAttention equals
    SDPA with the dense bool mask (bf16 both; also reported against a float32 SDPA reference).
-Last line: ``gpu_check: copy_ms=<x> mask_ms=<y> attn_ms=<z> ok=<true|false>`` (means over 32K batches).
+4. Training through Megatron-Bridge: the tiny reference model (``bridge.models.bagel.model``) trained ``--train-steps``
+   steps by Bridge's own ``pretrain()`` with this package's recipe (``bagel_recipe``: ``BagelModelProvider``,
+   ``BagelDatasetProvider`` over the demo data, NullTokenizer, constant-LR Adam, no validation) and forward step
+   (``step.forward_step``, wrapped to record each micro-batch's loss): every loss finite, and step 1's batch,
+   evaluated again at the last step, has a lower loss than at step 1 (every step reads a new pack).
+Last line: ``gpu_check: copy_ms=<x> mask_ms=<y> attn_ms=<z> train_steps=<n> loss_first=<a> loss_last=<b>
+ok=<true|false>`` (means over 32K batches; step 4's loss of step 1's batch before training and at the last step).
 Exit codes: 0 all checks passed, 1 a check failed, 77 CUDA absent (nothing checked; ``--dry-run`` runs the
-same steps on the CPU at small sizes, as a smoke test of everything but the GPU).
+same steps on the CPU at small sizes, as a smoke test of everything but the GPU: step 4 then builds the same
+recipe, validates it, and trains its provider's model on its dataset provider's loader with the same forward step
+and ``torch.optim.Adam``, in one gloo process; Bridge's ``pretrain()`` itself needs CUDA and is not called).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import math
+import os
 import statistics
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--train-steps", type=int, default=5,
+                    help="optimizer steps of the training check, at least 2 (default 5)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke path: 1 batch at 7168/8192 tokens, 2/1 heads of 16, eager FlexAttention, "
                          "no create_block_mask comparison")
@@ -60,19 +74,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.dry_run:
         args.batches, args.expected, args.max = 1, 7168, 8192
         args.heads, args.kv_heads, args.head_dim = 2, 1, 16
+        args.train_steps = min(args.train_steps, 3)
+    if args.train_steps < 2:
+        ap.error("--train-steps must be at least 2 (the check compares step 1's batch before and after training)")
     return args
+
+
+def data_config(data: Path, *, use_flex: bool, expected: int, max_tokens: int, seed: int):
+    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
+
+    return BagelDataConfig(groups=str(data / "groups.yaml"), dataset_info=str(data / "dataset_info.yaml"),
+                           num_workers=0, seed=seed,
+                           packer=PackerConfig(expected_num_tokens=expected, max_num_tokens=max_tokens,
+                                               max_num_tokens_per_sample=min(16384, max_tokens // 2),
+                                               prefer_buffer_before=min(16384, expected // 2), use_flex=use_flex,
+                                               max_latent_size=64))  # the demo transforms reach 1024 px / 16
 
 
 def loader(data: Path, tok, *, use_flex: bool, expected: int, max_tokens: int, seed: int, length: int):
     from bridge.models.bagel.data.build import build_bagel_train_loader
-    from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
 
-    cfg = BagelDataConfig(groups=str(data / "groups.yaml"), dataset_info=str(data / "dataset_info.yaml"),
-                          num_workers=0, seed=seed,
-                          packer=PackerConfig(expected_num_tokens=expected, max_num_tokens=max_tokens,
-                                              max_num_tokens_per_sample=min(16384, max_tokens // 2),
-                                              prefer_buffer_before=min(16384, expected // 2), use_flex=use_flex,
-                                              max_latent_size=64))  # the demo transforms reach 1024 px / 16
+    cfg = data_config(data, use_flex=use_flex, expected=expected, max_tokens=max_tokens, seed=seed)
     return build_bagel_train_loader(cfg, tok, (0, 1), length=length)
 
 
@@ -148,9 +170,116 @@ def run(args: argparse.Namespace, data: Path) -> int:
                   f"mask {mask.ms:7.2f} ms | attention {attn.ms:8.2f} ms (first call {first.ms:.0f} ms)", flush=True)
             del q, kk, v, out
     ok &= small_pack_check(args, data, tok, device, dtype, flex)
+    losses, after = train_check(args, data, tok)
+    first, last = (losses[0] if losses else float("nan")), after
+    trained = (len(losses) == args.train_steps and all(math.isfinite(x) for x in [*losses, last])
+               and last < first)
+    print(f"training check: {len(losses)} steps, losses {[round(x, 4) for x in losses]}; step 1's batch: loss "
+          f"{first:.4f} before training, {last:.4f} after {args.train_steps - 1} updates; ok={trained}", flush=True)
+    ok &= trained
     copy_ms, mask_ms, attn_ms = (statistics.fmean(r[i] for r in rows) for i in range(3))
-    print(f"gpu_check: copy_ms={copy_ms:.2f} mask_ms={mask_ms:.2f} attn_ms={attn_ms:.2f} ok={str(ok).lower()}")
+    print(f"gpu_check: copy_ms={copy_ms:.2f} mask_ms={mask_ms:.2f} attn_ms={attn_ms:.2f} train_steps={len(losses)} "
+          f"loss_first={first:.4f} loss_last={last:.4f} ok={str(ok).lower()}")
     return 0 if ok else 1
+
+
+def train_check(args: argparse.Namespace, data: Path, tok) -> tuple[list[float], float]:
+    """Step 4: the reference model trained through Bridge's ``pretrain()`` (``--dry-run``: the same recipe and
+    forward step in a CPU loop); ``(the loss of every optimizer step, step 1's batch's loss at the last step)``.
+
+    Every step reads a new pack, so the step losses alone do not show learning (the packs differ in their mix of
+    text and images); the recorded forward step therefore keeps a copy of step 1's batch and, at the last step,
+    evaluates it (no gradient) with the model after ``train_steps - 1`` updates: that loss must be below step 1's.
+    NaN when the check did not get that far."""
+    from bridge.models.bagel.model.config import BagelModelConfig
+    from bridge.models.bagel.model.provider import bagel_recipe
+    from bridge.models.bagel.model.step import forward_step
+
+    data_cfg = data_config(data, use_flex=True, expected=args.expected, max_tokens=args.max, seed=args.seed)
+    model_cfg = BagelModelConfig(name="bagel-tiny")
+    model_cfg.optimizer.lr = 1e-2
+    container = bagel_recipe(data_cfg, model_cfg, tokenizer=tok, train_iters=args.train_steps, global_batch_size=1)
+    micro_losses: list[float] = []
+    held: dict[str, Any] = {}  # step 1's batch (a copy: the loader may reuse its memory) and its loss at the end
+
+    def recording_forward_step(data_iterator, model):
+        if "batch" not in held:
+            batch = next(data_iterator)
+            held["batch"] = {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                             for k, v in batch.items()}
+            data_iterator = iter([batch])
+        elif len(micro_losses) == args.train_steps - 1:  # the last step: the model after train_steps - 1 updates
+            with torch.no_grad():
+                out, fn = forward_step(iter([held["batch"]]), model)
+                held["loss_after"] = float(fn(out)[1]["loss"])
+        output, loss_fn = forward_step(data_iterator, model)
+
+        def recording_loss(output_tensor):
+            loss, report = loss_fn(output_tensor)
+            micro_losses.append(float(report["loss"]))
+            return loss, report
+
+        return output, recording_loss
+
+    if args.dry_run:
+        dry_run_training(container, recording_forward_step, micro_losses, args.train_steps)
+        return micro_losses, held.get("loss_after", float("nan"))
+    from bridge.models.bagel.data._bridge import import_bridge_training
+
+    api = import_bridge_training()
+    if api.pretrain is None:
+        print(f"training check: {api.error}", flush=True)
+        return [], float("nan")
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", "29533")
+    api.pretrain(config=container, forward_step_func=recording_forward_step)
+    return micro_losses, held.get("loss_after", float("nan"))  # one micro-batch per step at global batch 1, DP 1
+
+
+def dry_run_training(container, forward_step_func, micro_losses: list[float], steps: int) -> list[float]:
+    """CPU: what ``pretrain()`` would do with ``container``, minus Megatron's CUDA-only schedule and optimizer."""
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from bridge.models.bagel.data._bridge import import_bridge
+
+    container.validate()
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp(prefix='gpu_check_')}/store", rank=0,
+                                world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        provider = container.model
+        provider.use_cpu_initialization = True
+        torch.manual_seed(container.rng.seed)
+        model = provider.provide()
+        pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "pp", "cp", "dp"])
+        context = import_bridge().DatasetBuildContext(train_samples=steps, valid_samples=0, test_samples=0,
+                                                      pg_collection=pgs)
+        train, _, _ = container.dataset.build_datasets(context)
+        o = container.optimizer
+        optimizer = torch.optim.Adam(model.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                     weight_decay=o.weight_decay)
+        iterator = RerunDataIterator(train)
+        with train:
+            for _ in range(steps):
+                optimizer.zero_grad()
+                output, loss_fn = forward_step_func(iterator, model)
+                loss, _ = loss_fn(output)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
+                optimizer.step()
+    finally:
+        parallel_state.destroy_model_parallel()
+        if started:
+            dist.destroy_process_group()
+    return micro_losses
 
 
 def small_pack_check(args, data: Path, tok, device: torch.device, dtype: torch.dtype, flex) -> bool:

@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 BENCHES = sorted(p.name for p in SCRIPTS.glob("bench_*.py"))
 #: the option through which a bench takes an existing demo dataset directory (instead of generating its own)
-DATA_OPTION = {"bench_balance.py": "--data", "bench_pipeline.py": "--data", "bench_watchdog.py": "--data",
-               "bench_elastic.py": "--data", "bench_startup.py": "--demo-dir",
+DATA_OPTION = {"bench_balance.py": "--data", "bench_pipeline.py": "--data", "bench_train.py": "--data",
+               "bench_watchdog.py": "--data", "bench_elastic.py": "--data", "bench_startup.py": "--demo-dir",
                "bench_state.py": "--demo-dir",
                "gpu_check.py": "--data"}
 #: bench_packer's default comparison: our packer at this git revision (``git archive``)
@@ -120,9 +120,13 @@ def test_bench_quick(name, demo_setup, short_tmp_path):
 
 
 def test_gpu_check_dry_run(demo_setup):
-    """The GPU check's CPU smoke path: demo loader, mask build, eager FlexAttention, flex-vs-SDPA, exact masks."""
+    """The GPU check's CPU smoke path: demo loader, mask build, eager FlexAttention, flex-vs-SDPA, exact masks, and
+    the training step (the recipe for Bridge's pretrain(), trained on CPU with the same forward step)."""
     pairs = check("gpu_check.py", ["--dry-run", DATA_OPTION["gpu_check.py"], str(demo_setup[0])])
     assert pairs["ok"] == "true", pairs
+    # the training step: the reference model's recipe, dataset provider and forward step, optimizer steps on CPU;
+    # loss_first / loss_last: step 1's batch before training and again at the last step (every step reads a new pack)
+    assert int(pairs["train_steps"]) >= 2 and float(pairs["loss_last"]) < float(pairs["loss_first"]), pairs
 
 
 def test_last_line_rule():

@@ -17,6 +17,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "bridge.models.bagel.data"
 PKG_DIR = ROOT.joinpath(*PKG.split("."))
+#: ``bridge/models/bagel``: the data package, the reference model package beside it and the launcher
+BAGEL = "bridge.models.bagel"
+BAGEL_DIR = ROOT.joinpath(*BAGEL.split("."))
+#: what the data package never imports (issue 32): the model is the data's consumer, composed by the launcher
+CONSUMERS = ("bridge.models.bagel.model", "bridge.models.bagel.launch")
 
 #: Module-name prefixes (relative to the package) → layer. The longest matching prefix wins.
 LAYERS: dict[str, int] = {
@@ -202,10 +207,42 @@ def test_converter_needs_only_the_layout(direct):
     assert not bad, bad
 
 
+def _absolute_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, as absolute dotted names (relative imports resolved; ``from X import y``
+    counts as ``X.y`` and ``X``)."""
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    package = parts[:-1]  # the package a module (or an __init__) lives in
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - (node.level - 1)] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            found.add(target)
+            found.update(f"{target}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_data_never_imports_the_model_or_the_launcher():
+    """model -> data, launch -> both; nothing under ``data`` imports the model package or the launcher."""
+    bad = sorted(f"{path.relative_to(ROOT)} imports {name}" for path in PKG_DIR.rglob("*.py")
+                 for name in _absolute_imports(path) if any(name == c or name.startswith(c + ".") for c in CONSUMERS))
+    assert not bad, bad
+    model_dir = BAGEL_DIR / "model"
+    uses_data = {p.name for p in model_dir.rglob("*.py") if any(n.startswith(PKG) for n in _absolute_imports(p))}
+    assert "model.py" in uses_data  # the parser sees the model's real (relative) imports of the data package
+    never_launch = [p.name for p in model_dir.rglob("*.py")
+                    if any(n.startswith(CONSUMERS[1]) for n in _absolute_imports(p))]
+    assert not never_launch, f"the model package imports the launcher: {never_launch}"
+
+
 def test_megatron_bridge_is_imported_in_one_module_only():
-    """Transformer Engine comes with Bridge: only ``_bridge`` may import ``megatron.bridge``."""
+    """Transformer Engine comes with Bridge: only ``data/_bridge`` may import ``megatron.bridge``, in the data
+    package, the model package and the launcher alike."""
     offenders = []
-    for path in PKG_DIR.rglob("*.py"):
+    for path in BAGEL_DIR.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
@@ -216,5 +253,5 @@ def test_megatron_bridge_is_imported_in_one_module_only():
                                                    == "import_module") else [])
             if any(n == "megatron.bridge" or n.startswith("megatron.bridge.") or n.startswith("transformer_engine")
                    for n in names):
-                offenders.append(str(path.relative_to(PKG_DIR)))
-    assert set(offenders) == {"_bridge.py"}, offenders
+                offenders.append(str(path.relative_to(BAGEL_DIR)))
+    assert set(offenders) == {"data/_bridge.py"}, offenders

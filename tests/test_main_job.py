@@ -31,6 +31,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  *DEMO_BUDGETS], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "resume verdict: identical" in proc.stdout
+    assert "step loss and the final model" in proc.stdout and "| loss " in proc.stdout  # the demo trains the model
     return out
 
 

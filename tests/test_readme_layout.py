@@ -1,7 +1,8 @@
 """The contributor page's layout table matches the tree: every module has its row, every row names a real path.
 
-``docs/contributing.md`` holds the only copy of the table, between ``<!-- layout:package ROOT -->`` and
-``<!-- /layout:package -->`` (paths relative to ROOT), and the repository-level one between
+``docs/contributing.md`` holds the only copy of each package's table, between ``<!-- layout:package ROOT -->``
+and ``<!-- /layout:package -->`` (paths relative to ROOT; one block per package: the data package, the reference
+model package), and the repository-level one between
 ``<!-- layout:repo -->`` and ``<!-- /layout:repo -->`` (paths from the repository root). The table's format is
 free: a row's path is the first back-quoted word of a table line (``| `path` | ... |``). The set of paths is
 strict: for the package, exactly the ``.py`` files under ROOT, where a sub-package's ``__init__.py`` is written
@@ -20,13 +21,28 @@ PAGE = REPO / "docs" / "contributing.md"
 ROW_PATH = re.compile(r"^\s*\|\s*`([^`]+)`")
 
 
+def _block_re(tag: str) -> re.Pattern:
+    return re.compile(rf"<!--\s*layout:{tag}\b\s*([^>]*?)\s*-->(.*?)<!--\s*/layout:{tag}\s*-->", re.S)
+
+
+def _rows(body: str, tag: str) -> list[str]:
+    paths = [r[1] for line in body.splitlines() if (r := ROW_PATH.match(line))]
+    assert paths, f"a layout:{tag} block of docs/contributing.md has no table rows"
+    return paths
+
+
 def block(text: str, tag: str) -> tuple[str, list[str]]:
-    """``(argument of the opening marker, first back-quoted path of each table row)`` of one marked block."""
-    m = re.search(rf"<!--\s*layout:{tag}\b\s*([^>]*?)\s*-->(.*?)<!--\s*/layout:{tag}\s*-->", text, re.S)
+    """``(argument of the opening marker, first back-quoted path of each table row)`` of the first marked block."""
+    m = _block_re(tag).search(text)
     assert m, f"docs/contributing.md has no <!-- layout:{tag} ... --> ... <!-- /layout:{tag} --> block"
-    paths = [r[1] for line in m[2].splitlines() if (r := ROW_PATH.match(line))]
-    assert paths, f"the layout:{tag} block of docs/contributing.md has no table rows"
-    return m[1], paths
+    return m[1], _rows(m[2], tag)
+
+
+def blocks(text: str, tag: str) -> list[tuple[str, list[str]]]:
+    """Every marked block of ``tag``, in page order (one package table per package: data, model)."""
+    found = [(m[1], _rows(m[2], tag)) for m in _block_re(tag).finditer(text)]
+    assert found, f"docs/contributing.md has no <!-- layout:{tag} ... --> ... <!-- /layout:{tag} --> block"
+    return found
 
 
 def tree_modules(root: Path) -> set[str]:
@@ -42,8 +58,9 @@ def tree_modules(root: Path) -> set[str]:
     return out
 
 
-def test_package_table_matches_tree():
-    root_arg, paths = block(PAGE.read_text(encoding="utf-8"), "package")
+@pytest.mark.parametrize("index", range(len(blocks(PAGE.read_text(encoding="utf-8"), "package"))))
+def test_package_table_matches_tree(index):
+    root_arg, paths = blocks(PAGE.read_text(encoding="utf-8"), "package")[index]
     root = REPO / root_arg
     assert root_arg and root.is_dir(), f"layout:package names {root_arg!r}, not a folder of the repository"
     dupes = sorted({p for p in paths if paths.count(p) > 1})
@@ -54,6 +71,13 @@ def test_package_table_matches_tree():
         f"docs/contributing.md layout table (under {root_arg}) is out of date.\n"
         f"  modules without a row (add them): {missing}\n"
         f"  rows naming no module (remove or rename them): {stale}")
+
+
+def test_every_bagel_package_has_a_table():
+    """Each sub-package of ``bridge/models/bagel`` (data, model) has its own block: none is left unchecked."""
+    roots = {arg for arg, _ in blocks(PAGE.read_text(encoding="utf-8"), "package")}
+    packages = {p.parent.relative_to(REPO).as_posix() for p in (REPO / "bridge/models/bagel").glob("*/__init__.py")}
+    assert packages <= roots, f"docs/contributing.md has no layout:package block for {sorted(packages - roots)}"
 
 
 def test_repo_table_paths_exist():
@@ -71,3 +95,9 @@ def test_repo_table_paths_exist():
 def test_block_parsing(text, expect):
     """Only the first back-quoted word of a table line is a path; prose in the block is ignored."""
     assert block(text, "package") == expect
+
+
+def test_blocks_reads_every_block():
+    text = ("<!-- layout:package a -->\n| `x.py` | X |\n<!-- /layout:package -->\nprose\n"
+            "<!-- layout:package b -->\n| `y/` | Y |\n| `y/z.py` | Z |\n<!-- /layout:package -->")
+    assert blocks(text, "package") == [("a", ["x.py"]), ("b", ["y/", "y/z.py"])]

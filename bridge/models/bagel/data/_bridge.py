@@ -18,7 +18,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["BridgeAPI", "import_bridge", "install_lora_layers_standin"]
+__all__ = ["BridgeAPI", "BridgeTrainingAPI", "import_bridge", "import_bridge_training", "install_lora_layers_standin"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,3 +107,44 @@ def import_bridge() -> BridgeAPI:
         get_checkpoint_name=checkpoint_name,
         make_data_iterator_list=iterator_utils.make_data_iterator_list,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class BridgeTrainingAPI:
+    """Megatron-Bridge's training side, for recipes and ``pretrain()`` (the model package's provider and the
+    launcher's ``--recipe`` path). ``pretrain`` is None where ``megatron.bridge.training.pretrain`` cannot be
+    imported (it needs ``nvidia-resiliency-ext``, a GPU-stack package); ``error`` says why."""
+
+    GPTModelProvider: type
+    ConfigContainer: type
+    TrainingConfig: type
+    ValidationConfig: type
+    OptimizerConfig: type
+    SchedulerConfig: type
+    LoggerConfig: type
+    TokenizerConfig: type
+    CheckpointConfig: type
+    RNGConfig: type
+    DistributedDataParallelConfig: type
+    pretrain: Any
+    error: str | None
+
+
+@functools.cache
+def import_bridge_training() -> BridgeTrainingAPI:
+    """Import Bridge's model-provider and training-config classes (after ``import_bridge``'s CPU stand-in)."""
+    import_bridge()
+    gpt = importlib.import_module("megatron.bridge.models.gpt_provider")
+    config = importlib.import_module("megatron.bridge.training.config")
+    pretrain, error = None, None
+    try:
+        pretrain = importlib.import_module("megatron.bridge.training.pretrain").pretrain
+    except ImportError as exc:  # nvidia_resiliency_ext (GPU stack) on CPU machines
+        error = f"megatron.bridge.training.pretrain is not importable: {exc}"
+    return BridgeTrainingAPI(
+        GPTModelProvider=gpt.GPTModelProvider, ConfigContainer=config.ConfigContainer,
+        TrainingConfig=config.TrainingConfig, ValidationConfig=config.ValidationConfig,
+        OptimizerConfig=config.OptimizerConfig, SchedulerConfig=config.SchedulerConfig,
+        LoggerConfig=config.LoggerConfig, TokenizerConfig=config.TokenizerConfig,
+        CheckpointConfig=config.CheckpointConfig, RNGConfig=config.RNGConfig,
+        DistributedDataParallelConfig=config.DistributedDataParallelConfig, pretrain=pretrain, error=error)

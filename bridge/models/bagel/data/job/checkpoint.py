@@ -1,8 +1,11 @@
-"""Job checkpoints: Bridge's own dataloader-state files plus a tiny MLM-compatible step tracker.
+"""Job checkpoints: Bridge's own dataloader-state files, the trainer's state, a tiny MLM-compatible step tracker.
 
 Loader state goes through Megatron-Bridge's ``maybe_save_dataloader_state`` /
 ``maybe_load_dataloader_state`` (``{root}/energon/iter_NNNNNNN/train_dataloader_dprankNNN.pt``, restricted
-unpickler on load); the step goes to ``{root}/latest_checkpointed_iteration.txt`` like Megatron's tracker.
+unpickler on load); a trainer's state (model + optimizer, the same on every DP replica) goes to
+``{root}/iter_NNNNNNN/trainer.pt`` (rank 0, loaded with ``weights_only=True``); the step goes to
+``{root}/latest_checkpointed_iteration.txt`` like Megatron's tracker, written last: a checkpoint exists once the
+tracker names it, so a kill while saving leaves the previous one in force.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 
-__all__ = ["TRACKER", "check_resume_dp", "loader_state_files", "rank_state_file", "read_loader_states", "read_step",
-           "resize_checkpoint", "restore_loader", "save_checkpoint"]
+__all__ = ["TRACKER", "check_resume_dp", "load_trainer_state", "loader_state_files", "rank_state_file",
+           "read_loader_states", "read_step", "resize_checkpoint", "restore_loader", "save_checkpoint",
+           "trainer_state_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +98,47 @@ def _bridge_ckpt() -> Any:
     return api
 
 
-def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any) -> None:
-    """Bridge's loader-state save, then (after a world barrier) the step tracker (rank 0).
+def trainer_state_file(root: str, step: int) -> str:
+    """``{root}/iter_{step:07d}/trainer.pt``: the trainer's state (model + optimizer) at ``step``."""
+    return os.path.join(root, f"iter_{step:07d}", "trainer.pt")
+
+
+def load_trainer_state(root: str, step: int) -> dict[str, Any]:
+    """The trainer state saved at ``step`` (``weights_only=True``: tensors and plain containers only, on CPU).
+
+    Raises ``ConfigError`` naming the file when it is missing (a data-only job wrote the checkpoint) or unreadable.
+    """
+    import torch
+
+    path = trainer_state_file(root, step)
+    if not os.path.isfile(path):
+        raise ConfigError(f"train.load: {root} has no model state for step {step} ({path} is missing: the checkpoint "
+                          "was written by a data-only job); start the model from scratch with a new train.save, or "
+                          "load a checkpoint of a training run")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (*_UNREADABLE, RuntimeError, OSError) as exc:
+        raise ConfigError(f"train.load: the model state {path} cannot be read ({type(exc).__name__}: {exc}); resume "
+                          "from an earlier checkpoint") from exc
+
+
+def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any,
+                    trainer_state: dict[str, Any] | None = None) -> None:
+    """The trainer's state (rank 0, when given), Bridge's loader-state save, then (after a world barrier) the step
+    tracker (rank 0).
 
     Called on every rank; Bridge lets only the ``tp = pp = cp = 0`` rank of each DP replica write, so the
-    step directory holds exactly one ``train_dataloader_dprankNNN.pt`` per DP replica.
+    step directory holds exactly one ``train_dataloader_dprankNNN.pt`` per DP replica. ``trainer_state`` is the
+    same on every rank (replicated model); rank 0 writes it atomically (temporary file, then rename).
     """
     api = _bridge_ckpt()
+    if trainer_state is not None and dist.get_rank() == 0:
+        import torch
+
+        path = trainer_state_file(root, step)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(trainer_state, path + ".tmp")
+        os.replace(path + ".tmp", path)
     with _bridge_prints():
         api.maybe_save_dataloader_state(None, iterator, step, os.path.join(root, "energon"),
                                         pg_collection=pg_collection)

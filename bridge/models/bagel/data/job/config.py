@@ -107,10 +107,16 @@ class TrainConfig:
 
 @dataclass
 class JobConfig:
-    """``data`` (the pipeline), ``train`` (steps, batch sizes, checkpoints) and the demo-data switch."""
+    """``data`` (the pipeline), ``train`` (steps, batch sizes, checkpoints), ``model`` and the demo-data switch.
+
+    ``model`` is read by the launcher (``bridge.models.bagel.launch``), which checks it against the model
+    package's schema (``model.config.BagelModelConfig``): this data package never imports a model. Empty or
+    ``model.name: null`` = a data-only job.
+    """
 
     data: BagelDataConfig = field(default_factory=BagelDataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    model: dict[str, Any] = field(default_factory=dict)
     demo_data: str | None = None        # generate the embedded demo dataset here first if it is missing
     demo_seed: int = 0
 

@@ -10,6 +10,11 @@ rank/size come from Megatron's ``dp`` group; every rank — all TP/CP peers and 
 and reads its own loader, as BAGEL's packed metadata (sample lengths, masks, position ids) is needed on
 every stage; peers of one DP replica therefore read identical streams. With a virtual pipeline the
 micro-batches are served to the model chunks through Bridge's ``make_data_iterator_list``.
+
+Training: ``run_job(..., trainer=...)`` also trains a model on every step's micro-batches. The trainer is any
+object with the ``Trainer`` protocol below (the reference one is ``bridge.models.bagel.model.trainer``, composed
+by the launcher ``bridge.models.bagel.launch``; this data package never imports a model). Without one
+(``None``) the job is data-only: the pipeline measured alone.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,19 +34,36 @@ from ..config import ConfigError
 from ..packing import batch_digest
 from ..config import ValidatedData
 from .batch_check import account_batch, check_batch
-from .checkpoint import check_resume_dp, read_step, restore_loader, save_checkpoint
+from .checkpoint import check_resume_dp, load_trainer_state, read_step, restore_loader, save_checkpoint
 from .config import JobConfig, validate_job
 from .straggler import StragglerMeter
 from .telemetry import Telemetry
 from .topology import agree, rank_coords
 
-__all__ = ["DataContractError", "build_iterator", "run_job"]
+__all__ = ["DataContractError", "Trainer", "build_iterator", "run_job"]
 
 logger = logging.getLogger(__name__)
 
 
 class DataContractError(RuntimeError):
     """A batch violated the packed-batch contract."""
+
+
+class Trainer(Protocol):
+    """What ``run_job`` trains. Every method is called on every rank at the same point (collectives allowed).
+
+    ``train_step(batches, step)``: forward, backward and one optimizer step over this rank's micro-batches of
+    job step ``step`` (a list of packed batch dicts, already checked against the contract); returns at least
+    ``{"loss": float}`` (the step's loss, identical on every rank), optionally more scalars (logged too).
+    ``state_dict()``: everything a restart needs besides the loader (model, optimizer), torch-saveable with
+    ``weights_only`` types; rank 0's is written. ``load_state_dict(state)``: restore it (every rank).
+    """
+
+    def train_step(self, batches: Sequence[Mapping[str, Any]], step: int) -> Mapping[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None
@@ -78,10 +101,13 @@ def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
     return import_bridge().make_data_iterator_list([None] * vpp, iterator)
 
 
-def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None) -> dict[str, Any]:
+def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None,
+            trainer: Trainer | None = None) -> dict[str, Any]:
     """Run ``cfg.train.train_iters`` steps (from the checkpoint step when ``train.load`` is set).
 
-    ``data``: ``cfg`` already through ``job.config.validate_job`` (validated here when None).
+    ``data``: ``cfg`` already through ``job.config.validate_job`` (validated here when None). ``trainer``: trains
+    on every step's micro-batches and is checkpointed with the loader (``Trainer``); None = data-only. The summary
+    then holds ``loss_first`` / ``loss_last`` (the run's first and last step losses).
 
     ``pg_collection`` holds Megatron's ``tp``/``pp``/``cp``/``dp`` groups (``topology.init_model_parallel``).
     Collective: every rank must call it. A failure while building or restoring the loader on any rank is
@@ -123,6 +149,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
         iterator, loader = build_iterator(cfg, pg_collection, tokenizer, data)
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
+            if trainer is not None:
+                trainer.load_state_dict(load_trainer_state(train.load, start_step))
             logger.info("resumed from %s at step %d", train.load, start_step)
             if start_step >= train.train_iters:  # Megatron's rule: nothing to train, not an error
                 logger.warning("train.train_iters %d is not above the checkpoint's step %d: no step to run (raise "
@@ -150,11 +178,15 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
         for step in range(start_step + 1, train.train_iters + 1):
             chunks = _chunk_iterators(iterator, vpp)
             step_error: BaseException | None = None
+            step_t0 = time.perf_counter()
+            batches: list[dict[str, Any]] = []
+            rows: list[dict[str, Any]] = []
             try:
                 for micro in range(num_micro):
                     t0 = time.perf_counter()
                     batch = next(chunks[0])
                     wait = time.perf_counter() - t0
+                    batches.append(batch)
                     if any(next(view) is not batch for view in chunks[1:]):
                         raise DataContractError(f"rank {rank} step {step}: model chunks saw different micro-batches")
                     problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens,
@@ -170,12 +202,21 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                                  for d in batch.get("batch_data_indexes", ()) if "position" in d]
                         if reads:  # elastic order: the ledger's identity of every packed sample
                             row["reads"] = reads
-                        digest_fh.write(json.dumps(row) + "\n")
-                        digest_fh.flush()
+                        rows.append(row)
             except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
                 step_error = exc
             # Every rank learns of a failing rank's data error at the same step, so none waits in a collective.
             agree(step_error, f"at step {step}")
+            if trainer is not None:
+                metrics = dict(trainer.train_step(batches, step))
+                tele.record_step(step, metrics)
+                for row in rows:  # exact per-step loss, for resume checks (float.hex: every bit)
+                    row["loss"] = float(metrics["loss"]).hex()
+            del batches  # freed before the next step pulls its own (a 32K-token pack is ~100 MB)
+            tele.record_step_time(time.perf_counter() - step_t0)
+            if digest_fh is not None and rows:
+                digest_fh.write("".join(json.dumps(row) + "\n" for row in rows))
+                digest_fh.flush()
             if step % train.log_interval == 0 or step == train.train_iters:
                 tokens = torch.tensor([tele.interval["tokens"]], dtype=torch.int64)
                 dist.all_reduce(tokens, group=pg_collection.dp)  # TP/PP/CP peers hold copies of the same batches
@@ -189,7 +230,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                 os._exit(17)
             if train.save and ((train.save_interval and step % train.save_interval == 0)
                                or step == train.train_iters):
-                save_checkpoint(train.save, step, iterator, pg_collection)
+                save_checkpoint(train.save, step, iterator, pg_collection,
+                                trainer_state=trainer.state_dict() if trainer is not None else None)
                 logger.info("saved checkpoint at step %d to %s", step, train.save)
             if bar is not None:
                 bar.update(1)

@@ -2,7 +2,8 @@
 
 Per log interval: step, tokens/s, fill ratio (real tokens / max_num_tokens), samples per pack, group mix
 against the configured weights, buffer occupancy, drops by reason and the time spent waiting in
-``next()``. Written through ``logging`` and, when a directory is given, as TensorBoard scalars.
+``next()``; when a model trains, its loss (mean over the interval's steps) and the share of the step time spent
+waiting for data. Written through ``logging`` and, when a directory is given, as TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Telemetry:
         self.groups_total: Counter = Counter()
         self.waits: list[float] = []
         self.interval_waits: list[float] = []
+        self.step_seconds = 0.0                      # wall time of the steps (data + training), for the wait share
+        self.losses: list[tuple[int, float]] = []    # (step, loss) of every trained step
+        self.interval_metrics: dict[str, list[float]] = {}
 
     def record(self, account: Mapping[str, Any], wait_s: float) -> None:
         """Add one batch's account (``batch_check.account_batch``) and the time ``next()`` took."""
@@ -48,6 +52,16 @@ class Telemetry:
         self.groups_total.update(account["groups"])
         self.waits.append(wait_s)
         self.interval_waits.append(wait_s)
+
+    def record_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Add one trained step's scalars (``loss`` and whatever else the trainer reports)."""
+        self.losses.append((step, float(metrics["loss"])))
+        for key, value in metrics.items():
+            self.interval_metrics.setdefault(key, []).append(float(value))
+
+    def record_step_time(self, seconds: float) -> None:
+        """Add one step's wall time (pulling its micro-batches and training on them)."""
+        self.step_seconds += seconds
 
     def log(self, step: int, pipeline: Mapping[str, Any], global_tokens: int | None = None,
             extra: Mapping[str, float] | None = None) -> dict[str, float]:
@@ -66,6 +80,7 @@ class Telemetry:
             "buffer_len": float(pipeline.get("buffer_len", 0)),
             **(extra or {}),
         }
+        train = {f"train/{k}": sum(v) / len(v) for k, v in self.interval_metrics.items() if v}
         drops = dict(pipeline.get("drops", {}))
         unused = dict(pipeline.get("unused", {}))
         if self.enabled:
@@ -75,7 +90,12 @@ class Telemetry:
                 stats["samples_per_pack"], stats["wait_ms_mean"], int(stats["buffer_len"]),
                 {g: round(v, 3) for g, v in mix.items()}, {g: round(v, 3) for g, v in self.weight_share.items()},
                 unused or "none", drops or "none")
+            if train:
+                logger.info("step %d | loss %.4f | %s", step, train["train/loss"],
+                            " | ".join(f"{k[6:]} {v:.4g}" for k, v in train.items() if k != "train/loss"))
             if self._writer is not None:
+                for key, value in train.items():
+                    self._writer.add_scalar(key, value, step)
                 for key, value in stats.items():
                     self._writer.add_scalar(f"data/{key}", value, step)
                 for g, v in mix.items():
@@ -85,11 +105,13 @@ class Telemetry:
                 self._writer.flush()
         self.interval = Counter()
         self.interval_waits = []
+        self.interval_metrics = {}
         self._tint = now
-        return stats
+        return {**stats, **train}
 
     def summary(self) -> dict[str, Any]:
-        """Totals of the whole run (tokens, fill, wait mean/p95, group mix)."""
+        """Totals of the whole run (tokens, fill, wait mean/p95, group mix); ``wait_share``: time in ``next()`` over
+        the steps' wall time; with a trainer, ``loss_first`` / ``loss_last`` (first and last step of this run)."""
         waits = sorted(self.waits)
         p95 = waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0
         b = max(self.total["batches"], 1)
@@ -105,6 +127,8 @@ class Telemetry:
             "wait_ms_p95": 1000 * p95,
             "group_mix": {g: self.groups_total.get(g, 0) / n for g in self.weight_share},
             "seconds": time.perf_counter() - self._t0,
+            "wait_share": sum(waits) / self.step_seconds if self.step_seconds else 0.0,
+            **({"loss_first": self.losses[0][1], "loss_last": self.losses[-1][1]} if self.losses else {}),
         }
 
     def close(self) -> None:

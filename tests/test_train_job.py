@@ -1,0 +1,188 @@
+"""The main job trains the reference model under ``torchrun`` on gloo (``python -m bridge.models.bagel.launch``):
+
+* run A: DP 2, two micro-batches per rank per step (global batch 4: gradient accumulation), uninterrupted;
+  the loss is strictly lower at the end than at the start;
+* run B: the same job with checkpoints, SIGKILLed (the whole process group, mid-run, at whatever point it is)
+  once step 3 has been logged; run C restarts it from its last checkpoint: every per-step loss (every bit,
+  ``float.hex``) and the final parameters equal run A's;
+* run D: A's final checkpoint restarted on 3 ranks (elastic order): it trains on from A's model (its first loss
+  is A's regime, not a fresh model's) and the data ledger over A and D proves every sample packed exactly once.
+
+Data: the demo dataset with small images (``_train_common``), 2K-token packs, elastic order; the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from _train_common import SMALL_BUDGETS, small_image_groups
+
+from bridge.models.bagel.data.job.checkpoint import TRACKER, read_loader_states, trainer_state_file
+from bridge.models.bagel.data.tools.ledger import check_exactly_once
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cmd(nproc: int, args: list[str], log_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), "--log-dir", str(log_dir / "torchelastic"), "-m",
+            "bridge.models.bagel.launch", *args]
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc: parent ids)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        children = [c for c, p in parents.items() if p in frontier]
+        out += children
+        frontier = children
+    return out
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+
+
+def _rows(path: Path) -> dict[tuple[int, int, int], dict]:
+    return {(r["rank"], r["step"], r["micro"]): r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _losses(rows: dict) -> dict[int, float]:
+    return {step: float.fromhex(r["loss"]) for (rank, step, micro), r in sorted(rows.items())}
+
+
+class Runs:
+    def __init__(self, root: Path, out: Path) -> None:
+        groups = small_image_groups(out, root / "groups.yaml")
+        self.root = root
+        self.common = ["demo_data=null", f"data.groups={groups}", f"data.dataset_info={out}/dataset_info.yaml",
+                       "data.order=elastic", "data.partitions=8", "data.prefetch=0", *SMALL_BUDGETS,
+                       "model.name=bagel-tiny", "model.optimizer.lr=0.01", "train.progress=false",
+                       "train.log_interval=2", "train.micro_batch_size=1"]
+        dp2 = [*self.common, f"train.train_iters={STEPS}", "train.global_batch_size=4", "train.save_interval=2"]
+        self.a = self.run(2, [*dp2, f"train.save={root}/a", f"train.tensorboard_dir={root}/tb",
+                              f"--digest-log={root}/a.jsonl"], "a")
+        self.b_killed_at = self.run_and_kill(2, [*dp2, f"train.save={root}/b", f"--digest-log={root}/b.jsonl"], "b")
+        self.resumed_from = int((root / "b" / TRACKER).read_text())
+        self.c = self.run(2, [*dp2, f"train.save={root}/b", f"train.load={root}/b", f"--digest-log={root}/c.jsonl"],
+                          "c")
+        self.d = self.run(3, [*self.common, f"train.train_iters={STEPS + 2}", "train.global_batch_size=3",
+                              "train.save_interval=0", f"train.save={root}/d", f"train.load={root}/a",
+                              f"--digest-log={root}/d.jsonl"], "d")
+
+    def run(self, nproc: int, args: list[str], name: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(_cmd(nproc, args, self.root), cwd=REPO, capture_output=True, text=True, timeout=600,
+                              env=_env())
+        (self.root / f"{name}.log").write_text(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, f"run {name} failed:\n{proc.stderr[-4000:]}"
+        return proc
+
+    def run_and_kill(self, nproc: int, args: list[str], name: str) -> int:
+        """Start the job; SIGKILL torchrun and every process under it (ranks, loader workers) once step 3 is in the
+        digest log (a checkpoint of step 2 is complete by then); returns the last step logged before the kill."""
+        digest = self.root / f"{name}.jsonl"
+        with open(self.root / f"{name}.log", "w") as log:
+            proc = subprocess.Popen(_cmd(nproc, args, self.root), cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                    env=_env(), start_new_session=True)
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline and proc.poll() is None:
+                if digest.exists() and any(r["step"] >= 3 for r in _rows(digest).values()):
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, f"run {name} ended before it could be killed (exit {proc.returncode})"
+            job = _descendants(proc.pid)  # torchrun starts each worker in a session of its own
+            for pid in [proc.pid, *job]:
+                os.kill(pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+            deadline = time.monotonic() + 30  # SIGKILL is delivered asynchronously
+            while any(_state(pid) not in ("Z", "X", "gone") for pid in job) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert all(_state(pid) in ("Z", "X", "gone") for pid in job), {pid: _state(pid) for pid in job}
+        return max(r["step"] for r in _rows(digest).values())
+
+
+@pytest.fixture(scope="module")
+def runs(demo_setup, tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("train_job"), demo_setup[0])
+
+
+def test_loss_goes_down(runs: Runs) -> None:
+    losses = _losses(_rows(runs.root / "a.jsonl"))
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert losses[STEPS] < losses[1], losses
+    a_log = (runs.root / "a.log").read_text()
+    assert "| loss " in a_log and '"loss_first"' in a_log and '"loss_last"' in a_log  # interval lines + summary
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs.root / "tb"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(logged) == list(range(2, STEPS + 1, 2))  # one point per log interval (2 steps)
+    assert logged[STEPS] == pytest.approx((losses[STEPS - 1] + losses[STEPS]) / 2, rel=1e-6)
+
+
+def test_two_micro_batches_per_rank_and_identical_losses_on_every_rank(runs: Runs) -> None:
+    rows = _rows(runs.root / "a.jsonl")
+    assert {k[0] for k in rows} == {0, 1} and {k[2] for k in rows} == {0, 1}  # DP 2, gradient accumulation
+    for step in range(1, STEPS + 1):
+        assert len({r["loss"] for k, r in rows.items() if k[1] == step}) == 1  # the reduced loss, every rank
+
+
+def test_sigkill_and_restart_reproduce_the_uninterrupted_run(runs: Runs) -> None:
+    a, b, c = (_rows(runs.root / f"{n}.jsonl") for n in "abc")
+    assert 2 <= runs.resumed_from < STEPS and runs.b_killed_at < STEPS
+    assert all(b[k] == a[k] for k in b)  # before the kill: the same batches and losses
+    assert {k[1] for k in c} == set(range(runs.resumed_from + 1, STEPS + 1))
+    assert all(c[k]["digest"] == a[k]["digest"] and c[k]["loss"] == a[k]["loss"] for k in c), \
+        [(k, a[k]["loss"], c[k]["loss"]) for k in c if c[k]["loss"] != a[k]["loss"]][:3]
+    final_a = torch.load(trainer_state_file(str(runs.root / "a"), STEPS), weights_only=True)
+    final_c = torch.load(trainer_state_file(str(runs.root / "b"), STEPS), weights_only=True)
+    tensors = [k for k, v in final_a["model"].items() if isinstance(v, torch.Tensor)]
+    assert tensors and all(torch.equal(final_a["model"][k], final_c["model"][k]) for k in tensors)
+    opt_a, opt_c = final_a["optimizer"]["state"], final_c["optimizer"]["state"]
+    assert opt_a.keys() == opt_c.keys() and all(
+        torch.equal(opt_a[i][s], opt_c[i][s]) for i in opt_a for s in opt_a[i])
+
+
+def test_elastic_resize_to_three_ranks_trains_on(runs: Runs) -> None:
+    a, d = _rows(runs.root / "a.jsonl"), _rows(runs.root / "d.jsonl")
+    assert {k[0] for k in d} == {0, 1, 2} and {k[1] for k in d} == {STEPS + 1, STEPS + 2}
+    la, ld = _losses(a), _losses(d)
+    assert all(torch.isfinite(torch.tensor(v)) for v in ld.values())
+    assert ld[STEPS + 1] < la[1] - 0.5, (la, ld)  # A's model trains on; a fresh one would start near la[1]
+    reads = [{"dataset_name": g, "position": j, "epoch": e}
+             for rows in (a, d) for r in rows.values() for g, j, e in r["reads"]]
+    report = check_exactly_once(reads, read_loader_states(str(runs.root / "d"), STEPS + 2))
+    assert report.ok, report.problems
