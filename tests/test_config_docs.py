@@ -44,7 +44,8 @@ def _expected() -> dict[str, Any]:
         else:
             keys[name] = default
     keys.update({f"train.{k}": v for k, v in _fields(TrainConfig).items() if not k.startswith("_")})
-    keys.update({k: v for k, v in _fields(JobConfig).items() if k not in ("data", "train")})
+    # model.* is the model package's schema (documented in its own section, checked by the launcher)
+    keys.update({k: v for k, v in _fields(JobConfig).items() if k not in ("data", "train", "model")})
     return keys
 
 
