@@ -22,7 +22,7 @@ PKG_DIR = ROOT.joinpath(*PKG.split("."))
 LAYERS: dict[str, int] = {
     # 0: infrastructure leaves (no pipeline knowledge)
     "state": 0, "stats": 0, "watchdog": 0, "_bridge": 0, "tokenizer": 0, "transforms": 0, "attention": 0,
-    "yaml_errors": 0,
+    "yaml_errors": 0, "parity": 0,
     # 1: configuration (grouped YAML, registry, packer knobs, budget rules, the one validation pass)
     "config": 1,
     # 2: Energon readers and cookers

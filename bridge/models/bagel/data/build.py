@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .pipeline import shm
+from .parity import warn_once_if_unproven
 from .config import BagelDataConfig, ConfigError, ResolvedGroup, ValidatedData, validate_data
 from .energon.elastic_reader import ElasticGroupReader
 from .energon.reader import BagelGroupReader
@@ -204,6 +205,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     """
     data = config if isinstance(config, ValidatedData) else validate_data(config)
     config, groups = data.config, data.groups
+    warn_once_if_unproven()  # one WARNING per process outside the versions bit parity was proven on
     shm.reclaim_stale()  # shared memory of killed prefetch jobs on this machine, prefetch on or off
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if config.order == "elastic" and config.partitions < dp_size:  # every group, before any reader is built
