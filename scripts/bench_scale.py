@@ -14,7 +14,7 @@ Two kinds of corpora, both t2i_pretrain with tiny images (8x8 PNG) so the disk s
 Each case builds the project's loader (``build_bagel_train_loader``, the groups YAML with ``num_used_data`` set as
 the official YAML does, order ``energon``, 0 workers) for the LAST DP rank of W in {1, 64, 1024, 8192}.
 Targets: build time and peak RSS grow <= 1.5x from the smallest to the largest manifest and from DP 1 to 8192.
-The build is split into the opening of Energon's pipeline (``energon_s``: ``energon.compact.open_train_dataset``
+The build is split into the opening of Energon's pipeline (``energon_s``: ``energon.patches.compact.open_train_dataset``
 + ``get_savable_loader``; Energon's own ``get_train_dataset`` is O(shards) Python, see docs/upstream.md; measured
 by the readers: ``BagelGroupReader.open_seconds``) and ours (``ours_s``: everything else of
 ``build_bagel_train_loader``), in wall seconds and in CPU seconds of the process (``*_cpu``: robust when other jobs
@@ -143,8 +143,8 @@ def _case(tok, dataset: str, dp: int, workers: int = 0) -> dict:
     from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
     from bridge.models.bagel.data.energon.layout import load_manifest_index
 
-    from bridge.models.bagel.data.energon.reader import BagelGroupReader
-    from bridge.models.bagel.data.energon.selection import manifest_runs
+    from bridge.models.bagel.data.energon.readers.core import BagelGroupReader
+    from bridge.models.bagel.data.energon.readers.selection import manifest_runs
     from bridge.models.bagel.data.state import walk_stages
 
     t = time.perf_counter()  # the part the manifest format decides: load + official selection runs

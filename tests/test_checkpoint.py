@@ -104,7 +104,8 @@ def test_resize_state_on_a_damaged_file_is_one_line_without_megatrons_import_not
     bad.parent.mkdir(parents=True)
     bad.write_bytes(b"junk\n")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
-    cli = [sys.executable, "-m", "bridge.models.bagel.data.tools.cli", "resize-state", str(tmp_path), "--dp-size", "2"]
+    cli = [sys.executable, "-m", "bridge.models.bagel.data.tools.cli", "resize-state", str(tmp_path), "--dp-size", "2",
+           "--config", "configs/demo.yaml"]
     proc = subprocess.run(cli, capture_output=True, text=True, cwd=repo, timeout=300)
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]

@@ -1,6 +1,8 @@
-"""compact.py / sharding.py against Energon itself: the numpy sharder returns Energon's slice offsets; a converted
-dataset opened from its shard table gives Energon's factory (attributes, config), the same samples, restore keys, loader
-config and saved state as Energon's own ``get_train_dataset``; datasets it does not recognise fall back to Energon."""
+"""The Energon patches (``energon/patches``) against Energon itself: the numpy sharder returns Energon's slice offsets;
+a converted dataset opened from its shard table gives Energon's factory (attributes, config), the same samples, restore
+keys and loader config as Energon's own ``get_train_dataset``; datasets it does not recognise fall back to Energon; the
+readers give the same batches through Energon's public path as through the patches, and an untested Energon version
+selects the public path."""
 
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from megatron.energon.flavors.webdataset.structs import DatasetSubset, ShardInfo
 from megatron.energon.epathlib import EPath
 
 from bridge.models.bagel.data.converter.convert import convert_t2i
-from bridge.models.bagel.data.energon import compact, sharding
-from bridge.models.bagel.data.energon.cookers import BagelTaskEncoder
+from bridge.models.bagel.data.energon import patches
+from bridge.models.bagel.data.energon.patches import compact, sharding
+from bridge.models.bagel.data.energon.readers.access import DatasetAccess, _CrudeEncoder
 
 VAE = dict(max_image_size=64, min_image_size=32, image_stride=16)
 N_ROWS = 47
@@ -111,8 +114,9 @@ def test_factory_and_config_are_energons(t2i):
     kw = dict(training=True, split_part="train", worker_config=wc, shuffle_over_epochs=1, subset=subset,
               max_samples_per_sequence=4)
     theirs = get_dataset_from_config(EPath(t2i), **kw)
-    ours = compact._factory(str(t2i), compact._opened(str(t2i)), subset, worker_config=wc,
-                            max_samples_per_sequence=4, decoder=theirs._decoder)
+    yaml_kwargs, table = compact._opened(str(t2i))
+    ours = compact.CompactCrudeWebdataset(EPath(t2i), split_config="split.yaml", decoder=theirs._decoder,
+                                          shard_table=table, **kw, **yaml_kwargs)
     assert isinstance(ours, type(theirs))
     skip = {"shards", "_sample_loader", "part_filter"}  # lambdas: equal by behaviour, not identity
     assert {k: v for k, v in vars(ours).items() if k not in skip} == {k: v for k, v in vars(theirs).items()
@@ -123,49 +127,59 @@ def test_factory_and_config_are_energons(t2i):
         assert ours.build(rot).config() == theirs.build(rot).config()
 
 
-def _blend(tmp_path, path, ranges):
-    lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:", "    blend_epochized:"]
-    for s, e, r in ranges:
-        lines += [f"      - repetitions: {r}", f"        path: {json.dumps(str(path))}",
-                  f"        subset: {{range: [{s}, {e}]}}"]
-    (tmp_path / "blend.yaml").write_text("\n".join(lines) + "\n")
-    return str(tmp_path / "blend.yaml")
+def _energon_dataset(root):
+    """Energon's own ``get_train_dataset`` of what ``compact.open_dataset`` opens (one dataset whole, by index)."""
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+    return get_train_dataset(str(root), worker_config=wc, batch_size=None, shuffle_buffer_size=None,
+                             max_samples_per_sequence=None, repeat=False, task_encoder=_CrudeEncoder())
 
 
-def _same_samples(a, b):
-    for x, y in zip(a, b):
-        assert x.__key__ == y.__key__ and x.restore_key == y.restore_key and x.data_indexes == y.data_indexes
-        assert x.text_ids_list == y.text_ids_list and x.sequence_plan == y.sequence_plan
-        for p, q in zip(x.image_tensor_list, y.image_tensor_list):
-            assert p.dtype == q.dtype and p.shape == q.shape and torch.equal(p, q)
+def _same_crude(x, y):
+    assert x["__key__"] == y["__key__"] and tuple(x["__restore_key__"]) == tuple(y["__restore_key__"])
+    assert {k: v for k, v in x.items() if not k.startswith("__")} == {k: v for k, v in y.items()
+                                                                      if not k.startswith("__")}
 
 
-@pytest.mark.parametrize("ranges,workers", [(None, 0), ([(0, 20, 2), (25, 47, 1)], 0), ([(3, 30, 1)], 2)])
-def test_pipeline_gives_energons_samples_config_and_state(tok, t2i, tmp_path, ranges, workers):
-    loaders = []
-    for kind in ("energon", "compact"):
-        wc = WorkerConfig(rank=1, world_size=2, num_workers=workers, seed_offset=3,
-                          global_error_handler=reraise_exception)
-        te = BagelTaskEncoder(tok, {"t2i_pretrain": {"image_transform_args": VAE, "vit_image_transform_args": None}})
-        if kind == "energon":
-            ds = get_train_dataset(str(t2i) if ranges is None else _blend(tmp_path, t2i, ranges), worker_config=wc,
-                                   batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=4,
-                                   task_encoder=te, repeat=True)
-        else:
-            ds = compact.get_train_dataset([(str(t2i), ranges)], worker_config=wc, max_samples_per_sequence=4,
-                                           task_encoder=te)
-        loaders.append(get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None))
-    theirs, ours = loaders
+def test_open_dataset_gives_energons_samples_keys_and_config(t2i):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
+    ours = get_savable_loader(compact.open_dataset(str(t2i), worker_config=wc, task_encoder=_CrudeEncoder()),
+                              gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)
+    theirs = get_savable_loader(_energon_dataset(t2i), gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)
     assert ours.config() == theirs.config()
-    its = [iter(x) for x in loaders]
-    n = 40 if workers == 0 else 12
-    _same_samples([next(its[0]) for _ in range(n)], [next(its[1]) for _ in range(n)])
-    if workers == 0:  # a worker state is written by the worker process at its own pace: compared at 0 workers
-        assert pickle.dumps(ours.save_state_rank()) == pickle.dumps(theirs.save_state_rank())
-    for x in loaders:
-        from bridge.models.bagel.data.energon.workers import shutdown_workers
+    a, b = list(ours), list(theirs)  # one pass, Energon's slice order
+    assert len(a) == len(b) == N_ROWS
+    for x, y in zip(a, b):
+        _same_crude(x, y)
+    prefix = patches.restore_key_prefix(ours)
+    assert prefix == tuple(a[0]["__restore_key__"])[:-1]  # the key the wrapper chain gives is Energon's
+    for i in (0, 17, N_ROWS - 1):
+        _same_crude(ours.restore_sample((*prefix, i)), theirs.restore_sample((*prefix, i)))
 
-        shutdown_workers(x)
+
+def test_public_path_and_patches_read_the_same_crude_samples(t2i):
+    patched, public = DatasetAccess(str(t2i), patched=True), DatasetAccess(str(t2i), patched=False)
+    for i in range(N_ROWS):
+        _same_crude(patched.crude(i), public.crude(i))
+
+
+def test_an_untested_energon_version_selects_the_public_path(monkeypatch, caplog):
+    import logging
+
+    import megatron.energon as energon
+
+    assert patches.supported("7.4.1") and patches.supported("7.4") and not patches.supported("7.40.0")
+    assert not patches.supported("7.5.0") and not patches.supported("8.0.0")
+    monkeypatch.delenv(patches.ENV, raising=False)
+    assert patches.active() is patches.supported(energon.__version__)
+    monkeypatch.setattr(energon, "__version__", "7.99.0")
+    with caplog.at_level(logging.INFO, logger="bridge.models.bagel.data.energon.patches"):
+        assert patches.active() is False and patches.active() is False
+    lines = [r.message for r in caplog.records if "public path" in r.message]
+    assert len(lines) == 1 and "7.99.0" in lines[0] and "7.4.x" in lines[0]  # said once per process
+    monkeypatch.setenv(patches.ENV, "1")
+    assert patches.active() is True
+    with patches.forced(False):
+        assert patches.active() is False
 
 
 @pytest.mark.parametrize("damage", ["excludes: [x]\n", "exclude: null\n", "count as str", "count as float",
@@ -194,26 +208,15 @@ def test_metadata_energon_refuses_is_left_to_energon(t2i, tmp_path, damage):
     assert compact.read_shard_table(other) is None
 
 
-def test_datasets_it_does_not_read_are_left_to_energon(tok, t2i, tmp_path):
+def test_datasets_it_does_not_read_are_left_to_energon(t2i, tmp_path):
     wc = WorkerConfig(rank=0, world_size=1, num_workers=0)
-    te = BagelTaskEncoder(tok, {"t2i_pretrain": {"image_transform_args": VAE, "vit_image_transform_args": None}})
     other = tmp_path / "other"
     shutil.copytree(t2i, other)
     yaml_path = other / ".nv-meta" / "dataset.yaml"
     yaml_path.write_text(yaml_path.read_text() + "part_filter: [meta.json, img0]\n")
-    assert compact.get_train_dataset([(str(other), None)], worker_config=wc, max_samples_per_sequence=4,
-                                     task_encoder=te) is None
-    import tempfile
-    from pathlib import Path
-
-    before = set(Path(tempfile.gettempdir()).glob("bagel-blend-t2i-*"))
-    for runs in ([(str(other), None)], [(str(other), [(0, 20, 2), (30, 40, 1)])]):  # Energon opens them itself
-        loader = get_savable_loader(compact.open_train_dataset(runs, worker_config=wc, max_samples_per_sequence=4,
-                                                               task_encoder=te, name="t2i"),
-                                    gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)
-        it = iter(loader)
-        assert [next(it).__key__ for _ in range(3)]
-    assert set(Path(tempfile.gettempdir()).glob("bagel-blend-t2i-*")) == before  # its blend YAML is removed
+    assert compact.open_dataset(str(other), worker_config=wc, task_encoder=_CrudeEncoder()) is None
+    access = DatasetAccess(str(other), patched=True)  # Energon opens it itself
+    assert access.crude(3)["__key__"] == f"{3:08d}"
     (other / ".nv-meta" / ".info.json").unlink()
     assert compact.read_shard_table(other) is None
 
@@ -291,3 +294,19 @@ def test_loader_build_memory_is_flat_from_10_4_to_10_6_rows(tok, tmp_path):
 def test_plain_shard_names(names, plain):
     """Names whose ``EPath`` join is plain string concatenation (config's ``_path``); the rest go to Energon."""
     assert compact._plain_names(names) is plain
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_gives_the_same_batches_through_energons_public_path(demo_setup, workers):
+    """Issue 30: the readers step aside for Energon's public path (forced here by the switch an untested Energon
+    version throws) and the batches stay bit-identical."""
+    from _external_common import assert_same, demo_loader
+
+    out, tok = demo_setup
+    batches = {}
+    for patched in (True, False):
+        with patches.forced(patched):
+            with demo_loader(out, tok, workers, True) as loader:
+                batches[patched] = [next(loader) for _ in range(3)]
+    for a, b in zip(batches[True], batches[False]):
+        assert_same(a, b)

@@ -8,14 +8,13 @@ import random
 
 import pytest
 import torch
-from megatron.energon import Cooker
 from PIL import Image
 
-from bridge.models.bagel.data.energon.cook_common import DROP_REASONS, Draws, ReplayError, cook_with, replaying
-from bridge.models.bagel.data.energon.cookers import (
-    CORES, BagelTaskEncoder, GroupCooker, make_cook_context, make_cooker,
+from bridge.models.bagel.data.energon.cooking.common import DROP_REASONS, Draws, ReplayError, cook_with
+from bridge.models.bagel.data.energon.cooking.groups import (
+    CORES, make_cook_context,
 )
-from bridge.models.bagel.data.energon.sample import PLAN_KEYS, BagelSample
+from bridge.models.bagel.data.energon.cooking.sample import PLAN_KEYS, BagelSample
 from bridge.models.bagel.data.tokenizer import add_special_tokens, build_qwen2_tokenizer
 from bridge.models.bagel.data.transforms import ImageTransform, pil_img2rgb
 
@@ -283,30 +282,22 @@ def test_vlm_drops(tok, rec, raw, errors, images, reason):
     assert s.drop_reason == reason and "v.jsonl line 4" in s.drop_detail
 
 
-# -------------------------------------------------------------------------------- factory / encoder
-def test_cooker_factory_and_task_encoder(tok):
-    c = make_cooker("t2i_pretrain", tok, VAE)
-    assert isinstance(c, Cooker) and c.has_subflavors == {"bagel_group": "t2i_pretrain"}
-    assert c.is_match({"bagel_group": "t2i_pretrain"}) and not c.is_match({"bagel_group": "vlm_sft"})
-    te = BagelTaskEncoder(tok, {"t2i_pretrain": {"image_transform_args": VAE},
-                                "unified_edit": {"image_transform_args": VAE, "vit_image_transform_args": VIT}})
-    assert te.decoder is None and [k.has_subflavors["bagel_group"] for k in te.cookers] == ["t2i_pretrain",
-                                                                                            "unified_edit"]
+# -------------------------------------------------------------------------------- context factory
+def test_cook_context_factory(tok):
+    ctx = make_cook_context("unified_edit", tok, VAE, VIT)
+    assert ctx.group == "unified_edit" and ctx.vit_transform is not None
     with pytest.raises(ValueError, match="vit_image_transform_args"):
-        make_cooker("unified_edit", tok, VAE)
+        make_cook_context("unified_edit", tok, VAE)
     with pytest.raises(ValueError, match="unknown BAGEL group"):
-        make_cooker("video", tok, VAE)
+        make_cook_context("video", tok, VAE)
 
 
-def test_group_cooker_replays_outside_energon(tok):
-    gc = GroupCooker(make_cook_context("t2i_pretrain", tok, VAE))
+def test_replayed_choices_draw_nothing(tok):
+    ctx = make_cook_context("t2i_pretrain", tok, VAE)
     c = crude(t2i_meta(json.dumps({"a": "one", "b": "two"})), {0: png()})
-    with pytest.raises(RuntimeError, match="outside an Energon worker context"):
-        gc(c)
     before = random.getstate()
-    with replaying((0,)):
-        s = gc(c)
+    s = cook_with(CORES["t2i_pretrain"], c, ctx, Draws(replay=(0,)), 0)
     assert random.getstate() == before
     assert s.text_ids_list == [tok.encode("one")] and s.data_indexes["worker_id"] == 0
-    with replaying((0, 1)), pytest.raises(ReplayError):
-        gc(c)
+    with pytest.raises(ReplayError):
+        cook_with(CORES["t2i_pretrain"], c, ctx, Draws(replay=(0, 1)), 0)

@@ -17,7 +17,7 @@ import pytest
 
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import ConfigError
-from bridge.models.bagel.data.energon.reader import DataReadError
+from bridge.models.bagel.data.energon.readers.core import DataReadError
 from test_liveness import SMALL, T2I_ARGS, _config, _png, _t2i
 
 REPO = Path(__file__).resolve().parents[1]

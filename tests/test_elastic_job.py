@@ -118,22 +118,26 @@ def test_resize_state_cli_gives_bridge_pretrain_its_files(chain: Chain, demo_set
     import shutil
 
     from bridge.models.bagel.data._bridge import import_bridge
+    from bridge.models.bagel.data.build import build_bagel_train_loader
     from bridge.models.bagel.data.job.checkpoint import TRACKER
-    from bridge.models.bagel.data.pipeline.elastic import resize_loader_states
+    from bridge.models.bagel.data.job.config import load_job_config
     from bridge.models.bagel.data.tools.cli import main
 
     root = tmp_path / "ckpt"
     shutil.copytree(chain.last, root)
     assert (root / TRACKER).read_text().strip() == str(chain.step)
-    assert main(["resize-state", str(root), "--dp-size", "2"]) == 0
+    cli = ["resize-state", str(root), "--dp-size", "2", "--config", str(REPO / "configs" / "demo.yaml"), *chain.common]
+    assert main(cli) == 0
     iter_dir = root / "energon" / f"iter_{chain.step:07d}"
     assert sorted(p.name for p in (iter_dir / "resized_from_dp3").iterdir()) == loader_state_files(str(chain.last),
                                                                                                  chain.step)
     assert len(loader_state_files(str(root), chain.step)) == 2
     load = import_bridge().energon_torch_load
-    for r in range(2):
-        offline = load(str(iter_dir / f"train_dataloader_dprank{r:03d}.pt"))["dataloader_state_dict"]
-        online = resize_loader_states(chain.final, r, 2)
-        assert_same(offline, online, f"rank {r} state")
-    assert main(["resize-state", str(root), "--dp-size", "2"]) == 0  # already DP 2: nothing written
+    cfg = load_job_config(str(REPO / "configs" / "demo.yaml"), chain.common)
+    with build_bagel_train_loader(cfg.data, demo_setup[1], (1, 2)) as live:  # the job's own resize, online
+        for r in range(2):
+            offline = load(str(iter_dir / f"train_dataloader_dprank{r:03d}.pt"))["dataloader_state_dict"]
+            online = live.resize_states(chain.final, r, 2)
+            assert_same(offline, online, f"rank {r} state")
+    assert main(cli) == 0  # already DP 2: nothing written
 

@@ -102,11 +102,12 @@ def test_a_refused_restore_is_short_and_says_what_to_do(demo_setup):
     elastic = build_bagel_train_loader(dataclasses.replace(base, order="elastic"), tok, (0, 1), length=10)
     saved = elastic.save_state()
     elastic.close()
-    cases = {"order": (base, "loader.order: saved='elastic' current='energon'", False),
-             "workers": (dataclasses.replace(base, num_workers=2), "loader.num_workers: saved=0 current=2", True)}
+    official = dataclasses.replace(base, order="official", num_workers=1)
+    cases = {"order": (official, "loader.order: saved='elastic' current='official'", False),
+             "workers": (dataclasses.replace(official, num_workers=2), "loader.num_workers: saved=1 current=2", True)}
     for name, (cfg, key, elastic_hint) in cases.items():
         if name == "workers":
-            plain = build_bagel_train_loader(base, tok, (0, 1), length=10)
+            plain = build_bagel_train_loader(official, tok, (0, 1), length=10)
             saved = plain.save_state()
             plain.close()
         loader = build_bagel_train_loader(cfg, tok, (0, 1), length=10)
@@ -133,7 +134,7 @@ def test_a_chain_that_cannot_be_saved_is_said_at_construction(caplog):
     with caplog.at_level(logging.WARNING, logger="bridge.models.bagel.data.pipeline.loader"):
         loader = BagelExternalLoader(BagelRNGIterator(iter([{"x": 1}, {"x": 2}]), 1), length=2)
     [line] = [r.getMessage() for r in caplog.records if "save_state() will raise" in r.getMessage()]
-    assert "BagelRNGIterator.inner: list_iterator cannot save its state" in line, line
+    assert "BagelRNGIterator.source: list_iterator cannot save its state" in line, line
     assert next(loader) == {"x": 1}
     with pytest.raises(StateError, match="list_iterator .* has no state_dict"):
         loader.save_state()
@@ -158,26 +159,26 @@ def _edit(state, path, value=None, *, drop=False):
     return out
 
 
-_RNG = ("upstream", "state")                       # BagelRNGIterator's state inside the loader's
-_PACKER = (*_RNG, "inner", "state")                # BagelPacker's state inside the RNG iterator's
+_RNG = ("source", "state")                       # BagelRNGIterator's state inside the loader's
+_PACKER = (*_RNG, "source", "state")                # BagelPacker's state inside the RNG iterator's
 
 
 @pytest.mark.parametrize(
     "mutate, match",
     [
         (lambda s: [s], "must be a dict, got list"),
-        (lambda s: _edit(s, ("upstream",), drop=True), r"missing \['upstream'\]"),
+        (lambda s: _edit(s, ("source",), drop=True), r"missing \['source'\]"),
         (lambda s: {**s, "version": 99}, "version 99"),
         (lambda s: {"version": 1, "fingerprint": s["fingerprint"], "position": 0, "packer": {}, "loaders": []},
          "version 1 is not supported"),
-        (lambda s: _edit(s, (*_PACKER, "sources"), lambda v: v[:2]), "source count differs"),
+        (lambda s: _edit(s, (*_PACKER, "source"), lambda v: v[:2]), "source count differs"),
         (lambda s: {**s, "position": -1}, "position must be"),
-        (lambda s: {}, r"not a loader state \(no version, fingerprint, position, upstream, stateful_loaders; keys: "
+        (lambda s: {}, r"not a loader state \(no version, fingerprint, generation, position, source, stateful_loaders; keys: "
                        r"\[\]\): pass what save_state\(\) returned"),
         (lambda s: {"model": 1}, r"not a loader state .*keys: \['model'\]"),
         (lambda s: _edit(s, (*_RNG, "python_rng"), [3, [0], None]), "python_rng"),
-        (lambda s: _edit(s, (*_RNG, "inner"), drop=True), "'inner'"),
-        (lambda s: _edit(s, ("upstream", "stage"), "PrefetchStage"), "belongs to a PrefetchStage"),
+        (lambda s: _edit(s, (*_RNG, "source"), drop=True), "'source'"),
+        (lambda s: _edit(s, ("source", "stage"), "PrefetchStage"), "belongs to a PrefetchStage"),
     ],
 )
 def test_malformed_state_raises_a_clear_error(mutate, match):
@@ -264,7 +265,7 @@ def test_code_carrying_state_file_is_refused_and_never_runs(bridge_ckpt, tmp_pat
     os.makedirs(os.path.dirname(path))
     marker = tmp_path / "pwned"
     state = golden_loader().save_state()
-    state["upstream"]["state"]["inner"]["state"]["evil"] = _WritesAFile(str(marker))
+    state["source"]["state"]["source"]["state"]["evil"] = _WritesAFile(str(marker))
     torch.save({"dataloader_state_dict": state}, path)
     fresh = RerunDataIterator(golden_loader())
     with pytest.raises(pickle.UnpicklingError, match="system"):
@@ -317,7 +318,7 @@ def test_demo_resume_through_bridge_is_exact(bridge_ckpt, demo_setup, tmp_path, 
             if step in save_points:
                 api.maybe_save_dataloader_state(None, it, step, root, pg_collection=pgs)
         buffered = [len(api.energon_torch_load(_state_file(root, s))["dataloader_state_dict"][_RNG[0]][_RNG[1]]
-                        ["inner"]["state"]["buffer_keys"]) for s in save_points]
+                        ["source"]["state"]["buffer"]) for s in save_points]
     assert set(stream[0]) >= {"packed_text_ids", "sample_lens", "nested_attention_masks" if not use_flex else "split_lens"}
     for step in save_points:
         with _demo_loader(demo_setup, num_workers, use_flex, length=7) as fresh:
@@ -356,7 +357,7 @@ def test_stateful_loaders_kept_for_callers_that_pass_them():
     def make():
         inner = golden_loader()
         extra = ListGroupSource([{"text_ids_list": [], "image_tensor_list": []}] * 3, cycle=True, name="extra")
-        return BagelExternalLoader(inner.upstream, length=4, stateful_loaders=[extra], fingerprint={"x": 1}), extra
+        return BagelExternalLoader(inner.source, length=4, stateful_loaders=[extra], fingerprint={"x": 1}), extra
 
     loader, extra = make()
     next(loader)
@@ -369,4 +370,4 @@ def test_stateful_loaders_kept_for_callers_that_pass_them():
     assert fresh_extra.position == 2
     assert_same(next(fresh), expected)
     with pytest.raises(TypeError, match="stateful_loaders\\[0\\]"):
-        BagelExternalLoader(golden_loader().upstream, length=1, stateful_loaders=[object()])
+        BagelExternalLoader(golden_loader().source, length=1, stateful_loaders=[object()])

@@ -135,7 +135,7 @@ def test_b3_every_sample_over_the_per_sample_budget_fails_fast(tmp_path, tok):
 
 
 def test_errors_name_the_dataset_shard_and_sample(half_broken, tok, tmp_path):
-    from bridge.models.bagel.data.energon.reader import DataReadError
+    from bridge.models.bagel.data.energon.readers.core import DataReadError
 
     root, path = half_broken
     broken = copy.deepcopy(tok)

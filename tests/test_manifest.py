@@ -28,9 +28,9 @@ from bridge.models.bagel.data.converter.convert import dumps_json
 from bridge.models.bagel.data.energon.layout import (
     EDIT, MANIFEST_NAME, T2I, VLM, ManifestError, load_manifest, sample_of,
 )
-from bridge.models.bagel.data.energon.official_order import official_units, shard_units
-from bridge.models.bagel.data.energon.reader import BagelGroupReader
-from bridge.models.bagel.data.energon.selection import manifest_runs, select_files, selection_runs, shuffled_range
+from bridge.models.bagel.data.energon.readers.official import official_units, shard_units
+from bridge.models.bagel.data.energon.readers import GroupDatasets
+from bridge.models.bagel.data.energon.readers.selection import manifest_runs, select_files, selection_runs, shuffled_range
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
@@ -128,14 +128,8 @@ def test_format_1_manifest_is_upgraded_in_memory(converted, tmp_path, tokenizer,
         assert any("format 1 manifest" in r.getMessage() and str(old_dir) in r.getMessage() for r in caplog.records)
         if group == EDIT:
             assert new["skipped"] and all(x["rows"] == 1 for x in new["skipped"])
-        kw = dict(tokenizer=tokenizer, image_transform_args=VAE, group=group, num_used_data=[3],
-                  vit_image_transform_args=VIT if group == EDIT else None, shuffle_lines=group == VLM)
-        readers = [BagelGroupReader([str(p)], **kw) for p in (converted / rel, old_dir)]
-        try:
-            assert readers[0].runs == readers[1].runs
-        finally:
-            for r in readers:
-                r.close()
+        runs = [GroupDatasets([str(p)], group).selection([3], group == VLM, 0) for p in (converted / rel, old_dir)]
+        assert runs[0] == runs[1]
 
 
 def test_format_1_with_unexpected_sample_order_is_refused(converted, tmp_path):
@@ -161,7 +155,7 @@ def _damaged_config(converted: Path, tmp_path: Path, text: str) -> tuple[BagelDa
                            packer=packer), ds
 
 
-@pytest.mark.parametrize("order", ["energon", "official"])
+@pytest.mark.parametrize("order", ["elastic", "official"])
 @pytest.mark.parametrize("damage,cause", [
     ("invalid", r"invalid JSON: Expecting value: line 2 column 1"),
     ("no_files", r"missing key 'files'"),

@@ -35,8 +35,8 @@ from bridge.models.bagel.data.energon.layout import (
     COLUMNS_NAME, EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, VLM, ManifestError, ManifestIndex, encode_manifest,
     load_manifest, load_manifest_index, write_manifest,
 )
-from bridge.models.bagel.data.energon.manifest_columns import dumps_canonical
-from bridge.models.bagel.data.energon.selection import manifest_runs
+from bridge.models.bagel.data.energon.layout.columns import dumps_canonical
+from bridge.models.bagel.data.energon.readers.selection import manifest_runs
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 

@@ -19,8 +19,8 @@ import yaml
 
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import OFFICIAL_NON_PACKER_KEYS, BagelDataConfig, ConfigError, PackerConfig
-from bridge.models.bagel.data.energon.cookers import make_cook_context
-from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
+from bridge.models.bagel.data.energon.cooking.groups import make_cook_context
+from bridge.models.bagel.data.energon.readers import open_group_reader
 from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.pipeline.official_mode import OfficialWorkers
 from bridge.models.bagel.data.packing import BagelPacker
@@ -64,7 +64,7 @@ def test_production_builder_official_order_is_bit_exact(name, converted, tokeniz
     case = _load(name)
     loader = build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1))
     try:
-        assert isinstance(loader.upstream, OfficialWorkers)
+        assert isinstance(loader.source, OfficialWorkers)
         got = [ce.stored_batch(next(loader)) for _ in range(len(case["batches"]))]
     finally:
         loader.close()
@@ -96,8 +96,9 @@ def test_official_order_resume_is_bit_exact(cut, converted, tokenizer, tmp_path)
         state = first.save_state()
     # small: per worker the RNG streams, the buffer as restore keys and one [unit, row] cursor per group
     assert len(pickle.dumps(state)) < 64_000
-    workers = state["upstream"]["state"]["workers"]
-    assert [w["state"]["inner"]["state"]["sources"][0]["state"]["cursor"] for w in workers][0][0] >= 0
+    workers = state["source"]["state"]["source"]
+    plans = [w["state"]["source"]["state"]["source"][0]["state"]["source"] for w in workers]
+    assert all(p["stage"] == "OfficialPlan" and p["state"]["cursor"][0] >= 0 for p in plans)
     with build_bagel_train_loader(_config(case, converted, tmp_path, num_workers=2), tokenizer, (0, 1)) as resumed:
         resumed.restore_state(state)
         got = [ce.stored_batch(next(resumed)) for _ in range(n - cut)]
@@ -113,10 +114,10 @@ def _official_worker_stream(case, converted, tokenizer, *, rank, world, workers,
     readers = []
     for group, g in cfg["grouped_datasets"].items():
         ctx = make_cook_context(group, tokenizer, g["image_transform_args"], g.get("vit_image_transform_args"))
-        readers.append(OfficialOrderReader([str(paths[group])], ctx, g["num_used_data"], seed=cfg["data_seed"],
-                                           rank=rank, world_size=world, num_workers=workers, worker_id=worker,
-                                           shuffle_lines=g.get("shuffle_lines", False),
-                                           shuffle_seed=g.get("shuffle_seed", 0), repeat=True))
+        readers.append(open_group_reader("official", [str(paths[group])], ctx, num_used_data=g["num_used_data"],
+                                         seed=cfg["data_seed"], dp_rank=rank, dp_size=world, num_workers=workers,
+                                         worker_id=worker, shuffle_lines=g.get("shuffle_lines", False),
+                                         shuffle_seed=g.get("shuffle_seed", 0), repeat=True))
     special = cfg["special_tokens"]
     packer = BagelPacker(readers, cfg["group_weights"], cfg["is_mandatory"], special,
                          PackerConfig.from_mapping({**cfg["packed_dataset_args"], **cfg["data_config"]}, ignore=OFFICIAL_NON_PACKER_KEYS),

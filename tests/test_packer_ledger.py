@@ -1,7 +1,8 @@
 """The packer's ledger (per group: consumed = packed + dropped + buffered) and its share of an elastic resize.
 
 Real packers over the golden cases' sample streams (``ListGroupSource``), with lossless off and on; the resize
-runs through a small real ``ctx`` that dispatches each group's source states to ``ListGroupSource.resize_state``.
+runs through the real ``ResizeContext``, which dispatches each group's source states to the live source's
+``resize_state``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from bridge.models.bagel.data.packing import BagelPacker, ListGroupSource
 from bridge.models.bagel.data.packing.packer import END_OF_STREAM, ledger_errors
-from bridge.models.bagel.data.state import StateError, check_restricted
+from bridge.models.bagel.data.state import ResizeContext, StateError, check_restricted
 from bridge.models.bagel.data.stats import merge_counts
 from _external_common import packer_config
 from packer_golden import load_case
@@ -106,29 +107,23 @@ def test_state_carries_the_ledger_and_refuses_other_groups() -> None:
     fresh = _packer(True)
     with pytest.raises(StateError, match="groups"):
         fresh.load_state_dict({**state, "groups": ["a", "b", "c"]})
-    with pytest.raises(StateError, match="packed counts for 2 groups"):
+    with pytest.raises(StateError, match="state has 2 packed entries, this packer has 3 groups"):
         fresh.load_state_dict({**state, "packed": [0, 0]})
 
 
 # -- elastic resize -----------------------------------------------------------------------------------------
 
-class _Ctx:
-    """A real resize context for one new rank: dispatches a group's tagged source states to the stage class's
-    own ``resize_state`` (the job's dispatcher in ``state.py`` plays this role)."""
-
-    STAGES = {"ListGroupSource": ListGroupSource}
+class _Ctx(ResizeContext):
+    """The real resize context for one new rank (it dispatches to the live stage's own ``resize_state``), recording
+    what each group's source is handed."""
 
     def __init__(self, dp_rank: int, dp_size: int, generation: int = 1) -> None:
-        self.dp_rank, self.dp_size, self.generation = dp_rank, dp_size, generation
+        super().__init__(dp_rank, dp_size, generation, seed=0)
         self.handed: list[list] = []
 
-    def resize(self, tagged_olds: list, handover=()) -> dict:
-        names = {t["stage"] for t in tagged_olds}
-        assert len(names) == 1, names
-        (name,) = names
-        self.handed.append(list(handover))
-        return {"stage": name, "state": self.STAGES[name].resize_state([t["state"] for t in tagged_olds], self,
-                                                                         list(handover))}
+    def resize(self, stage, tagged_olds: list, **kw) -> dict:
+        self.handed.append(list(kw.get("handover", ())))
+        return super().resize(stage, tagged_olds, **kw)
 
 
 def _old_world(n: int, lossless: bool) -> list[BagelPacker]:
@@ -161,20 +156,20 @@ def test_resize_hands_buffers_to_sources_and_keeps_the_world_ledger(old_size, ne
     old_states = [p.state_dict() for p in olds]
     old_world = _world_sum([p.stats()["ledger"] for p in olds])
     assert ledger_errors(old_world) == []
-    waiting = sum(len(s["buffer_keys"]) + len(s["carry_keys"]) for s in old_states)
+    waiting = sum(len(s["buffer"]) + len(s["carry"]) for s in old_states)
     assert waiting > 0, "some old ranks hold buffered samples"
 
     new_packers, new_states = [], []
     for rank in range(new_size):
         ctx = _Ctx(rank, new_size)
-        state = BagelPacker.resize_state(old_states, ctx)
+        state = _packer(lossless).resize_state(old_states, ctx)
         check_restricted(state)
-        assert state["buffer_keys"] == [] and state["carry_keys"] == []
+        assert state["buffer"] == [] and state["carry"] == []
         # every group's source got that group's keys: old-rank order, buffer order, carry last
         for g in range(3):
-            want = [k for s in old_states for f in ("buffer_keys", "carry_keys") for gg, k in s[f] if gg == g]
+            want = [k for s in old_states for f in ("buffer", "carry") for gg, k in s[f] if gg == g]
             assert ctx.handed[g] == want
-            assert state["sources"][g]["state"]["handover"] == want[rank::new_size]
+            assert state["source"][g]["state"]["handover"] == want[rank::new_size]
         packer = _packer(lossless)
         packer.load_state_dict(state)
         new_packers.append(packer)
@@ -198,7 +193,7 @@ def test_resize_hands_buffers_to_sources_and_keeps_the_world_ledger(old_size, ne
         for _ in range(8):
             batches.append(next(packer))
             _check_ledger(packer, batches, before)
-        assert all(not src.handover for src in packer.sources), "the handover was consumed"
+        assert all(not src.handover for src in packer.source), "the handover was consumed"
     final = _world_sum([p.stats()["ledger"] for p in new_packers])
     assert ledger_errors(final) == []
 
@@ -206,11 +201,11 @@ def test_resize_hands_buffers_to_sources_and_keeps_the_world_ledger(old_size, ne
 def test_handed_over_samples_arrive_first_and_in_order() -> None:
     olds = _old_world(2, True)
     old_states = [p.state_dict() for p in olds]
-    state = BagelPacker.resize_state(old_states, _Ctx(0, 1))
+    state = _packer(False).resize_state(old_states, _Ctx(0, 1))
     packer = _packer(True)
     packer.load_state_dict(state)
-    for g, src in enumerate(packer.sources):
-        want = [k for s in old_states for f in ("buffer_keys", "carry_keys") for gg, k in s[f] if gg == g]
+    for g, src in enumerate(packer.source):
+        want = [k for s in old_states for f in ("buffer", "carry") for gg, k in s[f] if gg == g]
         pos = src.position
         got = [next(src)["restore_key"] for _ in want]
         assert got == want and src.position == pos  # handed-over keys first, in order; the list has not moved
@@ -219,13 +214,13 @@ def test_handed_over_samples_arrive_first_and_in_order() -> None:
 def test_resize_refuses_olds_that_disagree() -> None:
     olds = [p.state_dict() for p in _old_world(2, False)]
     with pytest.raises(StateError, match="old rank 1 has groups"):
-        BagelPacker.resize_state([olds[0], {**olds[1], "groups": ["x", "y", "z"]}], _Ctx(0, 2))
-    with pytest.raises(StateError, match="old rank 1 has 2 sources entries"):
-        BagelPacker.resize_state([olds[0], {**olds[1], "sources": olds[1]["sources"][:2]}], _Ctx(0, 2))
+        _packer(False).resize_state([olds[0], {**olds[1], "groups": ["x", "y", "z"]}], _Ctx(0, 2))
+    with pytest.raises(StateError, match="old rank 1 has 2 source entries"):
+        _packer(False).resize_state([olds[0], {**olds[1], "source": olds[1]["source"][:2]}], _Ctx(0, 2))
     with pytest.raises(StateError, match="old rank 0's state has fields"):
-        BagelPacker.resize_state([{"consumed": [0]}], _Ctx(0, 2))
+        _packer(False).resize_state([{"consumed": [0]}], _Ctx(0, 2))
     with pytest.raises(StateError, match="non-empty list"):
-        BagelPacker.resize_state([], _Ctx(0, 2))
+        _packer(False).resize_state([], _Ctx(0, 2))
     with pytest.raises(StateError) as e:
-        BagelPacker.resize_state([olds[0], {**olds[1], "groups": ["x"]}], _Ctx(0, 2))
+        _packer(False).resize_state([olds[0], {**olds[1], "groups": ["x"]}], _Ctx(0, 2))
     assert "\n" not in str(e.value)  # one line

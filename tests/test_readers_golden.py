@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from bridge.models.bagel.data.converter.convert import convert_group
-from bridge.models.bagel.data.energon.cookers import make_cook_context
-from bridge.models.bagel.data.energon.official_order import OfficialOrderReader
+from bridge.models.bagel.data.energon.cooking import make_cook_context
+from bridge.models.bagel.data.energon.readers import open_group_reader
 
 pytestmark = pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 
@@ -50,6 +50,12 @@ GROUPS = {
                 {"image_decode_error": 2, "missing_image": 1, "bad_json": 2, "no_loss_item": 2}),
 }
 
+
+
+def OfficialOrderReader(paths, ctx, num_used, *, seed, rank=0, world_size=1, num_workers=0, worker_id=0, **kw):
+    """One pass of the official order (the reader core with the official plan)."""
+    return open_group_reader("official", paths, ctx, num_used_data=num_used, seed=seed, dp_rank=rank,
+                             dp_size=world_size, num_workers=num_workers, worker_id=worker_id, repeat=False, **kw)
 
 
 def _rng_sha() -> str:
@@ -97,9 +103,9 @@ def test_rank_slices_partition_units(converted, tokenizer):
     r1 = OfficialOrderReader(path, ctx, num_used, seed=42, rank=1, world_size=2, **kw)
     w1 = OfficialOrderReader(path, ctx, num_used, seed=42, rank=0, world_size=2, num_workers=2, worker_id=1, **kw)
     try:
-        assert len(full.units) == 25 and len(r0.units) == len(r1.units) == 12
-        assert r0.units + r1.units == full.units[:24]
-        assert w1.units == r0.units[6:12][::-1]  # a worker's slice is reversed
+        assert len(full.source.units) == 25 and len(r0.source.units) == len(r1.source.units) == 12
+        assert r0.source.units + r1.source.units == full.source.units[:24]
+        assert w1.source.units == r0.source.units[6:12][::-1]  # a worker's slice is reversed
         assert w1.worker_id == 1
         with pytest.raises(ValueError, match="no units"):
             OfficialOrderReader(path, ctx, [1], seed=42, rank=0, world_size=2)
@@ -121,13 +127,13 @@ def test_declared_missing_row_groups(tmp_path, tokenizer):
     ctx = make_cook_context("unified_edit", tokenizer, image_transform_args=VAE, vit_image_transform_args=VIT)
     r = OfficialOrderReader([s.path], ctx, [2], seed=42)
     try:
-        assert len(r.units) == 8 and sum(u.rows is None for u in r.units) == 2  # shard-c row groups 3 and 4
+        assert len(r.source.units) == 8 and sum(u.rows is None for u in r.source.units) == 2  # shard-c row groups 3 and 4
         random.seed(SEED)
         got = [x.data_indexes["data_indexes"] for x in r]
         missing = [x["row_id"][0] for x in r.skipped if x["reason"] == "missing_row_group"]
-        assert sorted(missing) == sorted(i for i, u in enumerate(r.units) if u.rows is None)
+        assert sorted(missing) == sorted(i for i, u in enumerate(r.source.units) if u.rows is None)
         rows = {tuple(x) for x in got} | {tuple(x["row_id"]) for x in r.skipped if x["reason"] != "missing_row_group"}
-        assert rows == {(i, k) for i, u in enumerate(r.units) if u.rows for k in range(len(u.rows))}
+        assert rows == {(i, k) for i, u in enumerate(r.source.units) if u.rows for k in range(len(u.rows))}
     finally:
         r.close()
 
@@ -136,17 +142,17 @@ def test_unit_selection(converted, tokenizer):
     """t2i: num_used_data > #files repeats the listing; vlm: the first n lines (after the optional line shuffle)."""
     ctx = make_cook_context("t2i_pretrain", tokenizer, image_transform_args=VAE)
     r = OfficialOrderReader([str(converted / "t2i_pretrain/t2i")], ctx, [6], seed=42)
-    keys = sorted(u.sort_key for u in r.units)
+    keys = sorted(u.sort_key for u in r.source.units)
     assert keys == sorted(["t2i/part-0000.parquet", "t2i/part-0001.parquet", "t2i/part-0002.parquet",
                            "t2i/part-0003.parquet", "t2i/part-0000.parquet", "t2i/part-0001.parquet"])
     r.close()
     vctx = make_cook_context("vlm_sft", tokenizer, image_transform_args=VLM_T)
     path = [str(converted / "vlm_sft/vlm_sft")]
     plain = OfficialOrderReader(path, vctx, [5], seed=42)
-    assert sorted(u.label for u in plain.units) == sorted(f"vlm/vlm_sft.jsonl line {i}" for i in range(5))
+    assert sorted(u.label for u in plain.source.units) == sorted(f"vlm/vlm_sft.jsonl line {i}" for i in range(5))
     shuffled = OfficialOrderReader(path, vctx, [5], seed=42, shuffle_lines=True, shuffle_seed=0)
     order = list(range(25))
     random.Random(0).shuffle(order)
-    assert sorted(u.label for u in shuffled.units) == sorted(f"vlm/vlm_sft.jsonl line {i}" for i in order[:5])
+    assert sorted(u.label for u in shuffled.source.units) == sorted(f"vlm/vlm_sft.jsonl line {i}" for i in order[:5])
     plain.close()
     shuffled.close()

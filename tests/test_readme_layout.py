@@ -1,6 +1,6 @@
-"""The README's layout table matches the tree: every module has its row, every row names a real path.
+"""The contributor page's layout table matches the tree: every module has its row, every row names a real path.
 
-The README holds the only copy of the table, between ``<!-- layout:package ROOT -->`` and
+``docs/contributing.md`` holds the only copy of the table, between ``<!-- layout:package ROOT -->`` and
 ``<!-- /layout:package -->`` (paths relative to ROOT), and the repository-level one between
 ``<!-- layout:repo -->`` and ``<!-- /layout:repo -->`` (paths from the repository root). The table's format is
 free: a row's path is the first back-quoted word of a table line (``| `path` | ... |``). The set of paths is
@@ -16,16 +16,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "contributing.md"
 ROW_PATH = re.compile(r"^\s*\|\s*`([^`]+)`")
 
 
 def block(text: str, tag: str) -> tuple[str, list[str]]:
     """``(argument of the opening marker, first back-quoted path of each table row)`` of one marked block."""
     m = re.search(rf"<!--\s*layout:{tag}\b\s*([^>]*?)\s*-->(.*?)<!--\s*/layout:{tag}\s*-->", text, re.S)
-    assert m, f"README.md has no <!-- layout:{tag} ... --> ... <!-- /layout:{tag} --> block"
+    assert m, f"docs/contributing.md has no <!-- layout:{tag} ... --> ... <!-- /layout:{tag} --> block"
     paths = [r[1] for line in m[2].splitlines() if (r := ROW_PATH.match(line))]
-    assert paths, f"the layout:{tag} block of README.md has no table rows"
+    assert paths, f"the layout:{tag} block of docs/contributing.md has no table rows"
     return m[1], paths
 
 
@@ -43,23 +43,23 @@ def tree_modules(root: Path) -> set[str]:
 
 
 def test_package_table_matches_tree():
-    root_arg, paths = block(README.read_text(encoding="utf-8"), "package")
+    root_arg, paths = block(PAGE.read_text(encoding="utf-8"), "package")
     root = REPO / root_arg
     assert root_arg and root.is_dir(), f"layout:package names {root_arg!r}, not a folder of the repository"
     dupes = sorted({p for p in paths if paths.count(p) > 1})
-    assert not dupes, f"README layout table lists these more than once: {dupes}"
+    assert not dupes, f"docs/contributing.md layout table lists these more than once: {dupes}"
     listed, tree = set(paths), tree_modules(root)
     missing, stale = sorted(tree - listed), sorted(listed - tree)
     assert not missing and not stale, (
-        f"README.md layout table (under {root_arg}) is out of date.\n"
+        f"docs/contributing.md layout table (under {root_arg}) is out of date.\n"
         f"  modules without a row (add them): {missing}\n"
         f"  rows naming no module (remove or rename them): {stale}")
 
 
 def test_repo_table_paths_exist():
-    _, paths = block(README.read_text(encoding="utf-8"), "repo")
+    _, paths = block(PAGE.read_text(encoding="utf-8"), "repo")
     absent = [p for p in paths if not (REPO / p).exists()]
-    assert not absent, f"README.md repository layout table names paths that do not exist: {absent}"
+    assert not absent, f"docs/contributing.md repository layout table names paths that do not exist: {absent}"
 
 
 @pytest.mark.parametrize("text, expect", [

@@ -74,10 +74,10 @@ def test_initial_states_equal_real_one_worker_dataloader(rank_seed):
     assert ours_py == py
     assert ours_np[0] == npy[0] and np.array_equal(ours_np[1], npy[1]) and ours_np[2:] == npy[2:]
     assert ours_torch.dtype == torch.uint8 and torch.equal(ours_torch, tch)
-    it = BagelRNGIterator(_Draws(), rank_seed)
-    assert it.python_rng == [py[0], list(py[1]), py[2]]
-    assert it.numpy_rng["keys"] == npy[1].tolist() and it.numpy_rng["pos"] == npy[2]
-    assert torch.equal(it.torch_rng, tch)
+    state = BagelRNGIterator(_Draws(), rank_seed).state_dict()
+    assert state["python_rng"] == [py[0], list(py[1]), py[2]]
+    assert state["numpy_rng"]["keys"] == npy[1].tolist() and state["numpy_rng"]["pos"] == npy[2]
+    assert torch.equal(state["torch_rng"], tch)
 
 
 def test_rank_seeds_give_different_streams():
@@ -155,7 +155,7 @@ def test_state_round_trip_continues_exact_stream_and_is_restricted():
     for _ in range(2):
         next(it)
     state = it.state_dict()
-    assert set(state) == {"inner", "python_rng", "numpy_rng", "torch_rng"}
+    assert set(state) == {"source", "python_rng", "numpy_rng", "torch_rng"}
     check_restricted(state)
     assert type(state["numpy_rng"]["keys"]) is list and all(type(k) is int for k in state["numpy_rng"]["keys"])
     assert state["torch_rng"].dtype == torch.uint8
@@ -168,16 +168,16 @@ def test_state_round_trip_continues_exact_stream_and_is_restricted():
     for want in ref[2:]:
         _same_batch(next(it), want)
     # the snapshot is a copy: advancing the source does not mutate it
-    assert state["inner"]["stage"] == "_Draws" and state["inner"]["state"]["n"] == 2
+    assert state["source"]["stage"] == "_Draws" and state["source"]["state"]["n"] == 2
 
 
 def test_bad_states_raise_clear_errors():
     it = BagelRNGIterator(_Draws(), 0)
     good = it.state_dict()
-    with pytest.raises(StateError, match="'inner'"):
+    with pytest.raises(StateError, match="'source'"):
         it.load_state_dict({"python_rng": good["python_rng"]})
     with pytest.raises(StateError, match="missing"):
-        it.load_state_dict({"inner": good["inner"], "python_rng": good["python_rng"]})
+        it.load_state_dict({"source": good["source"], "python_rng": good["python_rng"]})
     with pytest.raises(StateError, match="torch_rng"):
         it.load_state_dict({**good, "torch_rng": good["torch_rng"].float()})
     with pytest.raises(StateError, match="numpy_rng"):

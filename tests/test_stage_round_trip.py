@@ -5,7 +5,8 @@ build the whole pipeline fresh, restore the state into the fresh S, and the next
 uninterrupted run bit for bit — k in {0, 1, 3, 7}, Energon workers 0 and 2, prefetch 0 and 2, flex and dense.
 States travel through ``torch.save`` and Megatron-Bridge's restricted unpickler (``energon_torch_load``); the
 loader's goes through Bridge's own ``maybe_save/load_dataloader_state``. Stages are found in a built loader
-through ``walk_stages`` (the declared fields), never by reaching into attributes.
+through ``state.walk`` (the declared fields), never by reaching into attributes. Every element of every chain the
+builder makes is a ``Stage`` that owns its input as ``source`` and declares it.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import torch
 
 from _external_common import assert_same, demo_config, single_process_pg_collection
 from bridge.models.bagel.data.build import build_bagel_train_loader
-from bridge.models.bagel.data.energon.reader import BagelGroupReader
+from bridge.models.bagel.data.energon.readers import GroupReader
 from bridge.models.bagel.data.external import BagelExternalLoader, BagelRNGIterator
 from bridge.models.bagel.data.packing import BagelPacker
 from bridge.models.bagel.data.pipeline.prefetch import PrefetchStage, live_producers
-from bridge.models.bagel.data.state import walk_stages
+from bridge.models.bagel.data.state import Stage, walk
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
@@ -45,7 +46,7 @@ def bridge_api():
 
 
 def _stage(loader: BagelExternalLoader, kind: type, index: int = 0) -> Any:
-    found = [s for s in walk_stages(loader) if isinstance(s, kind)]
+    found = [s for s in walk(loader) if isinstance(s, kind)]
     assert found, f"no {kind.__name__} in the chain"
     return found[index]
 
@@ -136,10 +137,10 @@ def _bridge_io(api):
 # in that grid (nested ``state_dict``/``load_state_dict``, same k points, fresh build per k): rng-nw2 is
 # ``nw2-pf0-dense``'s upstream, prefetch-nw2 is ``nw2-pf2-flex``'s.
 STAGES = [
-    pytest.param(BagelGroupReader, 0, 0, True, id="reader-nw0"),
+    pytest.param(GroupReader, 0, 0, True, id="reader-nw0"),
     # A save right after the reader's FIRST sample is where Energon's not-yet-started-worker answer showed (one
     # sample too far, ~1 in 10 under load, before ``state.energon_rank_state`` corrected it): no reruns.
-    pytest.param(BagelGroupReader, 2, 0, True, id="reader-nw2", marks=[pytest.mark.slow]),
+    pytest.param(GroupReader, 2, 0, True, id="reader-nw2", marks=[pytest.mark.slow]),
     pytest.param(BagelPacker, 0, 0, True, id="packer-flex"),
     pytest.param(BagelRNGIterator, 0, 0, True, id="rng-nw0-flex"),
     pytest.param(PrefetchStage, 0, 2, True, id="prefetch-nw0-flex"),
@@ -153,7 +154,7 @@ def test_stage_round_trip(bridge_api, demo_setup, tmp_path, kind, num_workers, p
     save, load = _file_io(bridge_api)
     round_trip(lambda: build_bagel_train_loader(cfg, tok, (0, 1), length=10), lambda lo: _stage(lo, kind),
                save=save, load=load, tmp=str(tmp_path), process_rng=kind is BagelPacker,
-               view=_sample_view if kind is BagelGroupReader else (lambda x: x))
+               view=_sample_view if kind is GroupReader else (lambda x: x))
 
 
 # The whole chain through Bridge's save/load. Energon workers (0/2) and prefetch (0/2) decide how state travels
@@ -183,4 +184,41 @@ def test_state_dict_is_save_state(demo_setup):
     with build_bagel_train_loader(demo_config(out, 0, True), tok, (0, 1), length=5) as loader:
         next(loader)
         assert_same(loader.state_dict(), loader.save_state(), "state")
-        assert set(loader.state_dict()) == {"version", "fingerprint", "position", "upstream", "stateful_loaders"}
+        assert set(loader.state_dict()) == {"version", "fingerprint", "generation", "position", "source",
+                                            "stateful_loaders"}
+
+
+def _chain(stage):
+    """Every element of a chain, following ``source`` links (lists: each entry) down to the readers' plans."""
+    yield stage
+    source = stage.source
+    for s in source if isinstance(source, list) else [source]:
+        if isinstance(s, Stage):
+            yield from _chain(s)
+
+
+@pytest.mark.parametrize("order,prefetch", [("elastic", 0), ("elastic", 2), ("official", 0)])
+def test_every_chain_element_is_a_stage_owning_its_source(demo_setup, order, prefetch):
+    """Issue 29: loader, prefetch, RNG iterator, official workers, packer and readers are all ``Stage``s whose input
+    is ``self.source`` (declared in ``_savable_fields``, saved under that name, fingerprinted through it); a reader's
+    source is its order's plan."""
+    import dataclasses
+
+    from bridge.models.bagel.data.pipeline.official_mode import OfficialWorkers
+
+    out, tok = demo_setup
+    cfg = dataclasses.replace(demo_config(out, 1 if order == "official" else 0, True, prefetch=prefetch), order=order)
+    with build_bagel_train_loader(cfg, tok, (0, 1), length=5) as loader:
+        chain = list(_chain(loader))
+        kinds = {type(s).__name__ for s in chain}
+        expected = {"BagelExternalLoader", "BagelRNGIterator", "BagelPacker", "GroupReader"}
+        expected |= {"PrefetchStage"} if prefetch else set()
+        expected |= {"OfficialWorkers"} if order == "official" else set()
+        assert kinds == expected, kinds
+        for stage in chain:
+            assert "source" in stage._savable_fields, type(stage).__name__
+            assert set(stage.state_dict()) == set(stage._savable_fields), type(stage).__name__
+        readers = [s for s in chain if isinstance(s, GroupReader)]
+        assert {type(r.source).__name__ for r in readers} == {"OfficialPlan" if order == "official" else "ElasticPlan"}
+        assert all(isinstance(s, OfficialWorkers) for s in chain if isinstance(s.source, list)
+                   and not isinstance(s, BagelPacker))

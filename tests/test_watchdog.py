@@ -114,7 +114,7 @@ def test_workers_the_reader_killed_are_not_an_error_at_close(expected):
 
     from torch.utils.data import DataLoader, IterableDataset
 
-    from bridge.models.bagel.data.energon.workers import killed_workers_expected, shutdown_workers
+    from bridge.models.bagel.data.energon.readers.workers import killed_workers_expected, shutdown_workers
 
     class Forever(IterableDataset):
         def __iter__(self):

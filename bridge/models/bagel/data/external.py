@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .pipeline.loader import STATE_VERSION, BagelExternalLoader, ResumeMismatchError, energon_state_classes, fingerprint_diff
+from .pipeline.loader import STATE_VERSION, BagelExternalLoader
+from .state import ResumeMismatchError, energon_state_classes, fingerprint_diff
 from .providers import reject_collate as _reject_collate
 from .pipeline.rng import BagelRNGIterator, initial_worker_rng_states
 

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 
+from .errors import DataStallError
 from .state import Savable
 
 __all__ = ["DataStallError", "DropCounter", "StallWatch", "merge_counts"]
@@ -58,10 +59,6 @@ def merge_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
         for k, v in c.items():
             out[k] = out.get(k, 0) + int(v)
     return dict(sorted(out.items()))
-
-
-class DataStallError(RuntimeError):
-    """A source keeps dropping samples and can never yield one: the message names where, why and what to change."""
 
 
 class StallWatch:

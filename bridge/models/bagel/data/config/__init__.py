@@ -10,12 +10,14 @@ Everything public is re-exported here (``from bridge.models.bagel.data.config im
 """
 
 from .grouped_yaml import GROUP_KEYS, KNOWN_GROUPS, ConfigError, GroupConfig, load_grouped_yaml
-from .schema import (OFFICIAL_NON_PACKER_KEYS, ORDERS, PREFETCH_STARTS, BagelDataConfig, DatasetInfoEntry,
-                     PackerConfig, ResolvedGroup, load_config, load_dataset_info, resolve_groups, structured_merge)
+from .schema import (DEFAULT_PARTITIONS, OFFICIAL_NON_PACKER_KEYS, ORDERS, PREFETCH_STARTS, REMOVED_ORDERS,
+                     BagelDataConfig, DatasetInfoEntry, PackerConfig, ResolvedGroup, load_config, load_dataset_info,
+                     resolve_groups, structured_merge)
 from .validate import ValidatedData, validate_data
 
 __all__ = [
-    "GROUP_KEYS", "KNOWN_GROUPS", "OFFICIAL_NON_PACKER_KEYS", "ORDERS", "PREFETCH_STARTS", "BagelDataConfig",
+    "DEFAULT_PARTITIONS", "GROUP_KEYS", "KNOWN_GROUPS", "OFFICIAL_NON_PACKER_KEYS", "ORDERS", "PREFETCH_STARTS",
+    "REMOVED_ORDERS", "BagelDataConfig",
     "ConfigError", "DatasetInfoEntry", "GroupConfig", "PackerConfig", "ResolvedGroup", "ValidatedData",
     "load_config", "load_dataset_info", "load_grouped_yaml", "resolve_groups", "structured_merge", "validate_data",
 ]

@@ -7,13 +7,14 @@ after the group's :class:`~.transforms.ImageTransform`. Everything here derives 
 * :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (used by the config
   checks below and by ``bagel-data stats``, so both always agree with the packer); :func:`is_overlength`
   — the packer's per-sample drop rule on such an estimate (``estimate``, ``is_overlength`` and
-  ``mandatory_tokens`` live in :mod:`.packing.lengths`, the packer's leaf module, and are re-exported here);
+  ``mandatory_tokens`` live in :mod:`.lengths`, shared with the packer, and are re-exported here);
 * :func:`transform_extremes` — the largest / smallest output a transform can produce (grid side in
   patches, tokens), found by evaluating the exact resize rule over a grid of input sizes;
   :func:`image_grids` / :func:`table_side` — which position table each of a group's transforms indexes
   and how large that table must be;
-* :func:`budget_issues` / :func:`check_budgets` — what cannot work (``ConfigError``) and what may
-  drop much (logged warning), for a :class:`~.config.PackerConfig` and the grouped YAML:
+* :func:`budget_issues` — what cannot work (an error: ``validate.validate_data`` raises it with the other config
+  problems) and what may drop much (a warning, logged once by :func:`log_warnings`), for a ``PackerConfig`` and the
+  grouped YAML:
 
   - latent grid side > ``max_latent_size`` (VAE images of t2i/edit, extrapolated position ids index past
     the ``max_latent_size**2`` table: case B4), ViT grid side > ``max_num_patch_per_side`` (vlm and the
@@ -38,12 +39,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .schema import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
-from ..packing.lengths import estimate, is_overlength, mandatory_tokens  # re-exported: the packer's own rules
+from .lengths import estimate, is_overlength, mandatory_tokens  # re-exported: the packer's own rules
 from ..transforms import ImageTransform
 
 __all__ = [
     "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "ImageGrid", "TransformExtremes", "VAE_GROUPS",
-    "budget_issues", "check_budgets", "log_warnings", "edit_outcomes", "estimate", "group_bounds", "image_grids",
+    "budget_issues", "log_warnings", "edit_outcomes", "estimate", "group_bounds", "image_grids",
     "image_tokens", "is_overlength", "mandatory_tokens", "t2i_estimate", "table_side", "transform_extremes",
     "vlm_estimate",
 ]
@@ -387,20 +388,6 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
             f"{up - FLEX_BLOCK}")))
     issues.sort(key=lambda i: i.level != "error")
     return issues
-
-
-def check_budgets(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedGroup], *,
-                  source: str = "groups", packer_where: str = "packer", official: bool = False) -> list[BudgetIssue]:
-    """Raise ConfigError listing every budget that cannot work; log each warning once per process.
-
-    (``validate.validate_data`` collects these with the other config problems instead.) Returns the warnings.
-    """
-    issues = budget_issues(packer, groups, source=source, packer_where=packer_where, official=official)
-    errors = [i for i in issues if i.level == "error"]
-    if errors:
-        raise ConfigError("packer budgets cannot work with these groups:\n  - "
-                          + "\n  - ".join(i.message for i in errors))
-    return log_warnings(issues)
 
 
 def log_warnings(issues: Sequence[BudgetIssue]) -> list[BudgetIssue]:

@@ -30,8 +30,10 @@ __all__ = [
     "GROUP_KEYS",
     "KNOWN_GROUPS",
     "OFFICIAL_NON_PACKER_KEYS",
+    "DEFAULT_PARTITIONS",
     "ORDERS",
     "PREFETCH_STARTS",
+    "REMOVED_ORDERS",
     "BagelDataConfig",
     "ConfigError",
     "DatasetInfoEntry",
@@ -48,8 +50,16 @@ logger = logging.getLogger(__name__)
 
 #: Values ``BagelDataConfig.prefetch_start`` accepts (``prefetch.START_METHODS``; kept here, prefetch is downstream).
 PREFETCH_STARTS: tuple[str, ...] = ("fork", "forkserver")
-#: Values ``BagelDataConfig.order`` accepts.
-ORDERS: tuple[str, ...] = ("energon", "official", "elastic")
+#: Values ``BagelDataConfig.order`` accepts, the default first.
+ORDERS: tuple[str, ...] = ("elastic", "official")
+#: Orders earlier versions had, with what replaces them (refused in one line).
+REMOVED_ORDERS: dict[str, str] = {
+    "energon": "the DP-dependent 'energon' order was removed: 'elastic' (the default) reads as fast, resumes on any "
+               "DP size, and trains small groups on large worlds (docs/elastic.md)",
+}
+#: Canonical partitions per group of the elastic order unless ``data.partitions`` says otherwise: one per rank of a
+#: large group up to DP 8192 (a group uses ``min(partitions, its selected samples)``; any DP size works).
+DEFAULT_PARTITIONS = 8192
 #: Keys of the official ``PackedDataset(data_config, **packed_dataset_args)`` call that are not packer knobs
 #: (the dataset's place in the world and its resume status): pass as ``PackerConfig.from_mapping(ignore=...)``
 #: when reading an official config.
@@ -264,11 +274,11 @@ class BagelDataConfig:
     packer: PackerConfig = field(default_factory=PackerConfig)
     seed: int = 42                      # data seed: packer RNG streams (rank seed) and, unless data_seed is set,
                                         # the unit / sample order
-    data_seed: int | None = None        # official set_epoch(data_seed) (unit order; Energon seed_offset); None = seed
-    order: str = "energon"              # "energon" (Energon reader order), "official" (the official loader's stream)
-                                        # or "elastic" (resumable on another DP size / num_workers; energon/elastic_order.py)
-    partitions: int = 1024              # elastic order: canonical partitions per group, fixed for the life of a run
-                                        # (>= the largest DP size it will use; a group uses min(partitions, its samples))
+    data_seed: int | None = None        # official set_epoch(data_seed) (the order of units / samples); None = seed
+    order: str = "elastic"              # "elastic" (resumable on any DP size / num_workers; energon/readers/elastic.py)
+                                        # or "official" (the official loader's stream, the parity order)
+    partitions: int = DEFAULT_PARTITIONS  # elastic order: canonical partitions per group, fixed for the life of a run
+                                        # (a group uses min(partitions, its selected samples); any DP size works)
     num_workers: int = 0                # Energon workers ("energon") / emulated DataLoader workers ("official", >= 1)
     prefetch: int = 0                   # packed batches produced ahead in a background process (0 = synchronous)
     prefetch_start: str = "fork"        # how that process starts: "fork" (fast start, torch single-threaded) or
@@ -289,7 +299,9 @@ class BagelDataConfig:
             out.append(f"partitions: must be a positive integer, got {self.partitions!r}")
         if self.data_seed is not None and (not is_int(self.data_seed) or self.data_seed < 0):
             out.append(f"data_seed: must be a non-negative integer or null, got {self.data_seed!r}")
-        if self.order not in ORDERS:
+        if self.order in REMOVED_ORDERS:
+            out.append(f"order: {self.order!r} is not an order any more: {REMOVED_ORDERS[self.order]}")
+        elif self.order not in ORDERS:
             out.append(f"order: must be one of {list(ORDERS)}, got {self.order!r}")
         elif self.order == "official" and is_int(self.num_workers) and self.num_workers < 1:
             out.append("num_workers: order 'official' needs num_workers >= 1 (the official DataLoader workers "

@@ -23,18 +23,32 @@ exactly once per process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
 
 from .budgets import BudgetIssue, budget_issues, log_warnings
 from .schema import (BagelDataConfig, ConfigError, DatasetInfoEntry, ResolvedGroup, load_dataset_info,
                      load_grouped_yaml, resolve_groups)
 from .grouped_yaml import GroupConfig
 
-__all__ = ["UNIX_PATH_MAX", "ValidatedData", "socket_path_problem", "validate_data"]
+__all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "package_version", "socket_path_problem", "validate_data"]
+
+PACKAGE_NAME = "bagel-megatron-data"
+
+
+def package_version() -> str:
+    """Installed version of this package ("unknown" when run from an uninstalled tree)."""
+    try:
+        return metadata.version(PACKAGE_NAME)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +85,30 @@ class ValidatedData:
     @property
     def group_configs(self) -> list[GroupConfig]:
         return [g.group for g in self.groups]
+
+    def fingerprint(self, special_tokens: Mapping[str, int], dp_rank: int, dp_size: int) -> dict[str, Any]:
+        """The configuration's part of a loader's resume fingerprint (``state.fingerprint``): what changes the
+        stream besides the stages' own identities (``frame_sampler_args`` does not: no videos), for DP rank
+        ``dp_rank`` of ``dp_size``."""
+        config = self.config
+        return {
+            "package_version": package_version(),
+            "order": config.order,
+            "seed": config.seed,
+            "data_seed": config.effective_data_seed,
+            "dp_rank": int(dp_rank),
+            "dp_size": int(dp_size),
+            "num_workers": config.num_workers,
+            "packer": dataclasses.asdict(config.packer),
+            "special_tokens": dict(special_tokens),
+            "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
+                        "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,
+                        "shuffle_lines": r.group.shuffle_lines,
+                        "shuffle_seed": r.group.shuffle_seed if r.group.shuffle_lines else None,
+                        "image_transform_args": r.group.image_transform_args,
+                        "vit_image_transform_args": r.group.vit_image_transform_args} for r in self.groups],
+            **({"partitions": config.partitions} if config.order == "elastic" else {}),
+        }
 
 
 def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems: _Problems) -> None:

@@ -12,6 +12,7 @@ import pickle
 import re
 import zipfile
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def loader_state_files(root: str, step: int) -> list[str]:
     return sorted(n for n in os.listdir(iter_dir) if re.fullmatch(r"train_dataloader_dprank\d{3,}\.pt", n))
 
 
-def check_resume_dp(root: str, step: int, dp_size: int, order: str = "energon") -> int:
+def check_resume_dp(root: str, step: int, dp_size: int, order: str = "elastic") -> int:
     """Refuse to resume under a different data-parallel size unless ``order`` is ``"elastic"`` (``ConfigError``,
     the same line on every rank); returns the checkpoint's DP size.
 
@@ -122,20 +123,23 @@ def read_loader_states(root: str, step: int) -> list[dict[str, Any]]:
     return states
 
 
-def resize_checkpoint(root: str, step: int, dp_size: int) -> list[str]:
+def resize_checkpoint(root: str, step: int, dp_size: int, open_loader: Callable[[], Any]) -> list[str]:
     """Rewrite ``step``'s loader state files for ``dp_size`` DP ranks (elastic order), for Bridge's ``pretrain()``
     (which opens only its own rank's file): the old files move to ``iter_N/resized_from_dpW/``; returns the new
-    paths. Idempotent on a checkpoint already of that size (nothing is written)."""
+    paths. ``open_loader()``: a context manager giving a ``BagelExternalLoader`` built from the run's data
+    configuration (any DP rank of the new size), called only once the old files have been read and need resizing:
+    its live chain resizes each stage's part (``BagelExternalLoader.resize_states``). Idempotent on a checkpoint
+    already of that size (nothing is written, no loader built). A damaged state file raises ``ConfigError`` naming
+    it before anything is built."""
     import shutil
 
     import torch
 
-    from ..pipeline.elastic import resize_loader_states
-
     olds = read_loader_states(root, step)
     if len(olds) == dp_size:
         return []
-    new = [resize_loader_states(olds, r, dp_size) for r in range(dp_size)]
+    with open_loader() as loader:
+        new = [loader.resize_states(olds, r, dp_size) for r in range(dp_size)]
     iter_dir = os.path.dirname(rank_state_file(os.path.join(root, "energon"), step, 0))
     backup = os.path.join(iter_dir, f"resized_from_dp{len(olds)}")
     os.makedirs(backup, exist_ok=False)
@@ -154,7 +158,7 @@ def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> N
     """Restore this rank's loader from its DP replica's file at ``step`` through Bridge (every rank restores).
 
     Refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then every
-    old rank's file is read and resized for this rank (``pipeline.elastic.resize_loader_states``). Otherwise
+    old rank's file is read and resized for this rank (``BagelExternalLoader.resize_states``). Otherwise
     defers to Bridge's
     ``maybe_load_dataloader_state`` (file ``train_dataloader_dprank{dp:03d}.pt``, ``dp`` = rank in
     ``pg_collection.dp``). A truncated or corrupt state file is reported with its own path (Bridge's loader
@@ -165,13 +169,10 @@ def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> N
     if not os.path.isdir(state_dir):
         raise ConfigError(f"train.load: {root} has no loader state directory ({state_dir})")
     loader = iterator.iterable
-    order = str(loader.fingerprint.get("loader", {}).get("order", "energon"))
-    old_size = check_resume_dp(root, step, pg_collection.dp.size(), order)
+    old_size = check_resume_dp(root, step, pg_collection.dp.size(), loader.order or "elastic")
     dp_rank = pg_collection.dp.rank()
     if old_size != pg_collection.dp.size():  # elastic order: every old rank's state, resized for this rank
-        from ..pipeline.elastic import resize_loader_states
-
-        loader.restore_state(resize_loader_states(read_loader_states(root, step), dp_rank, pg_collection.dp.size()))
+        loader.restore_state(loader.resize_states(read_loader_states(root, step), dp_rank, pg_collection.dp.size()))
         return
     path = rank_state_file(state_dir, step, dp_rank)
     if os.path.isfile(path):  # a missing file (changed DP size) is Bridge's own, clear error

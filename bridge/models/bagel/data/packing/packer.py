@@ -9,7 +9,7 @@ with the ``bagel-data stats`` simulator); this class supplies the samples and la
 State (taken between batches) is small: the group names, the group sources' own states, the overflow buffer
 and the lossless carry as (group, restore key) pairs, the drop counts, the batch count and the per-group ledger
 (consumed, packed, dropped by reason). Buffered and carried samples are rebuilt on load through their group
-source's ``restore_sample(key)``.
+source's ``restore_sample(key)`` (Energon's rule: buffers store restore keys, never samples).
 
 The ledger (``stats()["ledger"]``) accounts for every sample taken from a group's source: per group
 ``consumed == packed + sum(dropped.values()) + buffered`` at every batch boundary (:func:`ledger_errors`).
@@ -25,9 +25,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..config.schema import PackerConfig
-from ..state import Savable, StateError, register_resizable
+from ..state import ResizeContext, Stage, StateError, check_fields, load_nested, save_value
 from ..stats import DropCounter, StallWatch, merge_counts
-from .lengths import estimate
+from ..config.lengths import estimate
 from .sequence import PackLayout, SequenceBuilder, sample_field
 from .step import PackBudgets, PackLoop
 
@@ -65,7 +65,7 @@ def ledger_errors(ledger: Mapping[str, Mapping[str, Any]]) -> list[str]:
 
 # -- elastic resize (pure data; BagelPacker.resize_state) ------------------------------------------------
 
-def _resize_packer_state(fields: Sequence[str], olds: Any, ctx: Any) -> dict[str, Any]:
+def _resize_packer_state(fields: Sequence[str], sources: Sequence[Any], olds: Any, ctx: ResizeContext) -> dict[str, Any]:
     """``BagelPacker.resize_state``'s rule on saved states ``olds`` (fields ``fields``), for new rank ``ctx``."""
     where = "BagelPacker.resize_state"
     if not isinstance(olds, (list, tuple)) or not olds:
@@ -76,18 +76,20 @@ def _resize_packer_state(fields: Sequence[str], olds: Any, ctx: Any) -> dict[str
             raise StateError(f"{where}: old rank {i}'s state has fields {got}, a BagelPacker state has "
                              f"{list(fields)} (saved by another version, or not a packer state)")
     names, n = list(olds[0]["groups"]), len(olds[0]["groups"])
-    tags = [s.get("stage") if isinstance(s, dict) else None for s in olds[0]["sources"]]
+    if n != len(sources):
+        raise StateError(f"{where}: the old ranks' packers have {n} groups {names}, this packer {len(sources)}")
+    tags = [s.get("stage") if isinstance(s, dict) else None for s in olds[0]["source"]]
     for i, old in enumerate(olds):
         if list(old["groups"]) != names:
             raise StateError(f"{where}: old rank {i} has groups {list(old['groups'])}, old rank 0 has {names}: "
                              "the old ranks ran different configs; resume with the config they were saved with")
-        for field in ("sources", "consumed", "packed", "group_drops"):
+        for field in ("source", "consumed", "packed", "group_drops"):
             if not isinstance(old[field], list) or len(old[field]) != n:
                 got = len(old[field]) if isinstance(old[field], list) else type(old[field]).__name__
                 raise StateError(f"{where}: old rank {i} has {got} {field} entries for {n} groups {names}")
-        if [s.get("stage") if isinstance(s, dict) else None for s in old["sources"]] != tags:
+        if [s.get("stage") if isinstance(s, dict) else None for s in old["source"]] != tags:
             raise StateError(f"{where}: old rank {i}'s group sources differ from old rank 0's {tags}")
-        bad = [e for f in ("buffer_keys", "carry_keys") for e in old[f]
+        bad = [e for f in ("buffer", "carry") for e in old[f]
                if not (isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int) and 0 <= e[0] < n)]
         drops = old["drops"]
         if bad or not (isinstance(drops, dict) and drops.get("stage") == "DropCounter"):
@@ -98,7 +100,7 @@ def _resize_packer_state(fields: Sequence[str], olds: Any, ctx: Any) -> dict[str
         raise StateError(f"{where}: new dp_rank {rank} is out of range for dp_size {size}")
     first = rank == 0
     # old-rank order; within a rank buffer order, carry last
-    waiting = [[key for old in olds for f in ("buffer_keys", "carry_keys") for gg, key in old[f] if gg == g]
+    waiting = [[key for old in olds for f in ("buffer", "carry") for gg, key in old[f] if gg == g]
                for g in range(n)]
 
     def summed(field: str, minus: Sequence[list] = ()) -> list[int]:
@@ -107,9 +109,9 @@ def _resize_packer_state(fields: Sequence[str], olds: Any, ctx: Any) -> dict[str
 
     state: dict[str, Any] = {
         "groups": names,
-        "sources": [ctx.resize([old["sources"][g] for old in olds], handover=waiting[g]) for g in range(n)],
-        "buffer_keys": [],
-        "carry_keys": [],
+        "source": [ctx.resize(sources[g], [old["source"][g] for old in olds], handover=waiting[g]) for g in range(n)],
+        "buffer": [],
+        "carry": [],
         "drops": {"stage": "DropCounter", "state": {"counts": merge_counts(
             old["drops"]["state"].get("counts", {}) for old in olds) if first else {}}},
         "num_batches": sum(int(old["num_batches"]) for old in olds) if first else 0,
@@ -136,18 +138,18 @@ def _estimate(sample: Any) -> int:
     return estimate(sample_field(sample, "num_tokens"), len(sample_field(sample, "sequence_plan")))
 
 
-@register_resizable
-class BagelPacker(Savable):
+class BagelPacker(Stage):
     """Packs samples from weighted groups into official BAGEL batches (``next(packer)``).
 
-    ``sources`` are the per-group sample streams (one per group, in group order); the packer owns them and
-    saves/restores them as part of its own state. ``config`` holds every packing knob (``PackerConfig``,
-    official defaults; ``config.lossless`` keeps the flush's candidate in ``carry`` for the next pack instead of
-    dropping it, see ``step``); ``special_tokens`` the four ids of ``SPECIAL_TOKEN_KEYS``.
+    ``sources`` are the per-group sample streams (one per group, in group order); the packer owns them as its
+    ``source`` list and saves/restores them as part of its own state. ``config`` holds every packing knob
+    (``PackerConfig``, official defaults, already validated: ``config.validate_data``; ``config.lossless`` keeps the
+    flush's candidate in ``carry`` for the next pack instead of dropping it, see ``step``); ``special_tokens`` the
+    four ids of ``SPECIAL_TOKEN_KEYS``. Raises ValueError when the per-group arguments do not line up.
     """
 
-    _savable_fields = ("groups", "sources", "buffer_keys", "carry_keys", "drops", "num_batches", "consumed",
-                       "packed", "group_drops")
+    _savable_fields = ("groups", "source", "buffer", "carry", "drops", "num_batches", "consumed", "packed",
+                       "group_drops")
 
     def __init__(
         self,
@@ -162,19 +164,14 @@ class BagelPacker(Savable):
         n = len(sources)
         if n == 0:
             raise ValueError("BagelPacker needs at least one group")
-        if len(group_weights) != n or len(is_mandatory) != n:
-            raise ValueError(
-                f"BagelPacker: {n} groups but {len(group_weights)} weights and {len(is_mandatory)} mandatory flags"
-            )
-        total = float(sum(group_weights))
-        if not total > 0:
-            raise ValueError(f"BagelPacker: the group weights must sum to a positive number, got {list(group_weights)}")
+        if len(group_weights) != n or len(is_mandatory) != n or (group_names is not None and len(group_names) != n):
+            raise ValueError(f"BagelPacker: {n} groups but {len(group_weights)} weights, {len(is_mandatory)} mandatory "
+                             f"flags and {n if group_names is None else len(group_names)} names")
         missing = [k for k in SPECIAL_TOKEN_KEYS if k not in special_tokens]
         if missing:
             raise ValueError(f"BagelPacker: special_tokens lacks {missing}")
         self.config = config if config is not None else PackerConfig()
-        self.config.validate()
-        self.sources = list(sources)
+        self.source = list(sources)
         self.group_names = list(group_names) if group_names is not None else [f"group{i}" for i in range(n)]
         self.group_weights = [float(w) for w in group_weights]
         self.is_mandatory = [bool(m) for m in is_mandatory]
@@ -190,9 +187,9 @@ class BagelPacker(Savable):
         self.buffer: list[tuple[int, Any]] = []  # (group index, sample), oldest first
         self.carry: list[tuple[int, Any]] = []  # lossless: flushed candidates for the next pack, oldest first
         self.num_batches = 0
-        self.consumed = [0] * len(self.sources)
-        self.packed = [0] * len(self.sources)
-        self.group_drops = [{} for _ in self.sources]
+        self.consumed = [0] * len(self.source)  # samples read so far from each group's source
+        self.packed = [0] * len(self.source)  # samples of each group packed into yielded batches
+        self.group_drops: list[dict[str, int]] = [{} for _ in self.source]  # packer drops by group and reason
         self.drops.reset_state()
 
     def identity(self) -> dict[str, Any]:
@@ -201,17 +198,6 @@ class BagelPacker(Savable):
                 "group_weights": list(self.group_weights), "is_mandatory": list(self.is_mandatory),
                 "special_tokens": [self.layout.bos_token_id, self.layout.eos_token_id, self.layout.start_of_image,
                                    self.layout.end_of_image]}
-
-    @property
-    def groups(self) -> list[str]:
-        """The group names (checked on load: a state applies only to a packer of the same groups)."""
-        return list(self.group_names)
-
-    @groups.setter
-    def groups(self, names: Any) -> None:
-        if list(names) != self.group_names:
-            raise StateError(f"BagelPacker.load_state_dict: the state is for groups {list(names)}, this packer has "
-                             f"groups {self.group_names}")
 
     def _keys_of(self, entries: list[tuple[int, Any]], what: str) -> list[list[Any]]:
         out = []
@@ -228,9 +214,9 @@ class BagelPacker(Savable):
     def _rebuild(self, entries: list[list[Any]], what: str) -> list[tuple[int, Any]]:
         out = []
         for group, key in entries:
-            if not 0 <= group < len(self.sources):
+            if not 0 <= group < len(self.source):
                 raise StateError(f"BagelPacker.load_state_dict: {what} entry for unknown group index {group}")
-            restore = getattr(self.sources[group], "restore_sample", None)
+            restore = getattr(self.source[group], "restore_sample", None)
             if restore is None:
                 raise StateError(
                     f"BagelPacker.load_state_dict: group {self.group_names[group]!r} has no restore_sample(key), "
@@ -239,80 +225,62 @@ class BagelPacker(Savable):
             out.append((group, restore(key)))
         return out
 
-    @property
-    def buffer_keys(self) -> list[list[Any]]:
-        """The overflow buffer as ``[group index, restore key]`` pairs (samples are rebuilt, never stored)."""
-        return self._keys_of(self.buffer, "buffered")
+    def state_dict(self) -> dict[str, Any]:
+        """The declared fields; ``buffer`` and ``carry`` as ``[group index, restore key]`` pairs (samples are rebuilt
+        on load through their group source's ``restore_sample``, never stored)."""
+        return {"groups": list(self.group_names), "source": save_value(self.source, "BagelPacker.source"),
+                "buffer": self._keys_of(self.buffer, "buffered"), "carry": self._keys_of(self.carry, "carried"),
+                "drops": save_value(self.drops, "BagelPacker.drops"), "num_batches": int(self.num_batches),
+                "consumed": [int(c) for c in self.consumed], "packed": [int(c) for c in self.packed],
+                "group_drops": [dict(d) for d in self.group_drops]}
 
-    @buffer_keys.setter
-    def buffer_keys(self, entries: list[list[Any]]) -> None:
-        self.buffer = self._rebuild(entries, "buffer")
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """A state applies only to a packer of the same groups, with one entry per group in every per-group field."""
+        if list(state["groups"]) != self.group_names:
+            raise StateError(f"BagelPacker.load_state_dict: the state is for groups {list(state['groups'])}, this "
+                             f"packer has groups {self.group_names}")
+        for field in ("source", "consumed", "packed", "group_drops"):
+            value = state[field]
+            if not isinstance(value, (list, tuple)) or len(value) != len(self.source):
+                n = len(value) if isinstance(value, (list, tuple)) else type(value).__name__
+                raise StateError(f"BagelPacker.load_state_dict: state has {n} {field} entries, this packer has "
+                                 f"{len(self.source)} groups (group or source count differs)")
 
-    @property
-    def carry_keys(self) -> list[list[Any]]:
-        """The lossless carry as ``[group index, restore key]`` pairs (always empty with lossless off)."""
-        return self._keys_of(self.carry, "carried")
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the sources, then rebuild the buffer and carry from their restore keys."""
+        check_fields(self, state)
+        self.check_compatible(state)
+        for g, (source, saved) in enumerate(zip(self.source, state["source"])):
+            load_nested(source, saved, f"BagelPacker.source[{g}]")
+        load_nested(self.drops, state["drops"], "BagelPacker.drops")
+        self.num_batches = int(state["num_batches"])
+        self.consumed = [int(c) for c in state["consumed"]]
+        self.packed = [int(c) for c in state["packed"]]
+        self.group_drops = [{str(k): int(v) for k, v in dict(d).items()} for d in state["group_drops"]]
+        self.buffer = self._rebuild(state["buffer"], "buffer")
+        self.carry = self._rebuild(state["carry"], "carry")
 
-    @carry_keys.setter
-    def carry_keys(self, entries: list[list[Any]]) -> None:
-        self.carry = self._rebuild(entries, "carry")
-
-    def _per_group(self, counts: Any, field: str) -> list[Any]:
-        if not isinstance(counts, (list, tuple)) or len(counts) != len(self.sources):
-            n = len(counts) if isinstance(counts, (list, tuple)) else type(counts).__name__
-            raise StateError(f"BagelPacker.load_state_dict: state has {field} counts for {n} groups, "
-                             f"this packer has {len(self.sources)} groups")
-        return list(counts)
-
-    @property
-    def packed(self) -> list[int]:
-        """Samples of each group packed into yielded batches (group order)."""
-        return list(self._packed)
-
-    @packed.setter
-    def packed(self, counts: list[int]) -> None:
-        self._packed = [int(c) for c in self._per_group(counts, "packed")]
-
-    @property
-    def group_drops(self) -> list[dict[str, int]]:
-        """Samples of each group dropped by the packer, by reason (group order; sums to ``drops.counts``)."""
-        return [dict(d) for d in self._group_drops]
-
-    @group_drops.setter
-    def group_drops(self, counts: list[dict[str, int]]) -> None:
-        self._group_drops = [{str(k): int(v) for k, v in dict(d).items()} for d in self._per_group(counts, "drop")]
-
-    @property
-    def consumed(self) -> list[int]:
-        """Samples read so far from each group's source (group order)."""
-        return list(self._consumed)
-
-    @consumed.setter
-    def consumed(self, counts: list[int]) -> None:
-        self._consumed = [int(c) for c in self._per_group(counts, "consumption")]
-
-    @classmethod
-    def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
+    def resize_state(self, olds: list[dict[str, Any]], ctx: ResizeContext, **kw: Any) -> dict[str, Any]:
         """The packer state of new rank ``ctx.dp_rank`` of ``ctx.dp_size`` from the packer states of ALL old
         ranks (``olds``, old-rank order; pure data, elastic resize; docs/packing_ledger.md).
 
         The new buffer and carry are empty: group ``g``'s waiting samples are handed to its source,
-        ``ctx.resize([old["sources"][g] for old in olds], handover=keys)`` (``keys``: old-rank order, buffer
-        order, carry last). New rank 0 carries the sums of the old counters, with ``consumed`` less the
+        ``ctx.resize(self.source[g], [old["source"][g] for old in olds], handover=keys)`` (``keys``: old-rank order,
+        buffer order, carry last). New rank 0 carries the sums of the old counters, with ``consumed`` less the
         handed-over samples (their new owner consumes them again); other new ranks start at zero, so the world's
         ledger still balances. Raises ``StateError`` (one line) when the olds disagree on groups or sources.
         """
-        return _resize_packer_state(cls._savable_fields, olds, ctx)
+        return _resize_packer_state(self._savable_fields, self.source, olds, ctx)
 
     def ledger(self) -> dict[str, dict[str, Any]]:
         """Per group: ``consumed`` (taken from its source), ``packed`` (into yielded batches), ``dropped`` (by the
         packer, reason -> count; the source's own drops are in ``source_drops``) and ``buffered`` (waiting in the
         buffer or the carry); ``consumed == packed + sum(dropped) + buffered`` (``ledger_errors``)."""
-        waiting = [0] * len(self.sources)
+        waiting = [0] * len(self.source)
         for group, _ in (*self.buffer, *self.carry):
             waiting[group] += 1
-        return {name: {"consumed": self._consumed[g], "packed": self._packed[g],
-                       "dropped": dict(sorted(self._group_drops[g].items())), "buffered": waiting[g]}
+        return {name: {"consumed": self.consumed[g], "packed": self.packed[g],
+                       "dropped": dict(sorted(self.group_drops[g].items())), "buffered": waiting[g]}
                 for g, name in enumerate(self.group_names)}
 
     @property
@@ -324,11 +292,11 @@ class BagelPacker(Savable):
         """Counters: batches, per-group consumption, buffer (and lossless carry) occupancy, drops by reason
         (packer + sources), ``unused`` (parts of kept records the official readers ignore too, from the sources)
         and the per-group ``ledger`` (:meth:`ledger`)."""
-        sources = {name: s.stats() for name, s in zip(self.group_names, self.sources)
+        sources = {name: s.stats() for name, s in zip(self.group_names, self.source)
                    if callable(getattr(s, "stats", None))}
         return {
             "num_batches": self.num_batches,
-            "consumed": dict(zip(self.group_names, self._consumed)),
+            "consumed": dict(zip(self.group_names, self.consumed)),
             "buffer_len": len(self.buffer),
             "carry_len": len(self.carry),
             "drops": merge_counts([self.drops.counts, *(st.get("drops", {}) for st in sources.values())]),
@@ -339,28 +307,21 @@ class BagelPacker(Savable):
             "ledger": self.ledger(),
         }
 
-    def close(self) -> None:
-        """Close every source that can be closed."""
-        for source in self.sources:
-            close = getattr(source, "close", None)
-            if callable(close):
-                close()
-
     # -- the official loop (``step.PackLoop``; this class supplies the samples and lays them out) ----------
     def _next_from(self, group: int) -> Any:
         try:
-            sample = next(self.sources[group])
+            sample = next(self.source[group])
         except StopIteration:
             logger.warning("BagelPacker: group %r is exhausted; stopping", self.group_names[group])
             raise
-        self._consumed[group] += 1
+        self.consumed[group] += 1
         return sample
 
     def _drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:
         """Count a drop of the pack loop; a group that only ever drops over-length samples raises
         ``DataStallError`` (liveness rule)."""
         name = self.group_names[group]
-        self._group_drops[group][reason] = self._group_drops[group].get(reason, 0) + 1
+        self.group_drops[group][reason] = self.group_drops[group].get(reason, 0) + 1
         where = f"group {name!r} sample {sample_field(sample, 'data_indexes')}"
         limit = self.config.max_num_tokens_per_sample
         if reason in ("overlength_mandatory", "overlength"):
@@ -382,14 +343,14 @@ class BagelPacker(Savable):
             self._loop.fill(fill, self.buffer, self.carry)
         except StopIteration:
             for group, indexes in zip(fill.groups, fill.data_indexes):  # the unfinished pack is never yielded
-                self._group_drops[group][END_OF_STREAM] = self._group_drops[group].get(END_OF_STREAM, 0) + 1
+                self.group_drops[group][END_OF_STREAM] = self.group_drops[group].get(END_OF_STREAM, 0) + 1
                 self.drops.drop(END_OF_STREAM, f"group {self.group_names[group]!r} sample {indexes} was in the "
                                                "unfinished pack when a group source ended")
             raise
         batch = fill.pack.to_batch()
         batch["batch_data_indexes"] = fill.data_indexes
         for group in fill.groups:
-            self._packed[group] += 1
+            self.packed[group] += 1
         self.num_batches += 1
         return batch
 

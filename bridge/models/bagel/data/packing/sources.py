@@ -41,8 +41,7 @@ class ListGroupSource(Savable):
         self.position = 0
         self.handover: list[int] = []
 
-    @classmethod
-    def resize_state(cls, olds: list[dict[str, Any]], ctx: Any, handover: Sequence[Any] = ()) -> dict[str, Any]:
+    def resize_state(self, olds: list[dict[str, Any]], ctx: Any, handover: Sequence[Any] = ()) -> dict[str, Any]:
         """The state of new rank ``ctx.dp_rank`` of ``ctx.dp_size`` from every old rank's state (old-rank order).
 
         An in-memory list has no shards: every rank holds its own copy, so new rank ``r`` continues old rank
@@ -53,9 +52,9 @@ class ListGroupSource(Savable):
         """
         rank, size = int(ctx.dp_rank), int(ctx.dp_size)
         for i, old in enumerate(olds):
-            if not isinstance(old, dict) or set(old) != set(cls._savable_fields):
+            if not isinstance(old, dict) or set(old) != set(self._savable_fields):
                 raise StateError(f"ListGroupSource.resize_state: old rank {i}'s state {old!r:.80} is not a "
-                                 f"ListGroupSource state (fields {list(cls._savable_fields)})")
+                                 f"ListGroupSource state (fields {list(self._savable_fields)})")
         bad = [k for k in handover if not isinstance(k, int) or isinstance(k, bool)]
         if bad:
             raise StateError(f"ListGroupSource.resize_state: handover keys must be list indices, got {bad[:3]}")

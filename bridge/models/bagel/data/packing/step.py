@@ -15,7 +15,7 @@ the next pack, which takes it right after its mandatory samples. Mandatory sampl
 ``max_num_tokens`` there: the constructor refuses budgets where ``mandatory groups x (max_num_tokens_per_sample
 - 1) > max_num_tokens``. Over-length samples are still dropped (they can never fit).
 
-Pure Python, no torch and no imports of config-time modules; units are tokens (packed sequence positions).
+Pure Python, no torch; of the configuration only the length rules (``config.lengths``); units are tokens (packed sequence positions).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, Protocol, TypeVar
 
-from .lengths import is_overlength, mandatory_tokens
+from ..config.lengths import is_overlength
 
 __all__ = ["ADD", "BUFFER", "CARRY", "DROP_REASONS", "GroupDraw", "PackBudgets", "PackLoop", "PackTarget", "step"]
 
@@ -78,12 +78,10 @@ def step(budgets: PackBudgets, curr: int, est: int, *, from_buffer: bool, buffer
 
 class GroupDraw:
     """Official weighted group choice: ``cum_i = sum(w_0..w_i) / sum(w)``; a uniform ``u`` picks the first
-    ``i`` with ``u < cum_i``, else group 0. Raises ValueError unless the weights sum to a positive number."""
+    ``i`` with ``u < cum_i``, else group 0. The weights are validated (``grouped_yaml``: >= 0, sum > 0)."""
 
     def __init__(self, weights: Sequence[float]) -> None:
         total = float(sum(weights))
-        if not total > 0:
-            raise ValueError(f"the group weights must sum to a positive number, got {list(weights)}")
         acc, self.cum = 0.0, []
         for w in weights:
             acc += float(w)
@@ -108,7 +106,7 @@ class PackTarget(Protocol[S]):
         """The next sample of group ``group`` (may raise StopIteration)."""
 
     def estimate(self, sample: S) -> int:
-        """The sample's length estimate (:func:`.lengths.estimate`)."""
+        """The sample's length estimate (``config.lengths.estimate``)."""
 
     def add(self, group: int, sample: S, est: int) -> None:
         """Pack ``sample`` (``curr`` grows)."""
@@ -121,9 +119,9 @@ class PackLoop(Generic[S]):
     """The official ``PackedDataset.__iter__`` loop for groups of ``weights`` / ``mandatory`` flags; with
     ``lossless`` the flush keeps its candidate for the next pack (module docstring).
 
-    Raises ValueError for mismatched lengths, and in lossless mode when the mandatory samples alone could
-    exceed ``max_num_tokens`` (``mandatory groups x (max_num_tokens_per_sample - 1)``): lossless promises
-    that every pack obeys the cap, and the official loop never checks mandatory samples against it.
+    The budgets are a validated configuration (``config.validate_data``: in lossless mode it refuses budgets where
+    the mandatory samples alone could exceed ``max_num_tokens``, ``budgets.budget_issues``). Raises ValueError for
+    mismatched lengths.
     """
 
     def __init__(self, budgets: PackBudgets, weights: Sequence[float], mandatory: Sequence[bool], *,
@@ -134,15 +132,6 @@ class PackLoop(Generic[S]):
         self.draw_group = GroupDraw(weights)
         self.mandatory = [bool(m) for m in mandatory]
         self.lossless = bool(lossless)
-        n_mand = sum(self.mandatory)
-        worst = mandatory_tokens(n_mand, budgets.max_num_tokens_per_sample)
-        if self.lossless and worst > budgets.max_num_tokens:
-            raise ValueError(
-                f"packer.lossless: {n_mand} mandatory groups x (max_num_tokens_per_sample "
-                f"{budgets.max_num_tokens_per_sample} - 1) = {worst} tokens > max_num_tokens "
-                f"{budgets.max_num_tokens}: mandatory samples alone could overflow a pack. Lower "
-                f"max_num_tokens_per_sample to <= {budgets.max_num_tokens // n_mand + 1}, raise max_num_tokens to "
-                f">= {worst}, make fewer groups is_mandatory, or set lossless: false")
 
     def _mandatory_fill(self, target: PackTarget[S]) -> None:
         """One sample per mandatory group, in group order; samples with ``est >= max_num_tokens_per_sample`` are

@@ -6,138 +6,97 @@ object. Its ``save_state()`` / ``restore_state()`` (the names Bridge's ``maybe_s
 call; the only place those names are used — inside the package every stage speaks ``state_dict`` /
 ``load_state_dict``) save the whole chain it owns — prefetch stage, RNG streams, packer, per-group readers,
 each through its own declared state — plus a fingerprint that refuses a resume under a changed
-configuration. Public through ``external`` (the seed import path).
+configuration (``state.fingerprint``). ``resize_states`` turns every old rank's state into this rank's on another
+DP size (elastic order), by walking the live chain (``state.resize``). Public through ``external`` (the seed
+import path).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..energon.workers import shutdown_workers
-from ..state import (Stage, StateError, chain_fingerprint, check_restricted, is_stateful, unsavable_fields,
-                     walk_stages)
+from ..config.schema import REMOVED_ORDERS
+from ..energon.readers.workers import shutdown_workers
+from ..state import (ELASTIC_TOPOLOGY_KEYS, ResizeContext, ResumeMismatchError, Stage, StateError, check_fields,
+                     check_restricted, energon_state_classes, fingerprint_diff, fingerprint_of, is_stateful,
+                     load_value, mismatch_message, save_value, unsavable_fields, walk)
 from ..watchdog import batch_call
 
-__all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff"]
+__all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff",
+           "saved_world"]
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 3
+#: The loader state layout this package reads and writes. 4: every stage saves its input as ``source``, the loader
+#: records its resize ``generation``, the ``energon`` order is gone (its states are refused naming it).
+STATE_VERSION = 4
 
 
-class ResumeMismatchError(StateError):
-    """A saved loader state was produced under a different configuration (fingerprint differs)."""
+def saved_world(state: Mapping[str, Any]) -> tuple[str, int, int]:
+    """``(order, dp_rank, dp_size)`` a loader state was saved under (from its fingerprint; ``"?"`` / -1 unknown)."""
+    fp = state.get("fingerprint", {}) if isinstance(state, Mapping) else {}
+    loader = fp.get("loader", {}) if isinstance(fp, Mapping) else {}
+    return str(loader.get("order", "?")), int(loader.get("dp_rank", -1)), int(loader.get("dp_size", -1))
 
 
-# -- the loader Megatron receives -----------------------------------------------------------------------
-
-
-def energon_state_classes() -> tuple[type, ...]:
-    """The Energon state classes Bridge's restricted unpickler accepts (Energon readers put them in state)."""
-    from megatron.energon.flavors.webdataset.sample_loader import SliceState
-    from megatron.energon.rng import SystemRngState
-    from megatron.energon.savable_loader import (
-        SavableCheckpoint,
-        SavableDataLoaderState,
-        SavableDatasetCheckpoint,
-        SavableDatasetState,
-    )
-    from megatron.energon.state import FlexState
-
-    return (FlexState, SystemRngState, SavableCheckpoint, SavableDataLoaderState, SavableDatasetCheckpoint,
-            SavableDatasetState, SliceState)
-
-
-def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        for k in value:
-            _flatten(value[k], f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _flatten(v, f"{prefix}[{i}]", out)
-        if not value:
-            out[prefix] = []
-    else:
-        out[prefix] = value
-    return out
-
-
-def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any], ignore: Iterable[str] = ()) -> list[str]:
-    """Every key (dotted path) whose value differs between two fingerprints, as ``key: saved=… current=…``;
-    keys in ``ignore`` (exact dotted paths) are not compared."""
-    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
-    absent, skip = "<absent>", set(ignore)
-    return [f"{k}: saved={a.get(k, absent)!r} current={b.get(k, absent)!r}"
-            for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
-
-
-#: A refused restore names at most this many differing keys, each cut to _DIFF_CHARS characters.
-_DIFF_SHOWN, _DIFF_CHARS = 8, 240
-#: Loader keys that only the elastic order lets a run change across a restart.
-_ELASTIC_KEYS = ("loader.num_workers:", "loader.dp_size:", "loader.dp_rank:")
-
-
-def mismatch_message(diff: list[str]) -> str:
-    """The ``ResumeMismatchError`` text for ``fingerprint_diff`` lines: the configuration keys (``loader.*``:
-    ``data.*`` settings, the groups, DP size) first, the stage keys that follow from them only counted, long values
-    cut, and what to do, so the line stays readable however much of Energon's config differs."""
-    config = [d for d in diff if d.startswith("loader.")]
-    shown = (config or diff)[:_DIFF_SHOWN]
-    cut = [d if len(d) <= _DIFF_CHARS else d[: _DIFF_CHARS - 1] + "…" for d in shown]
-    rest = len(diff) - len(shown)
-    if rest:
-        cut.append(f"(+{rest} more: keys of the stages" + (", which follow from these)" if config else ")"))
-    remedy = ("restore with the data configuration this state was saved with, or start the data stream fresh "
-              "(without this state)")
-    if any(d.startswith(_ELASTIC_KEYS) for d in config) and not any(d.startswith("loader.order:") for d in config):
-        remedy += ("; only data.order: elastic lets a run change DP size or data.num_workers across a restart "
-                   "(docs/elastic.md)")
-    return ("BagelExternalLoader.restore_state: the saved loader state belongs to a different data configuration; "
-            "differing keys:\n  " + "\n  ".join(cut) + f"\n{remedy}")
+def _version_problem(state: Mapping[str, Any]) -> str:
+    """The one-line refusal of a state this version cannot read (another state version, or a removed order)."""
+    order = saved_world(state)[0]
+    why = REMOVED_ORDERS.get(order)
+    if why is not None:
+        return (f"BagelExternalLoader.restore_state: this loader state was written with data.order {order!r}; {why}. "
+                "Start the data stream fresh (keep the model checkpoint, drop the loader state), or resume with the "
+                "package version that wrote it")
+    return (f"BagelExternalLoader.restore_state: loader state version {state.get('version')!r} is not supported (this "
+            f"package reads and writes version {STATE_VERSION}); it was written by another version of "
+            "bagel-megatron-data: resume with that version, or start the data stream fresh")
 
 
 class BagelExternalLoader(Stage):
     """The train "dataset" for ``dataloader_type="external"``: an iterator of ready packed batches.
 
-    ``batches`` is the upstream stage (normally ``BagelRNGIterator`` over ``BagelPacker``, or a
-    ``PrefetchStage`` around it: the builder adds one for ``data.prefetch``); the loader owns it.
-    ``stateful_loaders`` (for callers that wire the chain by hand and hand over
-    their readers) are saved with the loader only when the upstream chain does not already own them; each
-    speaks either protocol: ``state_dict()`` / ``load_state_dict(state)`` (torch's and ours) or Energon's
-    ``save_state_rank()`` / ``restore_state_rank(state)`` (``SavableDataLoader`` from
+    ``batches`` is its source stage (normally ``BagelRNGIterator`` over ``BagelPacker``, or a ``PrefetchStage``
+    around it: the builder adds one for ``data.prefetch``); the loader owns it. ``stateful_loaders`` (for callers
+    that wire the chain by hand and hand over their readers) are saved with the loader only when the source chain
+    does not already own them; each speaks either protocol: ``state_dict()`` / ``load_state_dict(state)`` (torch's
+    and ours) or Energon's ``save_state_rank()`` / ``restore_state_rank(state)`` (``SavableDataLoader`` from
     ``get_savable_loader``), whose ``SavableDataLoaderState`` Bridge's restricted unpickler accepts.
 
     State (``save_state()`` == ``state_dict()``; ``restore_state()`` == ``load_state_dict()``): ``version``,
     ``fingerprint`` (checked on restore: a different configuration is refused naming every differing key),
-    ``position`` (batches handed out), ``upstream`` (the chain's nested states) and ``stateful_loaders``.
+    ``generation`` (elastic resizes the stream went through), ``position`` (batches handed out), ``source`` (the
+    chain's nested states) and ``stateful_loaders``.
 
-    ``topology_keys``: fingerprint keys (dotted paths) that may differ on restore because the stream does not
-    depend on them (the elastic order's DP rank/size and workers: its readers check their own world instead).
+    ``fingerprint``: the builder's part of the fingerprint (``ValidatedData.fingerprint``); with its ``order``,
+    ``dp_rank`` and ``dp_size`` the loader checks the world a state was saved in. ``topology_keys``: fingerprint keys
+    (dotted paths) that may differ on restore because the stream does not depend on them (the elastic order's,
+    ``state.ELASTIC_TOPOLOGY_KEYS``).
 
     ``__len__`` is only a positive hint (Megatron's MIMO setup calls ``len``); iteration is not bounded by it
     and it is not part of the state, so a run may resume with a different ``train_iters``.
     """
 
-    _savable_fields = ("version", "fingerprint", "position", "upstream", "stateful_loaders")
+    _savable_fields = ("version", "fingerprint", "generation", "position", "source", "stateful_loaders")
 
     def __init__(self, batches: Iterator[dict[str, Any]], *, length: int, stateful_loaders: Iterable[Any] = (),
                  fingerprint: Mapping[str, Any] | None = None, topology_keys: Iterable[str] = ()) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
-        self.upstream = batches
+        self.source = batches
         self.length = length
-        owned = {id(stage) for stage in walk_stages(self.upstream)}
+        owned = {id(stage) for stage in walk(self.source)}
         self.stateful_loaders = []
-        for i, source in enumerate(stateful_loaders):
-            if id(source) in owned:
-                continue  # saved through the upstream stage that owns it
-            if not is_stateful(source):
-                raise TypeError(f"BagelExternalLoader: stateful_loaders[{i}] ({type(source).__name__}) has neither "
+        for i, loader in enumerate(stateful_loaders):
+            if id(loader) in owned:
+                continue  # saved through the source stage that owns it
+            if not is_stateful(loader):
+                raise TypeError(f"BagelExternalLoader: stateful_loaders[{i}] ({type(loader).__name__}) has neither "
                                 "state_dict() / load_state_dict() nor Energon's save_state_rank() / "
                                 "restore_state_rank()")
-            self.stateful_loaders.append(source)
+            self.stateful_loaders.append(loader)
         self._config_fingerprint = dict(fingerprint or {})
         self.topology_keys = tuple(topology_keys)
         check_restricted(self._config_fingerprint, "fingerprint")
@@ -151,32 +110,17 @@ class BagelExternalLoader(Stage):
 
     def reset_state(self) -> None:
         self.position = 0
+        self.generation = 0
 
-    # -- declared fields that are checked, not restored ---------------------------------------------
-    @property
-    def version(self) -> int:
-        return STATE_VERSION
-
-    @version.setter
-    def version(self, value: Any) -> None:
-        if value != STATE_VERSION:
-            raise StateError(f"BagelExternalLoader.restore_state: loader state version {value!r} is not supported "
-                             f"(this package reads and writes version {STATE_VERSION}); it was written by another "
-                             "version of bagel-megatron-data: resume with that version, or start the data stream fresh")
-
-    @property
     def fingerprint(self) -> dict[str, Any]:
-        """Everything that changes the stream: the builder's fingerprint plus every stage's ``identity()``."""
-        return {"loader": dict(self._config_fingerprint), "upstream": chain_fingerprint(self.upstream),
-                "stateful_loaders": [chain_fingerprint(s) for s in self.stateful_loaders]}
+        """Everything that changes the stream: the builder's part plus every stage's ``identity()``."""
+        return {"loader": dict(self._config_fingerprint), "source": fingerprint_of(self.source),
+                "stateful_loaders": [fingerprint_of(s) for s in self.stateful_loaders]}
 
-    @fingerprint.setter
-    def fingerprint(self, saved: Any) -> None:
-        if not isinstance(saved, dict):
-            raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
-        diff = fingerprint_diff(saved, self.fingerprint, self.topology_keys)
-        if diff:
-            raise ResumeMismatchError(mismatch_message(diff))
+    @property
+    def order(self) -> str | None:
+        """The stream order this loader was built for (``data.order``), None when wired by hand."""
+        return self._config_fingerprint.get("order")
 
     # -- iteration ----------------------------------------------------------------------------------
     def __iter__(self) -> "BagelExternalLoader":
@@ -186,7 +130,7 @@ class BagelExternalLoader(Stage):
         if self._closed:
             raise RuntimeError("BagelExternalLoader: next() after close()")
         try:
-            batch = batch_call(next, self.upstream)  # one watchdog hand-over per batch (watchdog/watch.py)
+            batch = batch_call(next, self.source)  # one watchdog hand-over per batch (watchdog/watch.py)
         except StopIteration:
             logger.error("BagelExternalLoader: the batch stream ended after %d batches (Megatron expects an "
                          "endless stream; check the readers' cycling)", self.position)
@@ -202,13 +146,19 @@ class BagelExternalLoader(Stage):
 
         ``num_batches`` (handed to the trainer), ``consumed`` (samples read per group), ``buffer_len`` (packer
         overflow buffer), ``drops`` (reason → count, packer and readers together), ``packer_drops`` and
-        ``source_drops`` (per group) — whatever the upstream reports, plus ``position``.
+        ``source_drops`` (per group) — whatever the source reports, plus ``position``.
         """
         out = super().stats()
         out["position"] = self.position
         return out
 
     # -- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The declared fields: the version and fingerprint this loader writes, and the rest as declared."""
+        return {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "generation": int(self.generation),
+                "position": int(self.position), "source": save_value(self.source, "BagelExternalLoader.source"),
+                "stateful_loaders": save_value(self.stateful_loaders, "BagelExternalLoader.stateful_loaders")}
+
     def save_state(self) -> dict[str, Any]:
         """State describing the next batch this loader will yield (Bridge calls this at every checkpoint).
 
@@ -218,23 +168,48 @@ class BagelExternalLoader(Stage):
         check_restricted(state, "BagelExternalLoader.save_state()", allow=energon_state_classes())
         return state
 
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """Refuse a state of another version (naming a removed order), of another configuration (every differing
+        key: ``ResumeMismatchError``), or of another DP rank / size (the elastic order resizes with
+        ``resize_states`` first)."""
+        if state.get("version") != STATE_VERSION:
+            raise StateError(_version_problem(state))
+        position = state.get("position")
+        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
+            raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {position!r}")
+        saved = state.get("fingerprint")
+        if not isinstance(saved, dict):
+            raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
+        diff = fingerprint_diff(saved, self.fingerprint(), self.topology_keys)
+        if diff:
+            raise ResumeMismatchError(mismatch_message(diff))
+        order, rank, size = saved_world(state)
+        here = (self._config_fingerprint.get("dp_rank"), self._config_fingerprint.get("dp_size"))
+        if None not in here and (rank, size) != here:  # only the elastic order's fingerprint lets these differ
+            raise StateError(
+                f"BagelExternalLoader.restore_state: this loader state was saved by DP rank {rank} of {size}, this is "
+                f"DP rank {here[0]} of {here[1]}: a resume on another DP size must read every old rank's state (the "
+                "job does; with Bridge's pretrain() run `bagel-data resize-state` on the checkpoint first)")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Same as ``restore_state``."""
         if not isinstance(state, dict):
             raise StateError(f"BagelExternalLoader.restore_state: state must be a dict, got {type(state).__name__}")
-        if "version" in state:
-            self.version = state["version"]  # an old state gets the version message, not a field list
-        else:
+        if "version" not in state:
             missing = [f for f in self._savable_fields if f not in state]
             raise StateError(f"BagelExternalLoader.restore_state: not a loader state (no {', '.join(missing)}; "
                              f"keys: {sorted(map(str, state))[:8]}): pass what save_state() returned (Bridge keeps it "
                              "as the 'dataloader_state_dict' of train_dataloader_dprankNNN.pt)")
-        position = state.get("position")
-        if not isinstance(position, int) or isinstance(position, bool) or position < 0:
-            raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {position!r}")
+        if state["version"] != STATE_VERSION:
+            raise StateError(_version_problem(state))
+        check_fields(self, state, "BagelExternalLoader.restore_state")
+        self.check_compatible(state)
         if self.position:
             logger.warning("BagelExternalLoader.restore_state after %d batches were already taken", self.position)
-        super().load_state_dict(state)
+        load_value(self, "source", state["source"], "BagelExternalLoader.source")
+        load_value(self, "stateful_loaders", state["stateful_loaders"], "BagelExternalLoader.stateful_loaders")
+        self.generation = int(state["generation"])
+        self.position = int(state["position"])
         logger.info("BagelExternalLoader: restored at batch %d", self.position)
 
     def restore_state(self, state: Any) -> None:
@@ -245,8 +220,55 @@ class BagelExternalLoader(Stage):
         """
         self.load_state_dict(state)
 
+    def resize_states(self, olds: Sequence[Mapping[str, Any]], dp_rank: int, dp_size: int) -> dict[str, Any]:
+        """The state of new DP rank ``dp_rank`` of ``dp_size`` from the states of every old rank (old rank order), for
+        ``restore_state`` on a loader built like this one (pure data: this loader is not changed; with the same inputs
+        the same output, so one checkpoint restored twice on one new topology gives the same batches).
+
+        Each stage resizes its own part through the live chain (``Stage.resize_state``): the RNG iterator starts fresh
+        streams for (seed, new rank, generation), the packer hands its buffered samples to the group readers, the
+        readers hand their partitions (with cursors) and handed-over samples to their new owners, and new rank 0
+        carries the counters so that the ledger summed over the world is unchanged. Raises ``StateError`` (one line)
+        when the states are not one complete elastic checkpoint of this configuration: another order or version, a
+        missing or duplicated rank, differing configurations or positions.
+        """
+        if not olds:
+            raise StateError("elastic resize: no old loader states")
+        for k, old in enumerate(olds):
+            if not isinstance(old, Mapping) or old.get("version") != STATE_VERSION:
+                raise StateError(_version_problem(old if isinstance(old, Mapping) else {}).replace(
+                    "BagelExternalLoader.restore_state", f"elastic resize: old rank {k}"))
+            order, rank, size = saved_world(old)
+            if order != "elastic":
+                raise StateError(f"elastic resize: the checkpoint was written with data.order {order!r}, whose stream "
+                                 "depends on the DP size; restarts on another DP size need data.order: elastic")
+            if (rank, size) != (k, len(olds)):
+                raise StateError(f"elastic resize: state {k} of {len(olds)} was saved by DP rank {rank} of {size}; give "
+                                 "every old rank's file, in rank order")
+            diff = fingerprint_diff(olds[0]["fingerprint"], old["fingerprint"], ELASTIC_TOPOLOGY_KEYS)
+            if diff:
+                raise StateError(f"elastic resize: old ranks 0 and {k} differ in configuration: {diff[0]}")
+            if old["position"] != olds[0]["position"]:
+                raise StateError(f"elastic resize: old ranks stopped at different batches ({olds[0]['position']} vs "
+                                 f"{old['position']} on rank {k}): the files are not from one checkpoint")
+            if old.get("stateful_loaders"):
+                raise StateError("elastic resize: a loader with hand-wired stateful_loaders cannot be resized")
+        diff = fingerprint_diff(olds[0]["fingerprint"], self.fingerprint(), ELASTIC_TOPOLOGY_KEYS)
+        if diff:
+            raise ResumeMismatchError(mismatch_message(diff))
+        generation = 1 + max(int(o.get("generation", 0)) for o in olds)
+        ctx = ResizeContext(dp_rank, dp_size, generation, int(olds[0]["fingerprint"]["loader"]["seed"]))
+        fingerprint = copy.deepcopy(olds[0]["fingerprint"])
+        fingerprint["loader"].update(dp_rank=int(dp_rank), dp_size=int(dp_size))
+        state = {"version": STATE_VERSION, "fingerprint": fingerprint, "generation": generation,
+                 "position": int(olds[0]["position"]), "source": ctx.resize(self.source, [o["source"] for o in olds]),
+                 "stateful_loaders": []}
+        logger.info("elastic resize: %d old ranks -> DP rank %d of %d at batch %d (generation %d)", len(olds), dp_rank,
+                    dp_size, state["position"], generation)
+        return state
+
     def close(self) -> None:
-        """Close the upstream chain (stopping a prefetch producer, closing readers) and extra loaders; idempotent.
+        """Close the source chain (stopping a prefetch producer, closing readers) and extra loaders; idempotent.
 
         An extra loader with a ``close()`` is closed; a torch ``DataLoader`` without one (Energon's savable
         loader wired in by hand) has its persistent worker processes stopped now (``shutdown_workers``).

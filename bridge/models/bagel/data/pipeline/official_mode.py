@@ -28,43 +28,42 @@ logger = logging.getLogger(__name__)
 
 
 class OfficialWorkers(Stage):
-    """Round-robin over per-worker chains (``workers[w]`` = emulated DataLoader worker w), like ``DataLoader``.
+    """Round-robin over per-worker chains (``source[w]`` = emulated DataLoader worker w), like ``DataLoader``.
 
-    ``next()`` returns the next batch of worker ``next_worker`` and advances it modulo ``len(workers)``.
-    State: ``workers`` (each chain's own tagged state) and ``next_worker`` (int in ``[0, W)``).
+    ``next()`` returns the next batch of worker ``next_worker`` and advances it modulo the worker count.
+    State: ``source`` (each chain's own tagged state) and ``next_worker`` (int in ``[0, W)``).
     """
 
-    _savable_fields = ("workers", "next_worker")
-    _upstream_field = "workers"
+    _savable_fields = ("source", "next_worker")
 
     def __init__(self, workers: Sequence[Any]) -> None:
         if not workers:
             raise ValueError("OfficialWorkers needs at least one worker chain")
-        self.workers = list(workers)
+        self.source = list(workers)
         self.reset_state()
 
     def reset_state(self) -> None:
-        self._next = 0
+        self.next_worker = 0
 
     def identity(self) -> dict[str, Any]:
-        return {"num_workers": len(self.workers)}
+        return {"num_workers": len(self.source)}
 
-    @property
-    def next_worker(self) -> int:
-        """The worker whose batch ``next()`` returns."""
-        return self._next
-
-    @next_worker.setter
-    def next_worker(self, value: Any) -> None:
-        if not isinstance(value, int) or not 0 <= value < len(self.workers):
-            raise StateError(f"OfficialWorkers: next_worker {value!r} out of range for {len(self.workers)} workers")
-        self._next = value
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        value = state["next_worker"]
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < len(self.source):
+            raise StateError(f"OfficialWorkers: next_worker {value!r} out of range for {len(self.source)} workers")
 
     def stats(self) -> dict[str, Any]:
         """The packer counters summed over workers (``num_batches``, ``consumed`` per group, ``buffer_len``,
-        ``drops``, ``packer_drops``, ``source_drops`` per group) and each worker's own (``workers``)."""
-        per = [w.stats() if callable(getattr(w, "stats", None)) else {} for w in self.workers]
+        ``drops``, ``packer_drops``, ``source_drops`` per group, the per-group ``ledger``) and each worker's own
+        (``workers``)."""
+        per = [w.stats() if callable(getattr(w, "stats", None)) else {} for w in self.source]
         groups = list(per[0].get("source_drops", {})) if per else []
+        ledgers = [s.get("ledger", {}) for s in per]
+        ledger = {g: {"consumed": sum(int(x[g]["consumed"]) for x in ledgers if g in x),
+                      "packed": sum(int(x[g]["packed"]) for x in ledgers if g in x),
+                      "dropped": merge_counts([x[g]["dropped"] for x in ledgers if g in x]),
+                      "buffered": sum(int(x[g]["buffered"]) for x in ledgers if g in x)} for g in groups}
         return {"num_batches": sum(int(s.get("num_batches", 0)) for s in per),
                 "consumed": merge_counts([s.get("consumed", {}) for s in per]),
                 "buffer_len": sum(int(s.get("buffer_len", 0)) for s in per),
@@ -72,9 +71,9 @@ class OfficialWorkers(Stage):
                 "unused": merge_counts([s.get("unused", {}) for s in per]),
                 "packer_drops": merge_counts([s.get("packer_drops", {}) for s in per]),
                 "source_drops": {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups},
-                "workers": per}
+                "ledger": ledger, "workers": per}
 
     def __next__(self) -> Any:
-        batch = next(self.workers[self._next])
-        self._next = (self._next + 1) % len(self.workers)
+        batch = next(self.source[self.next_worker])
+        self.next_worker = (self.next_worker + 1) % len(self.source)
         return batch

@@ -1,8 +1,8 @@
 """``PrefetchStage``: pack ahead in a background process, keeping exact resume and the trainer's RNG untouched.
 
-A stage of the chain like the others (``upstream`` in, batches out). It forks one producer process that owns
-its upstream (the RNG-isolated packer and, through it, the readers) and keeps up to ``depth`` packed batches
-ready in a queue. Each batch travels with a snapshot of the upstream's state and counters taken *right
+A stage of the chain like the others (``source`` in, batches out). It forks one producer process that owns
+its source (the RNG-isolated packer and, through it, the readers) and keeps up to ``depth`` packed batches
+ready in a queue. Each batch travels with a snapshot of the source's state and counters taken *right
 after* it was produced, so this stage's state and ``stats()`` always describe the trainer's side: the state
 yields the next batch the trainer will receive (batches produced but not consumed are simply produced again
 after a restore, never lost or repeated), and the counters match the batches handed out.
@@ -10,9 +10,9 @@ after a restore, never lost or repeated), and the counters match the batches han
 A process (not a thread) because the packer must draw from process-global ``random`` / NumPy RNG like the
 official code: in a thread that would race with the model's RNG use, in a process the globals are private.
 The producer is started lazily on the first ``next()``, so Energon worker processes (``num_workers > 0``)
-start inside it. Start methods (``start_method``): ``"fork"`` (default) hands the live upstream to a forked
+start inside it. Start methods (``start_method``): ``"fork"`` (default) hands the live source to a forked
 child, which must run torch single-threaded (the parent's OpenMP pool does not survive a fork: using it
-deadlocks); ``"forkserver"`` starts the producer from a clean server process and rebuilds the upstream there
+deadlocks); ``"forkserver"`` starts the producer from a clean server process and rebuilds the source there
 from ``rebuild`` (a picklable recipe, e.g. the builder with the config and tokenizer), so its torch may use
 threads (``threads``, default: this process's CPUs over ``LOCAL_WORLD_SIZE``) at the price of a slower start
 (imports, tokenizer, readers: seconds, once per start). Errors in the producer reach the trainer's ``next()``
@@ -46,7 +46,7 @@ from . import shm
 from .. import watchdog
 from ..config.schema import PREFETCH_STARTS
 from ..packing.memory import release_shared, use_shared_memory
-from ..state import Savable, StateError, load_tagged, tagged_state
+from ..state import Stage, StateError, fingerprint_of, load_nested, save_nested, tag_of
 
 __all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "START_METHODS", "live_producers"]
 
@@ -155,10 +155,10 @@ def _produce(*args: Any) -> None:
 
 def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
                   shm_fd: _PassedFd, shm_path: str, trainer_pid: int, threads: int) -> None:
-    """Producer loop (runs in the child process): batch, then the upstream's state and stats after it.
+    """Producer loop (runs in the child process): batch, then the source's state and stats after it.
 
-    ``source`` is the upstream itself (fork) or, with ``rebuild``, a recipe called here to build it. ``restore``
-    (a tagged upstream state) is applied first, here, so the trainer process never opens the datasets. Tensors
+    ``source`` is the source stage itself (fork) or, with ``rebuild``, a recipe called here to build it. ``restore``
+    (a tagged source state) is applied first, here, so the trainer process never opens the datasets. Tensors
     travel as shared-memory handles that the trainer can only open while this process lives, so after stopping
     (or failing) it waits for ``release`` — set once the trainer drained the queue.
     """
@@ -186,10 +186,10 @@ def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, ou
     try:
         upstream = source() if rebuild else source
         if restore is not None:
-            load_tagged(upstream, restore, "PrefetchStage.upstream")
+            load_nested(upstream, restore, "PrefetchStage.source")
         while not stop.is_set():
             batch = watchdog.batch_call(next, upstream)  # the producer's reads: one hand-over per batch
-            item = ("batch", _to_wire(batch), _to_wire(tagged_state(upstream)), _stats_of(upstream))
+            item = ("batch", _to_wire(batch), _to_wire(save_nested(upstream)), _stats_of(upstream))
             while not stop.is_set():
                 if not parent.is_alive():
                     return
@@ -236,32 +236,28 @@ def _shutdown(proc: Any, stop: Any, release: Any, out: Any, shm_job: Any = None)
         shm_job.release()  # producer reaped: nothing of the job left to reclaim
 
 
-class PrefetchStage(Savable):
-    """Iterator over packed batches that ``upstream`` produces ``depth`` ahead in a forked process.
+class PrefetchStage(Stage):
+    """Iterator over packed batches that ``source`` produces ``depth`` ahead in a forked process.
 
-    State: ``upstream`` — the upstream's state that yields the next batch the trainer receives (the snapshot
-    that travelled with the last batch handed out). Restore only before the first ``next()``; the restored
-    state is applied inside the producer. The stage is transparent: saved states are the upstream's own, so
-    ``data.prefetch`` may change between a save and a restore. ``stats()`` are the upstream's counters as of the last batch handed
-    out, so they are identical to running without prefetch over the same batches.
+    The stage does not change the stream, so its saved form *is* its source's: ``state_tag()``, ``state_dict()`` and
+    ``fingerprint()`` answer with the source's (the state that yields the next batch the trainer receives: the
+    snapshot that travelled with the last batch handed out), and ``data.prefetch`` may change between a save and a
+    restore. Restore only before the first ``next()``; the restored state is applied inside the producer.
+    ``stats()`` are the source's counters as of the last batch handed out, so they are identical to running without
+    prefetch over the same batches.
     """
 
-    _savable_fields = ("upstream",)
-    _transparent = True  # does not change the stream: a state saved with prefetch restores without, and back
+    _savable_fields = ("source",)
     watchdog_scope = False  # waits with its own deadline; its producer batches its own reads (watchdog.batch_call)
 
     def __init__(self, upstream: Iterator[Any], *, depth: int, start_method: str = "fork",
                  rebuild: Callable[[], Iterator[Any]] | None = None, threads: int | None = None,
                  timeout_s: float = 0.0) -> None:
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
-            raise ValueError(f"PrefetchStage: depth must be an int >= 1, got {depth!r}")
-        if start_method not in START_METHODS:
-            raise ValueError(f"PrefetchStage: start_method must be one of {list(START_METHODS)}, got {start_method!r}")
         if start_method == "forkserver" and rebuild is None:
             raise ValueError("PrefetchStage: start_method 'forkserver' needs rebuild (a picklable callable that "
-                             "builds the upstream in the producer)")
-        self.upstream = upstream
-        self.depth = depth
+                             "builds the source in the producer)")
+        self.source = upstream
+        self.depth = int(depth)
         self.start_method = start_method
         self.rebuild = rebuild
         self.threads = _default_threads() if threads is None else max(1, int(threads))
@@ -269,7 +265,7 @@ class PrefetchStage(Savable):
         # stuck anywhere else, so the trainer never waits forever either (0 = never).
         self.timeout_s = float(timeout_s or 0)
         self._deadline_s = self.timeout_s + max(30.0, 0.5 * self.timeout_s) if self.timeout_s > 0 else 0.0
-        self._snapshot: dict[str, Any] | None = None  # tagged upstream state for the trainer's next batch
+        self._snapshot: dict[str, Any] | None = None  # tagged source state for the trainer's next batch
         self._restore: dict[str, Any] | None = None
         self._stats: dict[str, Any] | None = None
         self._ctx = torch_mp.get_context(start_method)
@@ -280,42 +276,48 @@ class PrefetchStage(Savable):
         self._failed: BaseException | None = None
         self._finalizer: Any = None
 
-    # -- state: the snapshot, not the (idle) upstream object of this process ----------------------------
-    def _save_field(self, name: str, value: Any) -> Any:
-        if self._snapshot is None:  # nothing produced yet: the upstream here is still at its initial state
-            self._snapshot = tagged_state(self.upstream)
-        return copy.deepcopy(self._snapshot)
+    # -- state: the snapshot, not the (idle) source object of this process ---------------------------------
+    def state_tag(self) -> str:
+        """The source's tag: a state saved with prefetch restores without it, and back."""
+        return tag_of(self.source)
 
-    def _load_field(self, name: str, value: Any, saved: Any) -> None:
+    def fingerprint(self) -> dict[str, Any]:
+        """The source's fingerprint (this stage does not change the stream)."""
+        return fingerprint_of(self.source)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The source's state as of the last batch handed to the trainer (its initial state before the first)."""
+        if self._snapshot is None:  # nothing produced yet: the source here is still at its initial state
+            self._snapshot = save_nested(self.source)
+        return copy.deepcopy(self._snapshot["state"])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Keep the source's state for the producer, which applies it before producing (restore before the first
+        ``next()``; ``StateError`` once the producer runs)."""
         if self._proc is not None:
             raise StateError("PrefetchStage: the producer is already running; restore into a freshly built "
                              "loader before the first next()")
-        if not isinstance(saved, dict) or saved.get("stage") != type(self.upstream).__name__:
-            got = saved.get("stage") if isinstance(saved, dict) else type(saved).__name__
-            raise StateError(f"PrefetchStage.upstream: the saved state belongs to a {got}, but this pipeline has a "
-                             f"{type(self.upstream).__name__} here")
-        self._restore = self._snapshot = copy.deepcopy(saved)
+        self._restore = self._snapshot = {"stage": tag_of(self.source), "state": copy.deepcopy(state)}
         self._stats = None
 
-    @property
-    def seq_length(self) -> int | None:
-        """The upstream's packed sequence length, or None."""
-        return getattr(self.upstream, "seq_length", None)
+    def resize_state(self, olds: list[dict[str, Any]], ctx: Any, **kw: Any) -> dict[str, Any]:
+        """The source's resize (this stage's saved form is the source's)."""
+        return self.source.resize_state(olds, ctx, **kw)
 
     def stats(self) -> dict[str, Any]:
-        """The upstream's counters as of the last batch handed to the trainer.
+        """The source's counters as of the last batch handed to the trainer.
 
-        Before the first batch: the upstream's initial counters (after a restore, those of the restored state
+        Before the first batch: the source's initial counters (after a restore, those of the restored state
         are known only once the first batch arrives; until then this is ``{}``).
         """
         if self._stats is not None:
             return copy.deepcopy(self._stats)
-        return {} if self._restore is not None else _stats_of(self.upstream)
+        return {} if self._restore is not None else super().stats()
 
     # -- the producer ------------------------------------------------------------------------------------
     def _start(self) -> None:
         if self._snapshot is None:
-            self._snapshot = tagged_state(self.upstream)
+            self._snapshot = save_nested(self.source)
         shm.reclaim_stale()  # segments of killed jobs (owner dead) go before ours are made
         if self.timeout_s > 0:
             watchdog.enable_agents()  # the producer and its workers can say what they wait on
@@ -325,7 +327,7 @@ class PrefetchStage(Savable):
             self._ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)  # no effect once the server runs
         self._out = self._ctx.Queue(maxsize=self.depth)
         self._proc = self._ctx.Process(
-            target=_produce, args=(self.rebuild if clean else self.upstream, clean, self._restore, self._out,
+            target=_produce, args=(self.rebuild if clean else self.source, clean, self._restore, self._out,
                                    self._stop, self._release, _PassedFd(shm_job.fd), shm_job.path, os.getpid(),
                                    self.threads),
             name=PRODUCER_NAME, daemon=False)  # not a daemon: Energon workers are its children
@@ -398,14 +400,12 @@ class PrefetchStage(Savable):
         return self._proc is not None and self._proc.is_alive()
 
     def close(self) -> None:
-        """Stop the producer and reap it, then close the upstream in this process (idempotent)."""
+        """Stop the producer and reap it, then close the source in this process (idempotent)."""
         self._stop.set()
         if self._finalizer is not None:
             self._finalizer()
             atexit.unregister(self._finalizer)
-        close = getattr(self.upstream, "close", None)
-        if callable(close):
-            close()
+        super().close()
 
 
 def live_producers() -> list[Any]:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..state import Stage, StateError, register_resizable
+from ..state import ResizeContext, Stage, StateError, check_fields, load_nested, save_value
 
 __all__ = ["BagelRNGIterator", "elastic_rank_seed", "initial_worker_rng_states"]
 
@@ -113,21 +113,19 @@ def _process_rng_kept() -> Iterator[None]:
         torch.set_rng_state(saved[2])
 
 
-@register_resizable
 class BagelRNGIterator(Stage):
-    """Runs the wrapped iterator (the packer) with private, saved Python/NumPy/torch-CPU RNG streams.
+    """Runs ``source`` (the packer) with private, saved Python/NumPy/torch-CPU RNG streams.
 
     The official loader draws packer randomness in a DataLoader worker; here the same initial streams are
-    derived from ``rank_seed`` and swapped into the process globals only while the packer runs, so model
+    derived from ``rank_seed`` and swapped into the process globals only while the source runs, so model
     code and data code never disturb each other and a resume continues the exact stream. State: the three
-    streams (plain, restricted-unpickler-safe forms) and the wrapped iterator's own state (``inner``).
+    streams (plain, restricted-unpickler-safe forms) and the source's own state.
     """
 
-    _savable_fields = ("python_rng", "numpy_rng", "torch_rng", "inner")
-    _upstream_field = "inner"
+    _savable_fields = ("python_rng", "numpy_rng", "torch_rng", "source")
 
     def __init__(self, iterator: Iterator[Any], rank_seed: int, *, worker_id: int = 0) -> None:
-        self.inner = iterator
+        self.source = iterator
         self.rank_seed = _checked_seed(rank_seed)
         self.worker_id = int(worker_id)
         self.reset_state()
@@ -136,45 +134,32 @@ class BagelRNGIterator(Stage):
         self._python, self._numpy, self._torch = initial_worker_rng_states(self.rank_seed, self.worker_id)
 
     def identity(self) -> dict[str, Any]:
-        # worker_id only when set, so states saved before it existed keep their fingerprint
+        # worker_id only when set (the emulated official workers)
         return {"rank_seed": self.rank_seed, **({"worker_id": self.worker_id} if self.worker_id else {})}
 
-    # Declared fields: the plain forms are what gets saved; the setters rebuild (and check) the live states.
-    @property
-    def python_rng(self) -> list:
-        return _python_to_plain(self._python)
+    def state_dict(self) -> dict[str, Any]:
+        """The three streams in plain forms (Python: ``[version, 625 ints, gauss]``; NumPy: a dict with 624 keys;
+        torch: the 1-D uint8 ``get_rng_state()`` tensor) and the source's tagged state. Saving the source neither
+        uses nor disturbs any RNG stream."""
+        with _process_rng_kept():
+            return {"python_rng": _python_to_plain(self._python), "numpy_rng": _numpy_to_plain(self._numpy),
+                    "torch_rng": self._torch.clone(), "source": save_value(self.source, "BagelRNGIterator.source")}
 
-    @python_rng.setter
-    def python_rng(self, value: Any) -> None:
-        self._python = _python_from_plain(value)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the streams (checked: ``StateError`` for a malformed one) and the source."""
+        check_fields(self, state)
+        streams = (_python_from_plain(state["python_rng"]), _numpy_from_plain(state["numpy_rng"]),
+                   _torch_from_plain(state["torch_rng"]))
+        with _process_rng_kept():
+            load_nested(self.source, state["source"], "BagelRNGIterator.source")
+        self._python, self._numpy, self._torch = streams
 
-    @property
-    def numpy_rng(self) -> dict[str, Any]:
-        return _numpy_to_plain(self._numpy)
-
-    @numpy_rng.setter
-    def numpy_rng(self, value: Any) -> None:
-        self._numpy = _numpy_from_plain(value)
-
-    @property
-    def torch_rng(self) -> torch.Tensor:
-        return self._torch.clone()
-
-    @torch_rng.setter
-    def torch_rng(self, value: Any) -> None:
-        self._torch = _torch_from_plain(value)
-
-    @classmethod
-    def resize_state(cls, olds: list[dict[str, Any]], ctx: Any) -> dict[str, Any]:
+    def resize_state(self, olds: list[dict[str, Any]], ctx: ResizeContext, **kw: Any) -> dict[str, Any]:
         """A new rank's state after a resize: fresh streams seeded ``elastic_rank_seed(ctx.seed, ctx.dp_rank,
-        ctx.generation)`` (never reusing an old rank's), and the resized inner state."""
+        ctx.generation)`` (never reusing an old rank's), and the source's resized state."""
         python, numpy_, torch_ = initial_worker_rng_states(elastic_rank_seed(ctx.seed, ctx.dp_rank, ctx.generation))
         return {"python_rng": _python_to_plain(python), "numpy_rng": _numpy_to_plain(numpy_), "torch_rng": torch_,
-                "inner": ctx.resize([old["inner"] for old in olds])}
-
-    def _state_context(self) -> contextlib.AbstractContextManager:
-        # Saving / restoring the inner stages must neither use nor disturb any RNG stream.
-        return _process_rng_kept()
+                "source": ctx.resize(self.source, [old["source"] for old in olds])}
 
     def __next__(self) -> Any:
         with _process_rng_kept():
@@ -182,6 +167,6 @@ class BagelRNGIterator(Stage):
             np.random.set_state(self._numpy)
             torch.set_rng_state(self._torch)
             try:
-                return next(self.inner)
+                return next(self.source)
             finally:
                 self._python, self._numpy, self._torch = random.getstate(), np.random.get_state(), torch.get_rng_state()

@@ -68,7 +68,7 @@ def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
 def _data_errors() -> tuple[type[Exception], ...]:
     """The one-line errors of reading a converted dataset: a damaged or missing file (``DataReadError``, naming
     it and the remedy) and a read that did not return in ``data.timeout_s`` (``DataTimeoutError``)."""
-    from ..energon.reader import DataReadError
+    from ..errors import DataReadError
     from ..watchdog import DataTimeoutError
 
     return DataReadError, DataTimeoutError
@@ -165,6 +165,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(data.order: elastic), for Megatron-Bridge's pretrain(), which reads only its own rank's file")
     rs.add_argument("root", help="the checkpoint root (train.save / checkpoint.save: holds energon/iter_N/)")
     rs.add_argument("--dp-size", type=int, required=True, help="the DP size of the run that will resume")
+    rs.add_argument("--config", required=True, help="the run's job YAML (its data section builds the loader whose "
+                    "stages resize the state)")
+    rs.add_argument("overrides", nargs="*", help="key=value job config overrides (as given to the run)")
     rs.add_argument("--step", type=int, help="the checkpoint step (default: latest_checkpointed_iteration.txt)")
 
     demo = _add(sub, "demo-data", help="generate the small procedural demo dataset (raw + converted)")
@@ -191,13 +194,21 @@ def _stats(args: argparse.Namespace) -> int:
 
 def _resize_state(args: argparse.Namespace) -> int:
     """``bagel-data resize-state``: every new rank's loader state from all old ranks' (``job.checkpoint``)."""
+    from ..build import build_bagel_train_loader
     from ..config import ConfigError
     from ..job.checkpoint import read_step, resize_checkpoint
+    from ..job.config import load_job_config
     from ..state import StateError
+    from ..tokenizer import load_tokenizer
 
     try:
         step = args.step if args.step is not None else read_step(args.root)
-        paths = resize_checkpoint(args.root, step, args.dp_size)
+
+        def open_loader():
+            cfg = load_job_config(args.config, args.overrides)
+            return build_bagel_train_loader(cfg.data, load_tokenizer(cfg.data.tokenizer), (0, args.dp_size))
+
+        paths = resize_checkpoint(args.root, step, args.dp_size, open_loader)
     except (ConfigError, StateError, FileExistsError) as e:
         logger.error("%s", e)
         return 2

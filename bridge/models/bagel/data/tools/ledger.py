@@ -1,9 +1,9 @@
 """The exactly-once proof of the elastic order, from what a run leaves behind: every batch's ``data_indexes`` and
 the final loader state of every rank (``save_state()`` / the last checkpoint's files).
 
-Per group, the final partition cursors say exactly which (selection position, epoch) reads were *taken* (every
-position of the epochs before a partition's cursor, and the first ``cursor`` of its current epoch, in the order of
-``elastic_order.PartitionOrder``). Exactly once holds when
+Per group, the final plans of every rank say exactly which (selection position, epoch) reads were *taken*: every
+block (a partition in an epoch) that no rank still holds below the largest tail, and the first ``cursor`` reads of
+each open or queued block (``energon.readers.elastic.reads_taken``). Exactly once holds when
 
 * no (position, epoch) is packed twice or both packed and still waiting (packer buffer / carry, handed-over
   keys not yet read), and each of them was taken;
@@ -11,21 +11,21 @@ position of the epochs before a partition's cursor, and the first ``cursor`` of 
   rank 0 carries across resizes).
 
 So every taken read is packed once, dropped with a counted reason, or waiting — never lost, never repeated.
-``epoch_complete`` tells whether every partition is past epoch 0 (then epoch 0's taken set is the whole official
-selection, so the property covers the epoch exactly).
+``complete_groups`` names the groups whose every block of epoch 0 is finished (then epoch 0's taken set is the whole
+official selection, so the property covers that epoch exactly); ``epoch_complete``: all of them. A group some rank
+rarely reads (a non-mandatory group on a rank whose packs fill up with mandatory samples) can keep an epoch-0 block
+open for long while other ranks read later epochs: each (position, epoch) is still read once.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from ..energon.elastic_order import PartitionOrder
+from ..energon.readers.elastic import reads_taken
+from ..energon.readers.partitions import PartitionOrder
 
 __all__ = ["LedgerReport", "check_exactly_once"]
 
@@ -37,8 +37,13 @@ class LedgerReport:
 
     groups: dict[str, dict[str, int]] = field(default_factory=dict)
     dropped: int = 0
-    epoch_complete: bool = False
+    complete_groups: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+
+    @property
+    def epoch_complete(self) -> bool:
+        """Every group's epoch 0 is finished."""
+        return len(self.complete_groups) == len(self.groups)
 
     @property
     def ok(self) -> bool:
@@ -59,11 +64,6 @@ def _nodes(obj: Any, stage: str) -> list[Any]:
     return out
 
 
-def _cursors(blob: bytes) -> dict[int, tuple[int, int]]:
-    rows = np.frombuffer(zlib.decompress(blob), dtype=np.int64).reshape(-1, 3).cumsum(axis=0)
-    return {int(p): (int(e), int(c)) for p, e, c in rows}
-
-
 def _identity(key: Any) -> tuple[int, int]:
     (_tag, _d, _i, j, e, _p), _choices = key
     return int(j), int(e)
@@ -80,34 +80,34 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
     """
     report = LedgerReport()
     first = final_states[0]
-    packer_fp = _nodes(first["fingerprint"]["upstream"], "BagelPacker")
+    packer_fp = _nodes(first["fingerprint"]["source"], "BagelPacker")
     if not packer_fp:
         raise ValueError("check_exactly_once: the states hold no BagelPacker")
     groups = list(packer_fp[0]["group_names"])
-    reader_fps = packer_fp[0]["sources"]
-    if any(fp.get("stage") != "ElasticGroupReader" for fp in reader_fps):
+    plan_fps = [fp.get("source", {}) for fp in packer_fp[0]["source"]]
+    if any(fp.get("stage") != "ElasticPlan" for fp in plan_fps):
         raise ValueError("check_exactly_once: the states are not of data.order elastic")
-    orders = {g: PartitionOrder(fp["num_positions"], fp["partitions"], fp["seed"], fp["group"], fp["chunk"])
-              for g, fp in zip(groups, reader_fps)}
-    taken: dict[str, set[tuple[int, int]]] = {g: set() for g in groups}
+    orders = {g: PartitionOrder(fp["num_positions"], fp["partitions"], fp["seed"], g, fp["chunk"])
+              for g, fp in zip(groups, plan_fps)}
+    taken: dict[str, set[tuple[int, int]]] = {}
     waiting: dict[str, Counter] = {g: Counter() for g in groups}
-    complete = True
+    plans: dict[str, list[Any]] = {g: [] for g in groups}
     for state in final_states:
-        packer = _nodes(state["upstream"], "BagelPacker")[0]["state"]
+        packer = _nodes(state["source"], "BagelPacker")[0]["state"]
         report.dropped += sum(packer["drops"]["state"]["counts"].values())
-        for group_index, key in packer["buffer_keys"] + [list(e) for e in packer.get("carry_keys", [])]:
+        for group_index, key in packer["buffer"] + [list(e) for e in packer["carry"]]:
             waiting[groups[group_index]][_identity(key)] += 1
-        for g, source in zip(groups, packer["sources"]):
+        for g, source in zip(groups, packer["source"]):
             reader = source["state"]
             report.dropped += sum(reader["drops"]["state"]["counts"].values())
-            for key in reader["pending"]:
+            plan = reader["source"]["state"]
+            for key in plan["pending"]:
                 waiting[g][_identity(key)] += 1
-            order = orders[g]
-            for p, (epoch, cursor) in _cursors(reader["cursors"]).items():
-                complete &= epoch >= 1
-                for e in range(epoch):
-                    taken[g].update((int(j), e) for j in order.positions(p, e))
-                taken[g].update((int(j), epoch) for j in order.positions(p, epoch, cursor))
+            plans[g].append(plan)
+    for g in groups:
+        taken[g], done = reads_taken(plans[g], orders[g])
+        if done:
+            report.complete_groups.append(g)
     packed: dict[str, Counter] = {g: Counter() for g in groups}
     for index in batch_indexes:
         packed[index["dataset_name"]][(int(index["position"]), int(index["epoch"]))] += 1
@@ -130,5 +130,4 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
     if total_taken != total_kept + report.dropped:
         report.problems.append(f"taken {total_taken} != packed + waiting {total_kept} + dropped {report.dropped}: "
                                f"{total_taken - total_kept - report.dropped} reads unaccounted for")
-    report.epoch_complete = complete
     return report

@@ -15,6 +15,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import DataTimeoutError
 from .stacks import collect_reports, describe_frame, enable_agents, process_role, summarize, wait_line
 
 __all__ = ["DEFAULT_STALL_WARN_S", "DEFAULT_TIMEOUT_S", "DataTimeoutError", "ReadWatch", "batch_call"]
@@ -27,20 +28,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_STALL_WARN_S = 120.0
 DEFAULT_TIMEOUT_S = 480.0
 _LOOK_S = 0.5  # a batch waiter looks at the read in progress at least this often
-
-
-class DataTimeoutError(RuntimeError):
-    """A data read did not return within ``data.timeout_s``; names group, dataset, shard file and process.
-
-    ``brief`` is a short form for the other ranks' line (``job.topology.agree``).
-    """
-
-    def __init__(self, message: str, brief: str = "") -> None:
-        super().__init__(message)
-        self.brief = brief or message[:160]
-
-    def __reduce__(self) -> tuple:
-        return (type(self), (str(self), self.brief))
 
 
 # -- the watched call ---------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ from PIL import Image
 
 from ...config.budgets import edit_outcomes, image_tokens, t2i_estimate, vlm_estimate
 from ...config import ConfigError, GroupConfig
-from ...energon.damage import diagnose
+from ...energon.layout.damage import diagnose
 from ...energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
-from ...energon.reader import DataReadError
-from ...packing.lengths import is_overlength
+from ...errors import DataReadError
+from ...config.lengths import is_overlength
 from ...transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
 __all__ = ["DatasetStats", "GroupStats", "SampleEstimate", "dataset_stats"]
@@ -117,8 +117,8 @@ def _t2i(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
 
 
 def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
-    from ...energon.cook_common import DropSample
-    from ...energon.cook_vlm import conversation_elements
+    from ...energon.cooking.common import DropSample
+    from ...energon.cooking.vlm import conversation_elements
 
     t = g.transform()
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from ...config.budgets import FLEX_BLOCK, image_grids, table_side
 from ...config import PackerConfig
-from ...packing.lengths import is_overlength, mandatory_tokens
+from ...config.lengths import is_overlength, mandatory_tokens
 from ...packing.step import PackBudgets, PackLoop
 from .estimate import GroupStats
 
@@ -113,10 +113,12 @@ def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float],
     draw_weights = list(weights) if all(streams) else [w if s else 0 for w, s in zip(weights, streams)]
     if not any(s for s in streams) or not sum(draw_weights) > 0:
         return SimResult(impossible="no usable samples")
-    try:
-        loop: PackLoop[int] = PackLoop(PackBudgets.of(packer), draw_weights, mandatory, lossless=packer.lossless)
-    except ValueError as e:  # lossless budgets that let mandatory samples overflow
-        return SimResult(impossible=str(e))
+    worst = mandatory_tokens(sum(map(bool, mandatory)), limit)
+    if packer.lossless and worst > packer.max_num_tokens:  # what config.budgets refuses for a job
+        return SimResult(impossible=f"packer.lossless: {sum(map(bool, mandatory))} mandatory groups x "
+                                    f"(max_num_tokens_per_sample {limit} - 1) = {worst} tokens > max_num_tokens "
+                                    f"{packer.max_num_tokens}: mandatory samples alone could overflow a pack")
+    loop: PackLoop[int] = PackLoop(PackBudgets.of(packer), draw_weights, mandatory, lossless=packer.lossless)
     replay = _Replay(streams, random.Random(seed), max_draws)
     buffer: list[tuple[int, int]] = []
     carry: list[tuple[int, int]] = []  # packer.lossless: the flushed candidates kept for the next pack

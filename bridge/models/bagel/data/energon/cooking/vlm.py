@@ -14,8 +14,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .cook_common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
-from .layout import VIDEO_ERROR_KEY
+from .common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
+from ..layout import VIDEO_ERROR_KEY
 
 __all__ = ["cook_vlm_core", "conversation_elements"]
 

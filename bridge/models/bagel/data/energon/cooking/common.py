@@ -2,19 +2,17 @@
 
 The official source datasets draw from Python's global ``random`` (``choice`` / ``random()``).
 :class:`Draws` makes exactly the same calls on a given generator (the ``random`` module itself for
-official-order reproduction, a private per-sample ``random.Random`` in the Energon reader) and records
+official order, a private ``random.Random`` per selection position and epoch in the elastic order) and records
 the outcome, or replays recorded outcomes without touching any generator (``restore_sample``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import io
 import json
 import logging
 import random as _random_module
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,14 +20,13 @@ from megatron.energon.task_encoder.cooking import basic_sample_keys
 
 from PIL import Image
 
-from ..transforms import ImageTransform, configure_pil, pil_img2rgb
-from .layout import META_PART, VLM, image_part
+from ...transforms import ImageTransform, configure_pil, pil_img2rgb
+from ..layout import META_PART, VLM, image_part
 from .sample import BagelSample
 
 __all__ = [
-    "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "current_replay", "replaying",
-    "cook_with", "current_draw", "decode_image", "drawing", "global_random", "load_meta", "plan_item", "source_coordinate",
-    "transform_image", "DROP_REASONS",
+    "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "cook_with", "decode_image",
+    "global_random", "load_meta", "plan_item", "source_coordinate", "transform_image", "DROP_REASONS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -118,44 +115,6 @@ class Draws:
         return tuple(self.record)
 
 
-_REPLAY: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("bagel_cook_replay", default=None)
-
-
-@contextlib.contextmanager
-def replaying(choices: tuple | list) -> Iterator[None]:
-    """Within this block, cookers replay ``choices`` instead of drawing (used around ``restore_sample``)."""
-    token = _REPLAY.set(tuple(choices))
-    try:
-        yield
-    finally:
-        _REPLAY.reset(token)
-
-
-def current_replay() -> tuple | None:
-    """The choices to replay, or None when cookers should draw."""
-    return _REPLAY.get()
-
-
-_DRAW: contextvars.ContextVar[Any] = contextvars.ContextVar("bagel_cook_draw", default=None)
-
-
-@contextlib.contextmanager
-def drawing(rng: Any) -> Iterator[None]:
-    """Within this block, cookers draw from ``rng`` (a ``random.Random``) instead of the generator seeded by the
-    Energon worker context: the elastic reader seeds one per (group, seed, selection position, epoch), so a
-    sample's choices do not depend on which rank or worker cooks it."""
-    token = _DRAW.set(rng)
-    try:
-        yield
-    finally:
-        _DRAW.reset(token)
-
-
-def current_draw() -> Any:
-    """The generator set by :func:`drawing`, or None."""
-    return _DRAW.get()
-
-
 @dataclass
 class CookContext:
     """What a group cooker needs besides the crude sample: transforms, tokenizer, group name."""
@@ -229,7 +188,7 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
 
     ``core(crude, meta, ctx, draws)`` returns the official fields (plan, texts, images, num_tokens)
     or raises :class:`DropSample`. ``data_indexes`` is the reader form {source coordinate, worker id,
-    group}; the official-order reader replaces it with the official positions.
+    group}; the reader's order (its plan) replaces it with its own positions.
     """
     basic = basic_sample_keys(crude)
     source: dict = {}

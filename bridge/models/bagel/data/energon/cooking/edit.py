@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .cook_common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
+from .common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
 
 __all__ = ["cook_edit_core"]
 

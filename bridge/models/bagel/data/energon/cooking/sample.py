@@ -3,7 +3,7 @@
 Cookers never raise on bad data: they return a *tombstone* (``drop_reason`` set) so that drops are
 counted by the reader in the main process, also when cooking runs in worker processes.
 ``restore_key`` (builtins only) lets the packer persist buffered samples as keys and rebuild them
-bit-exactly: it pairs Energon's own restore key with the random choices the cooker made.
+bit-exactly: it pairs the reader's key of the read (its order's coordinate) with the random choices the cooker made.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class BagelSample(Sample):
 
     @property
     def restore_key(self) -> tuple:
-        """``(energon restore key, rng choices)``: builtins only; the group reader's ``restore_sample`` input."""
+        """``(the read's key, rng choices)``: builtins only; the group reader's ``restore_sample`` input."""
         return (self.__restore_key__, self.rng_choices)
 
     @property

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .cook_common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
+from .common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
 
 __all__ = ["cook_t2i_core"]
 

@@ -7,11 +7,13 @@ dataset, run by run, repetition by repetition. The positions are cut into ``P = 
 partitions of contiguous positions (``floor(p N / P) .. floor((p+1) N / P)``, every one non-empty). Within a
 partition, an epoch reads chunks of ``chunk`` consecutive positions (locality in the tar shards, like Energon's
 ``max_samples_per_sequence`` slices) in an order permuted per (seed, group, partition, epoch); the last chunk may
-be short. DP rank ``r`` of ``W`` owns partitions ``p ≡ r (mod W)`` and reads them round robin, one sample each.
+be short.
 
-So a partition's stream, and a rank's given its partitions and their cursors, are reproducible from a checkpoint
-on any topology: a resize only hands partitions (with their cursors) to new owners. Memory: O(runs) for the
-layout, O(N / (P · chunk)) per partition whose epoch is being read; no per-row object (the scale rule).
+The endless stream of a group is the sequence of *blocks* ``v = 0, 1, 2, ...``: block ``v`` is partition
+``p = v mod P`` read in epoch ``e = v // P`` (:func:`block`). Which rank reads which block is the plan's business
+(``readers.elastic``); what a block holds, and in which order, depends only on (seed, group, p, e): so a block's
+stream is reproducible on any topology, and a resize only hands blocks (with their cursors) to new owners. Memory:
+O(runs) for the layout, O(N / (P · chunk)) per block being read; no per-row object (the scale rule).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["DEFAULT_CHUNK", "GroupLayout", "PartitionOrder", "owned_partitions"]
+__all__ = ["DEFAULT_CHUNK", "GroupLayout", "PartitionOrder", "block"]
 
 #: Consecutive selection positions read together inside a partition (Energon reads 100-sample slices too).
 DEFAULT_CHUNK = 100
+#: Chunk permutations kept per group (one per block a rank reads at once, at most its open blocks plus one).
+_CACHE_BLOCKS = 16384
 
 
 def _stable_int(*parts: object) -> int:
@@ -67,6 +71,11 @@ class GroupLayout:
         """N: selection positions in one epoch (samples, repetitions counted)."""
         return int(self.offset[-1])
 
+    def positions_of(self, dataset: int) -> int:
+        """Selection positions of dataset ``dataset`` in one epoch (repetitions counted)."""
+        lengths = np.diff(self.offset)
+        return int(lengths[self.dataset == int(dataset)].sum())
+
     def coordinate(self, position: int) -> tuple[int, int]:
         """``(dataset index, sample index)`` read at selection ``position`` (0 <= position < N)."""
         k = int(np.searchsorted(self.offset, position, side="right")) - 1
@@ -89,7 +98,8 @@ class PartitionOrder:
         self.num_partitions = min(int(partitions), self.num_positions)
         self.seed, self.group = int(seed), str(group)
         self._group_key = _stable_int("bagel-elastic-order", group)
-        self._cache: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # partition -> (epoch, perm, cum lengths)
+        #: (partition, epoch) -> (chunk permutation, cumulative chunk lengths), for the blocks being read (bounded)
+        self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def bounds(self, p: int) -> tuple[int, int]:
         """First and one-past-last selection position of partition ``p``."""
@@ -104,9 +114,9 @@ class PartitionOrder:
         return b - a
 
     def _chunks(self, p: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        cached = self._cache.get(p)
-        if cached is not None and cached[0] == epoch:
-            return cached[1], cached[2]
+        cached = self._cache.get((p, epoch))
+        if cached is not None:
+            return cached
         size = self.size(p)
         n_chunks = -(-size // self.chunk)
         rng = np.random.default_rng([self.seed & (2**63 - 1), self._group_key, p, epoch])
@@ -114,7 +124,9 @@ class PartitionOrder:
         lengths = np.full(n_chunks, self.chunk, dtype=np.int64)
         lengths[-1] = size - self.chunk * (n_chunks - 1)
         cum = np.cumsum(lengths[perm])
-        self._cache[p] = (epoch, perm, cum)
+        if len(self._cache) >= _CACHE_BLOCKS:  # blocks are read a few at a time per slot: drop the oldest entry
+            del self._cache[next(iter(self._cache))]
+        self._cache[(p, epoch)] = (perm, cum)
         return perm, cum
 
     def position(self, p: int, epoch: int, cursor: int) -> int:
@@ -137,6 +149,6 @@ class PartitionOrder:
         return np.concatenate(parts)[:count]
 
 
-def owned_partitions(num_partitions: int, dp_rank: int, dp_size: int) -> list[int]:
-    """The partitions DP rank ``dp_rank`` of ``dp_size`` reads: ``p ≡ dp_rank (mod dp_size)``."""
-    return list(range(dp_rank, num_partitions, dp_size))
+def block(v: int, num_partitions: int) -> tuple[int, int]:
+    """``(epoch, partition)`` of block ``v`` of a group whose epoch is cut into ``num_partitions`` partitions."""
+    return divmod(int(v), int(num_partitions))

@@ -15,13 +15,12 @@ each: 0.29 s at 10^4 shards), the sharder loops over shards and global workers (
   ``ShardTable`` (cooperative ``__init__``: Energon's ``CrudeWebdataset`` / decoder / generic factory constructors
   run unchanged) and whose ``build()`` / ``config()`` / ``__len__`` are Energon's, computed from the arrays: the
   slices from :func:`sharding.shard_workers`, the reader a :class:`TableITarReader`.
-* :func:`get_train_dataset` — Energon's ``get_train_dataset`` for what the readers open (one dataset whole, or a
-  ``blend_epochized`` of ``(start, end, repetitions)`` sample ranges: ``subset: {range: [start, end]}``) from these
-  factories and Energon's own ``TaskEncoder.build_train_datasets``; None for a dataset it does not read as Energon
-  does. :func:`open_train_dataset` (what the readers call) then uses Energon's own ``get_train_dataset``.
+* :func:`open_dataset` — Energon's ``get_train_dataset`` for what the readers open (one dataset whole, read by index)
+  from this factory and Energon's own ``TaskEncoder.build_train_datasets``; None for a dataset it does not read as
+  Energon does (the readers then use Energon's own ``get_train_dataset``: ``readers.access``).
 
 ``tests/test_compact_open.py`` checks, against Energon's own objects on real converted datasets: the factory's
-attributes and ``config()``, the slice offsets, every sample and restore key of the pipeline, and saved states.
+attributes and ``config()``, the slice offsets, every sample and restore key of the pipeline.
 """
 
 from __future__ import annotations
@@ -30,8 +29,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,7 +40,6 @@ from megatron.energon.flavors.base_dataset import SavableDataset
 from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 from megatron.energon.flavors.webdataset.itar import CachedItarOffsetReader, ITarSamplePointer
 from megatron.energon.flavors.webdataset.itar_reader import ITarReader
-from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 from megatron.energon.flavors.webdataset.sample_loader import WebdatasetSampleLoaderDataset
 from megatron.energon.flavors.webdataset.structs import DatasetSubset, ShardInfo
 from megatron.energon.metadataset.loader_interface import DatasetBlendMode, LoadedDataset
@@ -52,8 +48,8 @@ from megatron.energon.wrappers.map_dataset import MapDataset
 
 from . import sharding
 
-__all__ = ["CompactCrudeWebdataset", "ShardTable", "TableITarReader", "expand_braces", "get_train_dataset",
-           "open_train_dataset", "read_shard_table"]
+__all__ = ["CompactCrudeWebdataset", "ShardTable", "TableITarReader", "expand_braces", "open_dataset",
+           "read_shard_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -314,87 +310,23 @@ def _opened(root: str) -> tuple[dict[str, Any], tuple[ShardTable, set[str], list
     return None if table is None else (yaml_kwargs, table)
 
 
-def _factory(root: str, opened: tuple[dict[str, Any], tuple], subset: DatasetSubset | None, *,
-             worker_config: WorkerConfig, max_samples_per_sequence: int | None,
-             decoder: SampleDecoder | None) -> CompactCrudeWebdataset:
-    """The factory Energon's ``get_dataset_from_config`` makes for ``root`` (training, split ``train``,
-    ``shuffle_over_epochs=1``), over the shard table in ``opened`` (shared by every range of the dataset)."""
+def open_dataset(root: str, *, worker_config: WorkerConfig, task_encoder: Any) -> SavableDataset | None:
+    """Energon's ``get_train_dataset(root, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+    repeat=False, ...)`` for one converted dataset read whole (Energon's ``DatasetLoader``, training split ``train``,
+    ``shuffle_over_epochs=1``), over its shard table. Returns Energon's ``SavableDataset`` (for
+    ``get_savable_loader``), or None when ``root`` is not a dataset this module opens as Energon does (the caller then
+    uses Energon's own ``get_train_dataset``)."""
+    opened = _opened(root)
+    if opened is None:
+        logger.info("%s: not a plain converted crude webdataset (dataset.yaml / .info.json / split.yaml); opened by "
+                    "Energon itself, at O(shards) Python per rank", root)
+        return None
     yaml_kwargs, table = opened
-    return CompactCrudeWebdataset(EPath(root), split_config="split.yaml", split_part="train", training=True,
-                                  worker_config=worker_config, shuffle_over_epochs=1, subset=subset,
-                                  max_samples_per_sequence=max_samples_per_sequence, decoder=decoder,
-                                  shard_table=table, **yaml_kwargs)
-
-
-def get_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] | None]], *,
-                      worker_config: WorkerConfig, max_samples_per_sequence: int | None, task_encoder: Any,
-                      repeat: bool = True) -> SavableDataset | None:
-    """Energon's ``get_train_dataset(path, batch_size=None, shuffle_buffer_size=None, repeat=repeat, ...)`` for
-    ``runs``: ``[(dataset root, None)]`` opens one dataset whole (Energon's ``DatasetLoader``); otherwise a
-    ``blend_epochized`` metadataset of every ``(start, end, repetitions)`` sample range of every dataset, in order
-    (Energon's ``MetadatasetV2`` with ``subset: {range: [start, end]}`` and ``repetitions``). Returns Energon's
-    ``SavableDataset`` (for ``get_savable_loader``), or None when a dataset is not one this module opens (the
-    caller then uses Energon's own ``get_train_dataset``)."""
-    kw = dict(worker_config=worker_config, max_samples_per_sequence=max_samples_per_sequence,
-              decoder=task_encoder.decoder)
-    datasets: list[LoadedDataset] = []
-    whole = len(runs) == 1 and runs[0][1] is None
-    opened: dict[str, Any] = {}  # per dataset root: read once, shared by all its ranges
-    for root, ranges in runs:
-        if root not in opened:
-            opened[root] = _opened(root)
-        if opened[root] is None:
-            logger.info("%s: not a plain converted crude webdataset (dataset.yaml / .info.json / split.yaml); opened "
-                        "by Energon itself, at O(shards) Python per rank", root)
-            return None
-        for start, end, reps in ([(None, None, None)] if ranges is None else ranges):
-            subset = None if start is None else DatasetSubset(absolute_range=(int(start), int(end)), range=(0, 1))
-            datasets.append(LoadedDataset(dataset=_factory(root, opened[root], subset, **kw), weight=None,
-                                          repetitions=None if whole else reps))
+    factory = CompactCrudeWebdataset(EPath(root), split_config="split.yaml", split_part="train", training=True,
+                                     worker_config=worker_config, shuffle_over_epochs=1, subset=None,
+                                     max_samples_per_sequence=None, decoder=task_encoder.decoder, shard_table=table,
+                                     **yaml_kwargs)
     return task_encoder.build_train_datasets(
-        datasets=datasets, worker_config=worker_config, batch_size=None, batch_drop_last=False,
-        packing_buffer_size=None, virtual_epoch_length=0, shuffle_buffer_size=None,
-        blend_mode=DatasetBlendMode.NONE if whole else DatasetBlendMode.SAMPLE_REPETITIONS, repeat=repeat)
-
-
-def _blend_yaml(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]]]]) -> str:
-    """Text of the MetadatasetV2 ``blend_epochized`` of every ``(start, end, repetitions)`` range of every dataset."""
-    lines = ["__module__: megatron.energon", "__class__: MetadatasetV2", "splits:", "  train:", "    blend_epochized:"]
-    for root, ranges in runs:
-        for start, end, reps in ranges:
-            lines += [f"      - repetitions: {reps}", f"        path: {json.dumps(root)}",
-                      f"        subset: {{range: [{start}, {end}]}}"]
-    return "\n".join(lines) + "\n"
-
-
-def open_train_dataset(runs: Sequence[tuple[str, Sequence[tuple[int, int, int]] | None]], *,
-                       worker_config: WorkerConfig, max_samples_per_sequence: int | None, task_encoder: Any,
-                       repeat: bool = True, name: str = "") -> SavableDataset:
-    """What the readers open: :func:`get_train_dataset` for ``runs``, or, for a dataset it does not read, Energon's
-    own ``get_train_dataset`` on the same thing (the dataset root, or a ``blend_epochized`` metadataset YAML written
-    to a private temporary directory, removed once Energon has read it). ``name`` (the group) labels the log line
-    and the temporary directory. Raises what Energon raises for a dataset it cannot open."""
-    whole = len(runs) == 1 and runs[0][1] is None
-    if not whole:
-        n_ranges = sum(len(r) for _, r in runs)
-        logger.log(logging.WARNING if n_ranges > 256 else logging.INFO,
-                   "reader %s: official selection = %d Energon sample ranges over %d datasets (a shuffled partial vlm "
-                   "selection costs one range per run of consecutive lines; many ranges make the reader slow to open)",
-                   name, n_ranges, len(runs))
-    kw = dict(worker_config=worker_config, max_samples_per_sequence=max_samples_per_sequence,
-              task_encoder=task_encoder)
-    ds = get_train_dataset(runs, repeat=repeat, **kw)
-    if ds is not None:
-        return ds
-    from megatron.energon import get_train_dataset as energon_get_train_dataset
-
-    if whole:
-        return energon_get_train_dataset(runs[0][0], batch_size=None, shuffle_buffer_size=None, repeat=repeat, **kw)
-    tmp = tempfile.mkdtemp(prefix=f"bagel-blend-{name}-")
-    try:
-        path = os.path.join(tmp, "blend.yaml")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(_blend_yaml(runs))
-        return energon_get_train_dataset(path, batch_size=None, shuffle_buffer_size=None, repeat=repeat, **kw)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        datasets=[LoadedDataset(dataset=factory, weight=None, repetitions=None)], worker_config=worker_config,
+        batch_size=None, batch_drop_last=False, packing_buffer_size=None, virtual_epoch_length=0,
+        shuffle_buffer_size=None, blend_mode=DatasetBlendMode.NONE, repeat=False)

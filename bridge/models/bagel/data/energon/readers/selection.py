@@ -1,5 +1,5 @@
 """The official per-dataset data selection (``num_used_data`` / ``shuffle_lines`` / ``shuffle_seed``) as
-Energon sample ranges, computed from the converter's manifest (no reconversion when the YAML changes).
+sample-index runs, computed from the converter's manifest (no reconversion when the YAML changes).
 
 Official rules (spec bagel_packer.md §4.2–§4.5, mirroring ``data/parquet_utils.get_parquet_data_paths``,
 ``T2IIterableDataset``, ``ParquetStandardIterableDataset`` and ``SftJSONLIterableDataset.__init__``):
@@ -12,9 +12,8 @@ Official rules (spec bagel_packer.md §4.2–§4.5, mirroring ``data/parquet_uti
   the first ``n`` kept (no repetition).
 
 :func:`manifest_runs` gives the selection of one converted dataset directly as ``(start, end, repetitions)``
-runs of consecutive sample indices, which the reader turns into a ``blend_epochized`` metadataset
-(``subset: {range: [start, end]}`` + ``repetitions``): one Energon epoch then holds exactly the official
-selection. Cost: t2i / edit O(files) at C speed from the per-file ``first_sample`` / ``num_samples`` (the
+runs of consecutive sample indices: the elastic order lays them out as one epoch's selection positions
+(``partitions.GroupLayout``). Cost: t2i / edit O(files) at C speed from the per-file ``first_sample`` / ``num_samples`` (the
 format-2 dict's entries, or the int64 columns of a ``layout.ManifestIndex``; no per-sample object); vlm
 O(1) unless a shuffled strict subset is asked, then one exact permutation of the lines as a numpy array
 (:func:`shuffled_range`, 4 bytes per line) and one run per stretch of consecutive selected lines.
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .layout import VLM, ManifestIndex, file_ranges, upgrade_manifest_v1
+from ..layout import VLM, ManifestIndex, file_ranges, upgrade_manifest_v1
 
 __all__ = ["select_files", "selection_counts", "selection_runs", "manifest_runs", "shuffled_range", "vlm_lines"]
 

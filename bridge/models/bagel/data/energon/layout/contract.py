@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .manifest_columns import (
+from .columns import (
     COLUMNS_NAME, ColumnsError, dumps_canonical, join_manifest, read_file_ranges, split_manifest,
 )
 

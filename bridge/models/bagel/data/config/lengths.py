@@ -1,8 +1,9 @@
 """The official length rules of one sample (spec §5 / §13.1, §13.3): a leaf module, no imports of ours.
 
-The packer (:mod:`.packer`, through :mod:`.step`), the config-time budget checks (:mod:`..budgets`, which
-re-exports these names) and ``bagel-data stats`` (:mod:`..budget_stats`) all use these three functions, so
-an estimate means the same thing everywhere. Units: tokens = packed sequence positions.
+The packer (``packing.packer``, through ``packing.step``), the config-time budget checks (``config.budgets``,
+which re-exports these names) and ``bagel-data stats`` (``tools.budget_stats``) all use these three functions, so
+an estimate means the same thing everywhere; they live in ``config`` because the packing layer may import the
+configuration layer and not the other way round. Units: tokens = packed sequence positions.
 """
 
 from __future__ import annotations

@@ -1,0 +1,15 @@
+"""Cooking: a crude converted sample into the official per-sample dict (``BagelSample``).
+
+* ``common``: recorded / replayed random choices (``Draws``), tombstones (``DropSample``, ``DROP_REASONS``), image
+  decoding, ``cook_with`` (run a group core on a crude sample);
+* ``t2i`` / ``edit`` / ``vlm``: the group cores (official ``parse_row`` semantics, quirks kept);
+* ``groups``: ``CORES`` and ``make_cook_context``;
+* ``sample``: ``BagelSample``.
+"""
+
+from .common import DROP_REASONS, CookContext, Draws, DropSample, ReplayError, SampleCookError, cook_with, global_random
+from .groups import CORES, make_cook_context
+from .sample import PLAN_KEYS, BagelSample
+
+__all__ = ["CORES", "DROP_REASONS", "PLAN_KEYS", "BagelSample", "CookContext", "Draws", "DropSample", "ReplayError",
+           "SampleCookError", "cook_with", "global_random", "make_cook_context"]

@@ -1,0 +1,99 @@
+"""Code that re-implements or patches Energon internals: one place, used only on the Energon versions it is tested on.
+
+Energon opens a webdataset with O(shards) Python work on every rank (one ``ShardInfo`` + ``EPath`` per shard, a
+sharder looping over shards and workers): 0.3 s per dataset and rank at 10^4 shards, whatever the rank reads. The
+readers open each converted dataset once per rank to read it by index, so on large corpora that start-up dominates.
+This package holds what avoids it, written against Energon's own classes:
+
+* ``compact``: ``open_dataset`` — Energon's ``CrudeWebdataset`` pipeline for one dataset read whole, with the shard
+  list as arrays (``ShardTable``) and Energon's ``TaskEncoder.build_train_datasets`` on top;
+* ``sharding``: Energon's sharder (slice offsets, bit-reversal worker order) in numpy;
+* :func:`restore_key_prefix`: the restore key Energon's savable loader gives sample ``i`` of a dataset read whole, from
+  its wrapper chain (O(1), no sample read).
+
+They are tested against Energon itself (``tests/test_compact_open.py``) on the versions in ``TESTED_ENERGON``. On any
+other Energon version :func:`active` is False and the readers step aside for Energon's public path
+(``readers.access``): ``get_train_dataset`` on the dataset, and the restore key taken from a sample the loader
+yields. ``BAGEL_ENERGON_PATCHES=0`` forces the public path (and ``=1`` the patches, on a version not tested).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["ENV", "TESTED_ENERGON", "active", "forced", "restore_key_prefix", "supported"]
+
+logger = logging.getLogger(__name__)
+
+#: Energon versions (``major.minor`` prefixes) this package's patches are tested against.
+TESTED_ENERGON: tuple[str, ...] = ("7.4",)
+#: Environment switch: ``0`` forces Energon's public path, ``1`` the patches (also on an untested version).
+ENV = "BAGEL_ENERGON_PATCHES"
+
+_forced: bool | None = None
+_said: set[str] = set()
+
+
+def supported(version: str) -> bool:
+    """True when Energon ``version`` (e.g. ``"7.4.1"``) is one the patches are tested against."""
+    return any(version == t or version.startswith(t + ".") for t in TESTED_ENERGON)
+
+
+@contextlib.contextmanager
+def forced(value: bool | None) -> Iterator[None]:
+    """Within this block :func:`active` answers ``value`` (None: as configured): a test switch."""
+    global _forced
+    saved, _forced = _forced, value
+    try:
+        yield
+    finally:
+        _forced = saved
+
+
+def active() -> bool:
+    """Whether the readers use the patches: the switch of :func:`forced`, else ``BAGEL_ENERGON_PATCHES``, else whether
+    the installed Energon is a tested version (said once per process at INFO when it is not)."""
+    if _forced is not None:
+        return _forced
+    env = os.environ.get(ENV, "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    import megatron.energon as energon
+
+    version = str(getattr(energon, "__version__", "unknown"))
+    if supported(version):
+        return True
+    if version not in _said:
+        _said.add(version)
+        logger.info("Energon %s: the readers use Energon's public path (its get_train_dataset, O(shards) per rank and "
+                    "dataset); the faster patched open is tested on Energon %s only", version,
+                    ", ".join(f"{t}.x" for t in TESTED_ENERGON))
+    return False
+
+
+def restore_key_prefix(loader: Any) -> tuple | None:
+    """Everything but the sample index of the restore key Energon's savable ``loader`` (over one dataset read whole,
+    no workers) gives its samples: ``prefix + (index,)`` restores sample ``index``. Derived from the wrapper chain as
+    Energon 7.4 builds it (``SimpleSavableDatasetWrapper`` -> (worker, sample), ``MapDataset`` -> (sample[, local]),
+    ``WebdatasetSampleLoaderDataset`` -> ("Webdataset", index)); None for a chain it does not know. The reader checks
+    every restored sample's own key against it, so a changed layout fails loudly, never silently."""
+    import inspect
+
+    prefix: list[Any] = []
+    node = getattr(loader, "dataset", None)
+    while node is not None:
+        name = type(node).__name__
+        if name == "SimpleSavableDatasetWrapper":
+            prefix += [name, 0, 0]
+        elif name == "MapDataset":
+            prefix += [name, 0, 0] if inspect.isgeneratorfunction(node.map_fn) else [name, 0]
+        elif name == "WebdatasetSampleLoaderDataset":
+            return (*prefix, "Webdataset")
+        elif name not in ("WatchdogDataset",):
+            return None
+        node = getattr(node, "dataset", None)
+    return None

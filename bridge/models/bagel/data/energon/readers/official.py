@@ -1,0 +1,326 @@
+"""``data.order: official``: the plan of a group reader in the OFFICIAL BAGEL iteration order (spec
+bagel_packer.md §4.1–§4.5), the parity order.
+
+The official source datasets build a list of sharding units (t2i: parquet files; edit: (file, row
+group) of the files in parquet_info; vlm: (raw line, image dir)), sort it, shuffle it with
+``random.Random(seed)``, keep the rank's contiguous ``len // world_size`` slice and, inside a DataLoader
+worker, the worker's ``per_rank // num_workers`` slice *reversed*. Rows are then read unit by unit and
+cooked with the global ``random`` module, and ``data_indexes`` are positions in that unit list.
+
+:class:`OfficialPlan` does the same from the converter's manifest (the reader fetches each row's crude sample by
+index), so the reader's output can be compared sample by sample with the official classes (the golden tests); it is
+also each emulated worker's per-group plan under ``data.order: official`` (``pipeline.official_mode``). Its draws
+come from the global ``random`` at the moment the row is read, so it never reads ahead. Listing order: the official
+reader selects ``num_used_data`` files in ``os.listdir`` order (file-system dependent); here the manifest's (sorted)
+file order is used.
+
+State: ``cursor`` = [unit position, row position in the unit] of the next row; a buffered sample is rebuilt from
+``((position, row), rng choices)`` by replaying its recorded draws (no RNG is touched).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ...state import Savable, StateError
+from ..cooking import Draws, global_random
+from ..layout import META_PART, T2I, VLM, load_manifest
+from .selection import select_files, shuffled_range, vlm_lines
+
+__all__ = ["OfficialPlan", "Rows", "Unit", "official_units", "select_files", "shard_units"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rows(Sequence):
+    """The rows of one unit as ``(row id suffix, dataset, key index)``, computed on access (no per-row object).
+
+    ``first`` is the sample index of row 0; rows are ``first .. first + count - 1``. ``row_group`` None: a vlm
+    line (suffix ``()``); else the suffix is ``(row_group, r)`` (t2i, ``with_group``) or ``(r,)`` (edit).
+    """
+
+    ds: int
+    first: int
+    count: int
+    row_group: int | None = None
+    with_group: bool = False
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, r: int) -> tuple[tuple, int, int]:  # type: ignore[override]
+        if isinstance(r, slice):
+            return tuple(self[i] for i in range(*r.indices(self.count)))  # type: ignore[return-value]
+        if r < 0:
+            r += self.count
+        if not 0 <= r < self.count:
+            raise IndexError(r)
+        return self._row(r)
+
+    def _row(self, r: int) -> tuple[tuple, int, int]:
+        """Row ``r`` (``0 <= r < count``): ``(coordinate suffix, dataset, sample index)``."""
+        suffix = () if self.row_group is None else ((self.row_group, r) if self.with_group else (r,))
+        return suffix, self.ds, self.first + r
+
+
+@dataclass(frozen=True)
+class _T2IRows(Rows):
+    """A t2i file: rows over several row groups, suffix ``(row_group, row)``; ``row_groups`` = rows per group."""
+
+    row_groups: tuple[int, ...] = ()
+
+    def _row(self, k: int) -> tuple[tuple, int, int]:
+        g, r = 0, k
+        while r >= self.row_groups[g]:
+            r -= self.row_groups[g]
+            g += 1
+        return (g, r), self.ds, self.first + k
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One official sharding unit: its sort key and the rows it holds as ``(row id suffix, dataset, key index)``.
+
+    ``sort_key`` is what the official ``sort`` compares (t2i: the file path; edit: (path, row group);
+    vlm: (raw line, image dir)). ``rows`` (a :class:`Rows` sequence) is None for a unit the official reader
+    fails to read (a row group declared in parquet_info but absent from the file).
+    """
+
+    sort_key: Any
+    rows: Rows | None
+    label: str
+
+
+def _file_units(ds: int, manifest: Mapping[str, Any], n: int, group: str) -> list[Unit]:
+    """t2i / edit units of one converted dataset (``n`` = the group's ``num_used_data`` entry); O(selected
+    files x row groups), sample indices by the format-2 arithmetic (``first_sample + sum(row_groups[:g]) + r``)."""
+    units: list[Unit] = []
+    for f in select_files(manifest["files"], n):
+        path, rgs, first = f["file"], f["row_groups"], int(f["first_sample"])
+        if group == T2I:
+            units.append(Unit(path, _T2IRows(ds, first, sum(rgs), row_groups=tuple(rgs)), path))
+            continue
+        declared = f.get("declared_row_groups")
+        if declared is None:  # not in parquet_info: the official reader never opens it
+            continue
+        for g in range(declared):
+            rows = None if g >= len(rgs) else Rows(ds, first + sum(rgs[:g]), rgs[g], row_group=g)
+            units.append(Unit((path, g), rows, f"{path} row group {g}"))
+    return units
+
+
+def _vlm_selected(manifest: Mapping[str, Any], n: int, shuffle_lines: bool, shuffle_seed: int) -> np.ndarray:
+    """Line numbers (= sample indices) of the official ``lines[:n]`` after the optional shuffle, in that order."""
+    lines = vlm_lines(manifest, n, shuffle_lines, shuffle_seed)
+    if lines is None:
+        return np.arange(min(max(n, 0), int(manifest["num_lines"])), dtype=np.int64)
+    return lines
+
+
+def _raw_lines(access: Any, idx: np.ndarray) -> list[str]:
+    """The raw jsonl text of the given samples (their meta.json ``raw_line``): one indexed read each."""
+    return [json.loads(access.crude(int(i))[META_PART])["raw_line"] for i in idx.tolist()]
+
+
+def _vlm_units(ds: int, manifest: Mapping[str, Any], reader: Any, n: int,
+               shuffle_lines: bool, shuffle_seed: int) -> list[Unit]:
+    """vlm units: the first ``n`` lines after the optional shuffle (only those lines' meta.json are read)."""
+    image_dir = manifest.get("image_dir", "")
+    sel = _vlm_selected(manifest, n, shuffle_lines, shuffle_seed)
+    name = manifest["files"][0]["file"]
+    return [Unit((raw, image_dir), Rows(ds, idx, 1), f"{name} line {idx}")
+            for raw, idx in zip(_raw_lines(reader, sel), sel.tolist())]
+
+
+def _slice(n: int, *, seed: int, rank: int, world_size: int, num_workers: int, worker_id: int) -> np.ndarray:
+    """Positions (into the sorted unit list of length ``n``) of this worker's units, in reading order:
+    ``Random(seed).shuffle``, rank slice, worker slice reversed (exact, see :func:`shuffled_range`)."""
+    perm = shuffled_range(n, seed)
+    per_rank = n // world_size
+    mine = perm[rank * per_rank:(rank + 1) * per_rank]
+    if num_workers > 0:
+        per_worker = per_rank // num_workers
+        mine = mine[worker_id * per_worker:(worker_id + 1) * per_worker][::-1]
+    return mine
+
+
+def shard_units(units: list[Unit], *, seed: int, rank: int, world_size: int, num_workers: int,
+                worker_id: int) -> list[Unit]:
+    """``set_epoch`` + the per-worker split: sort, ``Random(seed).shuffle``, rank slice, worker slice reversed."""
+    units = sorted(units, key=lambda u: u.sort_key)  # stable: equal units keep their (equivalent) order
+    return [units[i] for i in _slice(len(units), seed=seed, rank=rank, world_size=world_size,
+                                     num_workers=num_workers, worker_id=worker_id).tolist()]
+
+
+def _vlm_shard(manifests: Sequence[Mapping[str, Any]], readers: Sequence[Any],
+               num_used_data: Sequence[int], *, seed: int, rank: int, world_size: int, num_workers: int,
+               worker_id: int, shuffle_lines: bool, shuffle_seed: int) -> tuple[list[Unit], int]:
+    """``shard_units(official_units(vlm ...))`` with ``Unit`` objects only for this worker's units: the selected
+    lines' texts (the official sort key) are read and sorted stably once, kept as a numpy order, and only the
+    worker's slice becomes ``Unit``s. Returns ``(units, total units of the group)``."""
+    sels = [_vlm_selected(m, n, shuffle_lines, shuffle_seed) for m, n in zip(manifests, num_used_data)]
+    keys: list[tuple[str, str]] = []
+    for m, r, sel in zip(manifests, readers, sels):  # texts are transient: ranked, then dropped
+        image_dir = m.get("image_dir", "")
+        keys += [(raw, image_dir) for raw in _raw_lines(r, sel)]
+    order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)  # stable, as official
+    ds_of = np.concatenate([np.full(len(s), d, dtype=np.int64) for d, s in enumerate(sels)])
+    idx_of = np.concatenate(sels).astype(np.int64, copy=False)
+    mine = order[_slice(len(keys), seed=seed, rank=rank, world_size=world_size, num_workers=num_workers,
+                        worker_id=worker_id)]
+    units = [Unit(keys[p], Rows(int(ds_of[p]), int(idx_of[p]), 1),
+                  f"{manifests[int(ds_of[p])]['files'][0]['file']} line {int(idx_of[p])}") for p in mine.tolist()]
+    return units, len(keys)
+
+
+def official_units(group: str, manifests: Sequence[Mapping[str, Any]], readers: Sequence[Any],
+                   num_used_data: Sequence[int], *, shuffle_lines: bool = False, shuffle_seed: int = 0) -> list[Unit]:
+    """All units of a group over its converted datasets, before sorting/shuffling."""
+    _check_group(group, manifests, num_used_data)
+    units: list[Unit] = []
+    for ds, (man, n) in enumerate(zip(manifests, num_used_data)):
+        if group == VLM:
+            units += _vlm_units(ds, man, readers[ds], n, shuffle_lines, shuffle_seed)
+        else:
+            units += _file_units(ds, man, n, group)
+    return units
+
+
+def _check_group(group: str, manifests: Sequence[Mapping[str, Any]], num_used_data: Sequence[int]) -> None:
+    if len(num_used_data) != len(manifests):
+        raise ValueError(f"{group}: num_used_data has {len(num_used_data)} entries for {len(manifests)} datasets")
+    for man in manifests:
+        if man["group"] != group:
+            raise ValueError(f"dataset {man.get('dataset_name')!r} is group {man['group']!r}, expected {group!r}")
+
+
+class OfficialPlan(Savable):
+    """The official order of one group for rank ``rank`` of ``world_size``, emulated DataLoader worker ``worker_id`` of
+    ``num_workers`` (0: no workers). ``manifests`` and ``accesses`` are the group's converted datasets' (the vlm
+    units' sort key is each selected line's raw text, read once here). Iterating gives one pass (``repeat``:
+    endless, the same order each pass, as official). Raises ValueError when this worker's unit slice is empty (the
+    official reader would hang).
+
+    Items: ``("row", position, row, dataset, index, suffix)`` (``suffix``: the row's coordinate within its unit), or
+    ``("skip", row_id, reason, detail)`` for a unit declared in parquet_info but absent from its file (the official
+    reader skips it; nothing is read).
+    """
+
+    prefetch: ClassVar[bool] = False  # draws from the global RNG at the moment of the read
+    _savable_fields = ("cursor",)
+
+    def __init__(self, group: str, manifests: Sequence[Mapping[str, Any]], accesses: Sequence[Any],
+                 num_used_data: Sequence[int], *, seed: int = 42, rank: int = 0, world_size: int = 1,
+                 num_workers: int = 0, worker_id: int = 0, shuffle_lines: bool = False, shuffle_seed: int = 0,
+                 repeat: bool = False) -> None:
+        self.group, self.repeat = group, bool(repeat)
+        self.worker_id = worker_id if num_workers > 0 else 0
+        split = dict(seed=seed, rank=rank, world_size=world_size, num_workers=num_workers, worker_id=worker_id)
+        if group == VLM:
+            _check_group(group, manifests, num_used_data)
+            self.units, total = _vlm_shard(manifests, accesses, num_used_data, shuffle_lines=shuffle_lines,
+                                           shuffle_seed=shuffle_seed, **split)
+        else:
+            units = official_units(group, manifests, accesses, num_used_data)
+            self.units, total = shard_units(units, **split), len(units)
+        if not self.units:
+            raise ValueError(f"{group}: no units for rank {rank}/{world_size} worker {worker_id}/{num_workers} "
+                             f"({total} units in {[m.get('dataset_name') for m in manifests]}); the official reader "
+                             "would hang here")
+        self._rows_per_pass = sum(len(u.rows) for u in self.units if u.rows is not None)
+        self._identity = {"seed": seed, "rank": rank, "world_size": world_size, "num_workers": num_workers,
+                          "worker_id": self.worker_id, "num_used_data": list(num_used_data),
+                          "shuffle_lines": shuffle_lines, "shuffle_seed": shuffle_seed if shuffle_lines else None,
+                          "num_units": len(self.units)}
+        self.reset_state()
+
+    def reset_state(self) -> None:
+        self.cursor = [0, 0]  # [unit position, row position in that unit] of the next row
+
+    def identity(self) -> dict[str, Any]:
+        """Unit selection and sharding: what a saved cursor must match."""
+        return dict(self._identity)
+
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        value = state["cursor"]
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value)
+                and 0 <= value[0] <= len(self.units) and value[1] >= 0):
+            raise StateError(f"OfficialPlan {self.group}: bad cursor {value!r} for {len(self.units)} units")
+
+    def row_id(self, item: tuple) -> Any:
+        """The official ``data_indexes``: the unit position (vlm) or ``[position, *row suffix]``."""
+        if item[0] == "skip":
+            return item[1]
+        pos, suffix = item[1], item[5]
+        return pos if self.group == VLM else [pos, *suffix]
+
+    def next_item(self) -> tuple:
+        """The next row of this worker's units in the official order (wraps when ``repeat``, else StopIteration)."""
+        while True:
+            pos, row = self.cursor
+            if pos >= len(self.units):
+                if not self.repeat:
+                    raise StopIteration
+                logger.info("%s repeat in worker %d", self.group, self.worker_id)
+                self.cursor = [0, 0]
+                continue
+            unit = self.units[pos]
+            if unit.rows is None:
+                self.cursor = [pos + 1, 0]
+                return ("skip", self._row_key(pos, ()), "missing_row_group", unit.label)
+            if row >= len(unit.rows):
+                self.cursor = [pos + 1, 0]
+                continue
+            suffix, ds, idx = unit.rows[row]
+            self.cursor = [pos, row + 1]
+            return ("row", pos, row, ds, idx, suffix)
+
+    def _row_key(self, pos: int, suffix: tuple) -> Any:
+        return pos if self.group == VLM else [pos, *suffix]
+
+    def coordinate(self, item: tuple) -> tuple[int, int]:
+        return item[3], item[4]
+
+    def draws(self, item: tuple) -> Draws:
+        """The global ``random`` (as the official classes draw), or the recorded choices of a rebuilt sample."""
+        return Draws(replay=item[6]) if len(item) > 6 else Draws(rng=global_random())
+
+    def key(self, item: tuple) -> tuple:
+        return (item[1], item[2])
+
+    def finish(self, sample: Any, item: tuple) -> None:
+        """Official ``data_indexes`` and the read's key ``(position, row)``."""
+        sample.data_indexes = {"data_indexes": self._row_key(item[1], item[5]), "worker_id": self.worker_id,
+                               "dataset_name": self.group}
+        sample.__restore_key__ = self.key(item)
+
+    def item_of(self, restore_key: Any) -> tuple:
+        """The item that rebuilds ``restore_key`` (``((position, row), rng choices)``) with its choices replayed."""
+        try:
+            (pos, row), choices = restore_key
+            suffix, ds, idx = self.units[pos].rows[row]
+        except (TypeError, ValueError, IndexError):
+            raise StateError(f"OfficialPlan {self.group}: bad restore key {restore_key!r:.120}") from None
+        return ("row", pos, row, ds, idx, suffix, tuple(choices))
+
+    def is_handover(self, item: tuple) -> bool:
+        return False
+
+    def stall_limit(self, dataset: int) -> int:
+        """A whole pass over this worker's units without a usable row never ends (the official reader would spin):
+        drops in a row beyond the rows of one pass."""
+        return self._rows_per_pass
+
+    def stall_source(self, dataset: int) -> str:
+        """Drops are counted over the whole pass (the official reader's rule), not per dataset."""
+        return f"its {len(self.units)} units"
+
+    def stats(self) -> dict[str, Any]:
+        return {"cursor": list(self.cursor)}

@@ -1,0 +1,164 @@
+"""How a stage saves and restores what it owns: the two state protocols and the tagged nested form.
+
+A stage's declared fields may hold other stateful objects (its ``source``, a ``DropCounter``, a hand-wired Energon
+loader). Each is saved through its own state, whichever of the two protocols it speaks:
+
+* ours and torch's: ``state_dict()`` / ``load_state_dict(state)``;
+* Energon's per-rank one: ``SavableDataLoader.save_state_rank()`` / ``restore_state_rank(state)`` (the save goes
+  through :func:`energon_rank_state`, which corrects a race of Energon's workers).
+
+Nested, the state travels *tagged* — ``{"stage": tag, "state": ...}`` — and the tag is checked on load, so a state
+never lands in a stage of another kind. A stage's tag is its ``state_tag()`` (the class name by default; a stage
+that does not change the stream, like prefetch, answers with its source's tag and so may be added or removed between
+a save and a restore).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+__all__ = ["STATE_PROTOCOLS", "StateError", "energon_rank_state", "is_stateful", "is_stateful_list", "load_nested",
+           "load_value", "restore_of", "save_nested", "save_of", "save_value", "state_protocol", "tag_of",
+           "unsavable_entries"]
+
+logger = logging.getLogger(__name__)
+
+
+class StateError(ValueError):
+    """A state dict does not fit the stage it is loaded into (one line naming the stage and field)."""
+
+
+#: The two save/restore protocols a stateful object may speak: ours and torch's, and Energon's per-rank one.
+STATE_PROTOCOLS: tuple[tuple[str, str], ...] = (("state_dict", "load_state_dict"),
+                                                ("save_state_rank", "restore_state_rank"))
+
+
+def state_protocol(obj: Any) -> tuple[str, str] | None:
+    """The ``(save, restore)`` method names ``obj`` speaks (first of ``STATE_PROTOCOLS``), or None."""
+    for save, restore in STATE_PROTOCOLS:
+        if callable(getattr(obj, save, None)) and callable(getattr(obj, restore, None)):
+            return save, restore
+    return None
+
+
+def is_stateful(obj: Any) -> bool:
+    """True for objects that save and restore themselves (either protocol of ``STATE_PROTOCOLS``)."""
+    return state_protocol(obj) is not None
+
+
+def _protocol(obj: Any) -> tuple[str, str]:
+    protocol = state_protocol(obj)
+    if protocol is None:
+        raise StateError(f"{type(obj).__name__} has neither state_dict()/load_state_dict() nor "
+                         "save_state_rank()/restore_state_rank()")
+    return protocol
+
+
+def energon_rank_state(loader: Any) -> Any:
+    """``loader.save_state_rank()`` of an Energon ``SavableDataLoader``, with a race of its workers corrected.
+
+    Energon (checked: 7.x, ``savable_loader.SavableDatasetWrapper``) answers a save from each worker's command
+    thread, which the worker starts inside its ``__iter__`` just before taking the command lock. A worker that
+    has not stored its first checkpoint yet (slow to start; a save right after the first sample, ~1 in 10 under
+    CPU load) can answer from its construction-time sentinel ``(state=None, sample_index=-1)``, giving
+    ``offset = last + 1 - (-1)``: one sample more than it emitted, so the resumed loader skips that worker's
+    first sample. No started worker answers ``state=None``: the sentinel is the only checkpoint without a state.
+    Such a worker has emitted nothing since the loader (re)started, so its true checkpoint is its initial one:
+    the restored state and skip count (``dataset.get_initial_checkpoint()``), or ``state=None, offset=0``
+    (a fresh start). Other answers, and loaders without workers, are returned unchanged.
+    """
+    state = loader.save_state_rank()
+    workers = getattr(state, "worker_states", None)
+    if not workers or not getattr(loader, "num_workers", 0):
+        return state
+    stale = [i for i, ws in enumerate(workers) if hasattr(ws, "offset") and ws.state is None and ws.offset != 0]
+    if stale:
+        from megatron.energon.savable_loader import SavableDatasetCheckpoint
+
+        initial = loader.dataset.get_initial_checkpoint()
+        for i in stale:
+            workers[i] = initial[i] if initial is not None else SavableDatasetCheckpoint(state=None, offset=0)
+        logger.debug("Energon loader state: worker(s) %s had not started iterating; their initial checkpoint "
+                     "is saved instead of Energon's off-by-one answer", stale)
+    return state
+
+
+def save_of(obj: Any) -> Any:
+    """``obj``'s own state through the protocol it speaks (Energon's through :func:`energon_rank_state`)."""
+    save = _protocol(obj)[0]
+    return energon_rank_state(obj) if save == "save_state_rank" else getattr(obj, save)()
+
+
+def restore_of(obj: Any, state: Any) -> None:
+    """Restore ``obj`` in place from ``save_of(obj)`` output, through the same protocol."""
+    getattr(obj, _protocol(obj)[1])(state)
+
+
+def tag_of(obj: Any) -> str:
+    """The tag of ``obj``'s saved form: its ``state_tag()`` if it has one, else its class name."""
+    tag = getattr(obj, "state_tag", None)
+    return tag() if callable(tag) else type(obj).__name__
+
+
+def save_nested(obj: Any) -> dict[str, Any]:
+    """``{"stage": tag_of(obj), "state": save_of(obj)}``: a nested object's saved form."""
+    return {"stage": tag_of(obj), "state": save_of(obj)}
+
+
+def load_nested(obj: Any, saved: Any, where: str) -> None:
+    """Restore ``obj`` in place from ``save_nested`` output; the tag must be ``tag_of(obj)``."""
+    if not isinstance(saved, dict) or set(saved) != {"stage", "state"}:
+        got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise StateError(f"{where}: expected a nested stage state {{'stage', 'state'}}, got {got}")
+    if saved["stage"] != tag_of(obj):
+        raise StateError(f"{where}: the saved state belongs to a {saved['stage']}, but this pipeline has a "
+                         f"{tag_of(obj)} here (the pipeline was built differently)")
+    restore_of(obj, saved["state"])
+
+
+def is_stateful_list(value: Any) -> bool:
+    """A non-empty list or tuple whose every entry is stateful (a stage's list of sources)."""
+    return isinstance(value, (list, tuple)) and len(value) > 0 and all(is_stateful(v) for v in value)
+
+
+def unsavable_entries(value: Any) -> list[str]:
+    """``"Type (entry i)"`` for each entry of a field value that is an iterator without a state protocol: a stage
+    holding one cannot be saved (its state would be incomplete)."""
+    if is_stateful(value) or is_stateful_list(value):
+        return []
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [f"{type(v).__name__} (entry {i})" for i, v in enumerate(items) if hasattr(v, "__next__")
+            and not is_stateful(v)]
+
+
+def save_value(value: Any, where: str) -> Any:
+    """A declared field's saved form: nested objects tagged, lists of them as lists, other values deep-copied.
+    Raises ``StateError`` for an iterator that speaks no state protocol (the state would be incomplete)."""
+    if is_stateful(value):
+        return save_nested(value)
+    if is_stateful_list(value):
+        return [save_nested(v) for v in value]
+    bad = unsavable_entries(value)
+    if bad:
+        raise StateError(f"{where}: {bad[0]} has no state_dict() / load_state_dict(), so this stage's state cannot "
+                         "be saved")
+    return copy.deepcopy(value)
+
+
+def load_value(owner: Any, name: str, saved: Any, where: str) -> None:
+    """Restore declared field ``name`` of ``owner`` from ``save_value`` output: nested objects in place (tags
+    checked), other values as deep copies."""
+    value = getattr(owner, name, None)
+    if is_stateful(value):
+        load_nested(value, saved, where)
+    elif is_stateful_list(value):
+        if not isinstance(saved, list) or len(saved) != len(value):
+            n = len(saved) if isinstance(saved, list) else type(saved).__name__
+            raise StateError(f"{where}: the state has {n} entries, this pipeline {len(value)} (group or source count "
+                             "differs)")
+        for i, (obj, s) in enumerate(zip(value, saved)):
+            load_nested(obj, s, f"{where}[{i}]")
+    else:
+        setattr(owner, name, copy.deepcopy(saved))
