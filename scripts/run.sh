@@ -55,6 +55,9 @@ compat_env() {
   local probe='import hashlib, importlib.metadata as m; d = m.distribution("torch"); print(d.version, hashlib.sha256(d.read_text("RECORD").encode()).hexdigest()[:16])'
   local before after; before=$("$env/bin/python" -c "$probe")
   grep -vE '^torch==' "$lock" > "$env/constraints-without-torch.txt"
+  # setuptools builds in ./build and keeps what an earlier build left there: a module since moved or removed
+  # would be installed too (a clean clone has none; a worktree may)
+  rm -rf build bagel_megatron_data.egg-info
   "$uv" pip install --python "$env/bin/python" ".[bridge]" pytest pytest-timeout pytest-xdist \
     -c "$env/constraints-without-torch.txt" --overrides install/bridge-overrides.txt 2>&1 | tee "$env/install.log"
   after=$("$env/bin/python" -c "$probe")
@@ -64,7 +67,8 @@ compat_env() {
   fi
   echo "compat: torch $before kept; environment built in $((SECONDS - t0)) s"
   local t1=$SECONDS rc=0
-  BAGEL_COMPAT_INSTALLED=1 "$env/bin/python" -P -m pytest -q -p no:cacheprovider -n 0 -m compat "$@" || rc=$?
+  BAGEL_COMPAT_INSTALLED=1 "$env/bin/python" -P -m pytest -q -p no:cacheprovider -n 0 -m compat --durations=12 "$@" \
+    || rc=$?
   echo "compat: the compatibility part ran in $((SECONDS - t1)) s (exit $rc)"
   return $rc
 }
