@@ -70,9 +70,8 @@ def _below_warning(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING
 
 
-#: what to install when Megatron-Bridge is missing (README "Install into your own environment")
-INSTALL_HINT = ("pip install 'bagel-megatron-data[bridge]' (on a machine without CUDA: README, \"Install into your "
-                "own environment\")")
+#: what to install when Megatron-Bridge is missing (docs/install.md)
+INSTALL_HINT = "pip install 'bagel-megatron-data[bridge]' (on a machine without CUDA: docs/install.md)"
 
 
 class BridgeNotInstalledError(ModuleNotFoundError):
