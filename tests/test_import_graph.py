@@ -27,7 +27,7 @@ CONSUMERS = ("bridge.models.bagel.model", "bridge.models.bagel.launch")
 LAYERS: dict[str, int] = {
     # 0: infrastructure leaves (no pipeline knowledge)
     "errors": 0, "state": 0, "stats": 0, "watchdog": 0, "_bridge": 0, "tokenizer": 0, "transforms": 0,
-    "attention": 0, "yaml_errors": 0,
+    "attention": 0, "yaml_errors": 0, "parity": 0,
     # 1: configuration (grouped YAML, registry, packer knobs, budget rules, the one validation pass); its length
     # rules are a leaf the packer shares
     "config": 1, "config.lengths": 0,

@@ -58,6 +58,7 @@ def _load(name: str) -> dict:
     return ce.load_case(str(E2E / f"{name}.pt"))
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("name", CASES)
 def test_production_builder_official_order_is_bit_exact(name, converted, tokenizer, tmp_path):
     case = _load(name)
@@ -73,6 +74,7 @@ def test_production_builder_official_order_is_bit_exact(name, converted, tokeniz
 FULL = os.environ.get("BAGEL_E2E_GOLDEN_DIR")  # the untrimmed golden directory (e.g. /work/shared/golden/bagel_e2e)
 
 
+@pytest.mark.parity
 @pytest.mark.skipif(not FULL, reason="set BAGEL_E2E_GOLDEN_DIR to check all 34-36 batches of the full golden cases")
 @pytest.mark.parametrize("name", CASES)
 def test_full_golden_cases_when_available(name, converted, tokenizer, tmp_path):
@@ -145,6 +147,7 @@ def test_dp2_and_two_workers_are_the_union_of_official_streams(world, workers, c
             assert {d["worker_id"] for d in b["batch_data_indexes"]} == {k % workers}
 
 
+@pytest.mark.parity
 def test_official_order_with_prefetch_process(converted, tokenizer, tmp_path):
     case = _load("d01_flex_extrap_edit_first")
     with build_bagel_train_loader(_config(case, converted, tmp_path, prefetch=2), tokenizer, (0, 1)) as loader:

@@ -62,6 +62,7 @@ def _rng_sha() -> str:
     return hashlib.sha256(repr(random.getstate()).encode()).hexdigest()[:16]
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_official_pass_bit_exact(group, converted, tokenizer):
     rel, targs, num_used, kw, reasons = GROUPS[group]

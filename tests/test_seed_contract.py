@@ -262,3 +262,52 @@ def test_a_save_while_a_worker_has_not_started_resumes_exactly(t2i_path):
         resumed = _energon_loader(t2i_path, 2)
         resumed.restore_state_rank(fixed)
         assert _keys(resumed, 6) == expected
+
+
+def test_energon_state_of_another_energon_version_is_refused_in_one_line(t2i_path):
+    """Issue 30: a hand-wired Energon loader's state is Energon's own classes, which Energon does not promise to read
+    across its versions: the saved form records the Energon version, and a restore under another one is refused in
+    one line naming both (before anything is restored); under the same version it resumes (test above)."""
+    import megatron.energon as energon
+
+    from bridge.models.bagel.data.state import StateError
+
+    ref = _hand_wired(t2i_path, 0)
+    try:
+        next(ref)
+        state = ref.save_state()
+    finally:
+        ref.close()
+    saved = state["stateful_loaders"][0]
+    assert saved["energon"] == energon.__version__ and saved["stage"] == "SavableDataLoader"
+    saved["energon"] = "7.2.9"  # as if written under another Energon
+    fresh = _hand_wired(t2i_path, 0)
+    try:
+        with pytest.raises(StateError) as err:
+            fresh.restore_state(pickle.loads(pickle.dumps(state)))
+        msg = str(err.value)
+        assert "\n" not in msg and "Energon 7.2.9" in msg and f"Energon {energon.__version__}" in msg, msg
+        assert "stateful_loaders[0]" in msg and "build_bagel_train_loader" in msg, msg
+        assert fresh.position == 0  # refused before anything was restored
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize("order", ["elastic", "official"])
+def test_the_builders_loader_state_holds_no_energon_class(demo_setup, order):
+    """Issue 30: the state of the loader the builder wires (both orders, read workers and prefetch on) is restore keys
+    of the readers' own (selection positions, cursors, buffered keys): no Energon class, no Energon version, so it
+    does not depend on the Energon version that wrote it (check_restricted without Energon's classes)."""
+    from _external_common import demo_config
+
+    from bridge.models.bagel.data.build import build_bagel_train_loader
+
+    out, tok = demo_setup
+    cfg = demo_config(out, 2, True, prefetch=2)
+    cfg.order = order
+    with build_bagel_train_loader(cfg, tok, (0, 1), length=4) as loader:
+        for _ in range(2):
+            next(loader)
+        state = loader.save_state()
+    check_restricted(state)  # no allow: builtins, tensors and NumPy values only
+    assert b"megatron.energon" not in pickle.dumps(state)  # no class of Energon's is pickled by reference

@@ -218,6 +218,7 @@ def _check(expected: torch.Tensor, got: torch.Tensor, what: str) -> None:
     assert torch.equal(got, expected), f"{what}: values differ"
 
 
+@pytest.mark.parity
 def test_golden_t2i_images(pil_globals):
     case = _load_golden("t2i_pretrain.pt")
     transform = ImageTransform(**VAE)
@@ -231,6 +232,7 @@ def test_golden_t2i_images(pil_globals):
         _check(expected, transform(img), src["case"])
 
 
+@pytest.mark.parity
 def test_golden_vlm_images(pil_globals):
     case = _load_golden("vlm_sft.pt")
     transform = ImageTransform(**VLM)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import sys
 import types
 from typing import Any
 
-__all__ = ["BridgeAPI", "BridgeTrainingAPI", "import_bridge", "import_bridge_training", "install_lora_layers_standin"]
+__all__ = ["BridgeAPI", "BridgeNotInstalledError", "BridgeTrainingAPI", "import_bridge", "import_bridge_training",
+           "install_lora_layers_standin"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +71,41 @@ def _below_warning(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING
 
 
+#: what to install when Megatron-Bridge is missing (docs/install.md)
+INSTALL_HINT = "pip install 'bagel-megatron-data[bridge]' (on a machine without CUDA: docs/install.md)"
+
+
+class BridgeNotInstalledError(ModuleNotFoundError):
+    """Megatron-Bridge (or one of the modules it imports) is not installed; the message is one line naming
+    the ``bridge`` extra. A ``ModuleNotFoundError``, so ``except ImportError`` still catches it."""
+
+
+def _bridge_version() -> str | None:
+    try:
+        return importlib.metadata.version("megatron-bridge")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _not_installed(exc: ModuleNotFoundError) -> BridgeNotInstalledError:
+    """One line for a failed ``megatron.bridge`` import: Bridge missing, too old, or missing a module it needs."""
+    missing = exc.name or ""
+    version = _bridge_version()
+    ours = missing == "megatron" or missing.split(".")[:2] == ["megatron", "bridge"]
+    if ours and (version is None or importlib.util.find_spec("megatron.bridge") is None):
+        return BridgeNotInstalledError(
+            "Megatron-Bridge is not installed; the Bridge providers, the job and its checkpoints need it, "
+            f"from this package's 'bridge' extra: {INSTALL_HINT}", name="megatron.bridge")
+    if ours:
+        return BridgeNotInstalledError(
+            f"Megatron-Bridge {version} has no module {missing!r}: this package needs megatron-bridge>=0.6 "
+            f"(MegatronMIMODatasetProvider); upgrade it with the 'bridge' extra: {INSTALL_HINT}", name=missing)
+    return BridgeNotInstalledError(
+        f"Megatron-Bridge {version} is installed but importing it failed: no module named {missing!r}, one of its "
+        f"own requirements (left out by 'pip install --no-deps'?); install it, or the 'bridge' extra: {INSTALL_HINT}",
+        name=missing or None)
+
+
 @functools.cache
 def import_bridge() -> BridgeAPI:
     """Import Megatron-Bridge (installing the CPU stand-in first where needed) and return what we use.
@@ -76,12 +113,18 @@ def import_bridge() -> BridgeAPI:
     ``maybe_save/load_dataloader_state`` live only in ``megatron.bridge.training.checkpointing``, which
     imports ``modelopt`` (package ``nvidia-modelopt``) at module level; without it they are None and
     ``checkpointing_error`` says why.
+
+    Raises ``BridgeNotInstalledError`` (a ``ModuleNotFoundError``), one line naming the ``bridge`` extra, when
+    Megatron-Bridge or a module it imports is not installed.
     """
     install_lora_layers_standin()
     # Bridge's optional-import helper logs every missing optional symbol (with a traceback) at INFO through
     # its own handler; keep warnings and errors, drop that noise.
     logging.getLogger("megatron.bridge.utils.import_utils").addFilter(_below_warning)
-    base_provider = importlib.import_module("megatron.bridge.data.megatron_mimo.base_provider")
+    try:
+        base_provider = importlib.import_module("megatron.bridge.data.megatron_mimo.base_provider")
+    except ModuleNotFoundError as exc:
+        raise _not_installed(exc) from None
     data_base = importlib.import_module("megatron.bridge.data.base")
     samplers = importlib.import_module("megatron.bridge.data.samplers")
     safe_pickle = importlib.import_module("megatron.bridge.utils.safe_pickle")
@@ -94,7 +137,8 @@ def import_bridge() -> BridgeAPI:
         checkpoint_name = ckpt.get_checkpoint_name
     except ImportError as exc:  # e.g. nvidia-modelopt missing
         error = f"megatron.bridge.training.checkpointing is not importable: {exc}"
-        logger.warning("%s (install the 'train' extra: nvidia-modelopt)", error)
+        logger.warning("%s (the 'bridge' extra brings nvidia-modelopt: pip install 'bagel-megatron-data[bridge]')",
+                       error)
     return BridgeAPI(
         MegatronMIMODatasetProvider=base_provider.MegatronMIMODatasetProvider,
         DatasetProvider=data_base.DatasetProvider,

@@ -24,6 +24,7 @@ from .energon.cooking import make_cook_context
 from .energon.layout import ManifestError
 from .energon.readers import GroupDatasets, ReadPool, open_group_reader
 from .packing import BagelPacker, BalancedPacker
+from .parity import warn_once_if_unproven
 from .pipeline import shm
 from .pipeline.loader import BagelExternalLoader
 from .pipeline.official_mode import OfficialWorkers
@@ -172,6 +173,7 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     """
     data = config if isinstance(config, ValidatedData) else validate_data(config)
     config, groups = data.config, data.groups
+    warn_once_if_unproven()  # one WARNING per process outside the versions bit parity was proven on
     shm.reclaim_stale()  # shared memory of killed jobs (read workers, prefetch) on this machine, whatever this one runs
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:

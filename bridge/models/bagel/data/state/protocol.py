@@ -8,7 +8,9 @@ loader). Each is saved through its own state, whichever of the two protocols it 
   through :func:`energon_rank_state`, which corrects a race of Energon's workers).
 
 Nested, the state travels *tagged* — ``{"stage": tag, "state": ...}`` — and the tag is checked on load, so a state
-never lands in a stage of another kind. A stage's tag is its ``state_tag()`` (the class name by default; a stage
+never lands in a stage of another kind. One of Energon's own objects also records the Energon version that saved
+it (``"energon"``): its state is Energon's classes, and a restore under another Energon version is refused in one
+line (the stages' own states hold no Energon classes and restore under any supported Energon). A stage's tag is its ``state_tag()`` (the class name by default; a stage
 that does not change the stream, like prefetch, answers with its source's tag and so may be added or removed between
 a save and a restore).
 """
@@ -102,19 +104,41 @@ def tag_of(obj: Any) -> str:
     return tag() if callable(tag) else type(obj).__name__
 
 
+def _energon_version(obj: Any) -> str | None:
+    """The installed Energon's version when ``obj`` is one of Energon's own objects (its state holds Energon's
+    classes), else None."""
+    if not type(obj).__module__.startswith("megatron.energon"):
+        return None
+    import megatron.energon as energon
+
+    return str(getattr(energon, "__version__", "unknown"))
+
+
 def save_nested(obj: Any) -> dict[str, Any]:
-    """``{"stage": tag_of(obj), "state": save_of(obj)}``: a nested object's saved form."""
-    return {"stage": tag_of(obj), "state": save_of(obj)}
+    """``{"stage": tag_of(obj), "state": save_of(obj)}``: a nested object's saved form; for one of Energon's own
+    objects (a hand-wired ``SavableDataLoader``) also ``"energon": <its version>``, because its state is Energon's
+    own classes, which Energon does not promise to read across its versions (``load_nested`` refuses then)."""
+    saved = {"stage": tag_of(obj), "state": save_of(obj)}
+    version = _energon_version(obj)
+    if version is not None:
+        saved["energon"] = version
+    return saved
 
 
 def load_nested(obj: Any, saved: Any, where: str) -> None:
     """Restore ``obj`` in place from ``save_nested`` output; the tag must be ``tag_of(obj)``."""
-    if not isinstance(saved, dict) or set(saved) != {"stage", "state"}:
+    if not isinstance(saved, dict) or not {"stage", "state"} <= set(saved) <= {"stage", "state", "energon"}:
         got = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
         raise StateError(f"{where}: expected a nested stage state {{'stage', 'state'}}, got {got}")
     if saved["stage"] != tag_of(obj):
         raise StateError(f"{where}: the saved state belongs to a {saved['stage']}, but this pipeline has a "
                          f"{tag_of(obj)} here (the pipeline was built differently)")
+    here, then = _energon_version(obj), saved.get("energon")
+    if here is not None and then is not None and then != here:
+        raise StateError(f"{where}: this {saved['stage']}'s state is Energon {then}'s own loader state and this is "
+                         f"Energon {here}, which is not promised to read it: resume under Energon {then}, or start "
+                         "this loader fresh (the readers build_bagel_train_loader wires save no Energon state and "
+                         "resume across Energon versions)")
     restore_of(obj, saved["state"])
 
 

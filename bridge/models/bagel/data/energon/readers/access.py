@@ -20,6 +20,7 @@ import warnings
 from typing import Any
 
 import megatron.energon as energon
+import torch
 from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, reraise_exception
 
 from .. import patches
@@ -72,7 +73,8 @@ class DatasetAccess:
 
     def _key_prefix(self) -> tuple:
         if self._prefix is None:  # public path: the key of a sample the loader yields, less its index
-            with warnings.catch_warnings():
+            # Energon's iteration draws from torch's global RNG; the caller's stream must not move (fork_rng)
+            with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
                 warnings.filterwarnings("ignore", message=_PIN_MEMORY_WARNING, category=UserWarning)
                 it = iter(self.loader)
                 try:
