@@ -74,6 +74,8 @@ def rank_footprint() -> dict[str, float]:
 def measure(data_dir: Path, order: str, workers: int, n: int, tok, partitions: int) -> dict[str, float]:
     """Start-up (build + first batch, s), steady tokens/s and the rank's footprint of one fresh loader of DP rank
     0 of 1."""
+    if order == "official":  # its num_workers are emulated DataLoader workers (in this process), at least one
+        workers = max(workers, 1)
     t0 = time.perf_counter()
     loader = build_bagel_train_loader(_config(data_dir, order, workers, partitions), tok, (0, 1), length=1000)
     with loader:

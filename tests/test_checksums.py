@@ -419,7 +419,7 @@ def test_two_rank_job_stops_on_every_rank_naming_the_shard(clean):
     finally:
         shutil.rmtree(root, ignore_errors=True)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    lines = {x.split("]")[0]: x for x in proc.stderr.splitlines() if x.startswith("error [rank")}
+    lines = {x.split("]")[0]: x for x in proc.stderr.replace("\n  ", " ").splitlines() if x.startswith("error [rank")}
     assert sorted(lines) == ["error [rank 0", "error [rank 1"], proc.stderr[-3000:]
     for line in lines.values():
         assert "CorruptShardError" in line and f"damaged shard {ds / SHARD}" in line, line

@@ -96,7 +96,7 @@ def test_mistyped_energon_path_same_message_in_job_and_stats(demo_setup, tmp_pat
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "pretrain_bagel.py"), "--config", str(job_yaml)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-2000:]
-    assert f"error [rank 0]: ConfigError: {message}" in proc.stderr, proc.stderr[-2000:]
+    assert f"error [rank 0]: ConfigError: {message}" in proc.stderr.replace("\n  ", " "), proc.stderr[-2000:]
 
 
 def test_loader_from_mappings_equals_loader_from_files(demo_setup):

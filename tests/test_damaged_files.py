@@ -114,7 +114,7 @@ def test_two_rank_job_only_the_damaged_rank_names_the_file_the_other_names_the_r
     finally:
         shutil.rmtree(root, ignore_errors=True)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    lines = {x.split("]")[0]: x for x in proc.stderr.splitlines() if x.startswith("error [rank")}
+    lines = {x.split("]")[0]: x for x in proc.stderr.replace("\n  ", " ").splitlines() if x.startswith("error [rank")}
     assert sorted(lines) == ["error [rank 0", "error [rank 1"], proc.stderr[-3000:]
     failing, other = lines["error [rank 1"], lines["error [rank 0"]
     message = failing.split(": ", 2)[2]  # "error [rank 1]: DataReadError: <message>"

@@ -230,7 +230,7 @@ def test_inspect_refuses_bad_input(tmp_path, caplog):
         caplog.clear()
         assert cli.main([*cmd, "--config", str(broken)]) == 2
         [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
-        assert line == f"{broken}: not valid YAML: mapping values are not allowed in this context (line 3, column 9)"
+        assert line == f"{broken}: not valid YAML: mapping values are not allowed here (line 3, column 9)"
 
 
 def test_stats_and_inspect_on_a_damaged_dataset_are_one_line(demo_setup, tmp_path, caplog):

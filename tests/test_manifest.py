@@ -214,6 +214,7 @@ def _selection_peak(tmp_path: Path, files: int, rows_per_file: int) -> tuple[int
     return peak, rows
 
 
+@pytest.mark.serial  # tracemalloc counts every thread's allocations: threads left by other tests would count
 def test_selection_memory_does_not_grow_with_rows(tmp_path):
     small, rows_small = _selection_peak(tmp_path, 1000, 10)        # 3 x 10^4 rows
     large, rows_large = _selection_peak(tmp_path, 1000, 1000)      # 3 x 10^6 rows

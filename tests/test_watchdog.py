@@ -210,7 +210,7 @@ def test_two_rank_job_every_rank_ends_with_the_time_out(tmp_path):
         _release(shard)
     took = time.monotonic() - t0
     assert proc.returncode != 0
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("error [rank")]
+    lines = [x for x in proc.stderr.replace("\n  ", " ").splitlines() if x.startswith("error [rank")]
     assert sorted(x.split("]")[0] for x in lines) == ["error [rank 0", "error [rank 1"], proc.stderr[-3000:]
     for line in lines:
         assert "DataTimeoutError" in line and "'t2i_pretrain'" in line and "shard-000000.tar" in line, line

@@ -324,7 +324,15 @@ def _quiet_megatron(quiet: bool) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # key=value overrides may follow options (`resize-state ROOT --dp-size 2 --config job.yaml data.x=1`), which
+    # argparse alone refuses once an option separates them from the command's first positional
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in x and not x.startswith("-") for x in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pil = logging.getLogger("PIL")
