@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -55,9 +56,12 @@ def test_fresh_stream_resumes_a_changed_budget_and_says_so(demo_setup, tmp_path,
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     rel_config = os.path.relpath(job_yaml, elsewhere)
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29593")
+    with socket.socket() as sock:  # a free port: other torchrun tests may run beside this one
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29593",
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
          str(REPO / "scripts" / "pretrain_bagel.py"), "--config", rel_config, *SMALL,
          "train.global_batch_size=2", *changed, "data.fresh_stream=true"],
         cwd=elsewhere, capture_output=True, text=True, timeout=600, env=env)
