@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from bridge.models.bagel.data.pipeline import shm
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.errors import FIRST_LINE_LIMIT, error_lines
 from bridge.models.bagel.data.watchdog import DataTimeoutError, ReadWatch, batch_call
+from bridge.models.bagel.data.watchdog.stacks import enable_agents
 from test_liveness import SMALL, T2I_ARGS, _config, _png, _t2i
 from test_shm import _descendants, _kill_like_a_preemption, _ours, _owner_files_of, _start_job
 
@@ -79,6 +81,11 @@ def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, 
     handler = logging.FileHandler(log)  # inherited by the producer and the workers: their lines land here too
     handler.setLevel(logging.WARNING)
     logging.getLogger("bridge.models.bagel.data").addHandler(handler)
+    # a process of someone else's, forked from this one with a report agent (as an earlier loader's DataLoader
+    # worker still alive in a long-lived process): the time-out must never kill it (SIGCHLD raised in the owner)
+    enable_agents()
+    bystander = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+    bystander.start()
     before = set(_descendants(os.getpid()))
     cfg = _config(tmp_path, "t2i_pretrain", path, T2I_ARGS, workers=workers, prefetch=prefetch)
     cfg.stall_warn_s, cfg.timeout_s, cfg.order = WARN_S, TIMEOUT_S, order
@@ -93,6 +100,10 @@ def test_a_read_that_never_returns_warns_then_times_out(tmp_path, tok, workers, 
         logging.getLogger("bridge.models.bagel.data").removeHandler(handler)
         handler.close()
         _release(shard)
+        bystander_alive = bystander.is_alive()
+        bystander.kill()
+        bystander.join()
+    assert bystander_alive, "the time-out killed a process that is not one of the reader's read workers"
     msg = str(err.value)
     assert "group 't2i_pretrain'" in msg and "dataset 't2i'" in msg and f"shard file {shard}" in msg, msg
     first, *detail = error_lines(0, "DataTimeoutError", msg)  # the job's error line: <= 300, the remedy below

@@ -54,15 +54,18 @@ class ReadWatch:
     """Waits for blocking reads with ``stall_warn_s`` / ``timeout_s``: per batch or on a reader thread.
 
     ``what`` names the reader in messages ("reader 't2i' (DP rank 0/2, 2 Energon workers)"), ``group`` and
-    ``datasets`` what it reads; ``workers``: reads wait on other processes (ask their agents). Once a read
-    timed out the watch is ``stuck``: later calls raise the same ``DataTimeoutError`` at once.
+    ``datasets`` what it reads; ``worker_pids``: reads wait on other processes, these (their agents are asked
+    what they do; after a time-out only these are killed, never another live process that runs an agent, such as
+    an unrelated ``DataLoader`` worker forked from the same parent). Once a read timed out the watch is ``stuck``:
+    later calls raise the same ``DataTimeoutError`` at once.
     """
 
     def __init__(self, what: str, group: str | None, datasets: list[str], *, stall_warn_s: float,
-                 timeout_s: float, workers: bool = False) -> None:
+                 timeout_s: float, worker_pids: Callable[[], list[int]] | None = None) -> None:
         self.what, self.group, self.datasets = what, group, list(datasets)
         self.stall_warn_s, self.timeout_s = float(stall_warn_s or 0), float(timeout_s or 0)
-        self.workers = workers
+        self.worker_pids = worker_pids
+        self.workers = worker_pids is not None
         self.enabled = self.stall_warn_s > 0 or self.timeout_s > 0
         self.stuck: DataTimeoutError | None = None
         self.stuck_pids: list[int] = []
@@ -73,7 +76,7 @@ class ReadWatch:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         if self.enabled:
             _live.add(self)
-            if workers:
+            if self.workers:
                 enable_agents()
 
     @property
@@ -144,7 +147,8 @@ class ReadWatch:
         s, reports = self._look(thread)
         for rep in reports:
             logger.debug("data watchdog: stack of %s at the time-out:\n%s", rep.get("role"), rep.get("stack"))
-        self.stuck_pids = [int(r["pid"]) for r in reports if r.get("pid") not in (None, os.getpid())]
+        own = set(self.worker_pids()) if self.worker_pids is not None else set()
+        self.stuck_pids = sorted({int(r["pid"]) for r in reports if r.get("pid") in own})
         self._stuck_thread = thread
         where = wait_line(s, self.datasets)
         self.stuck = DataTimeoutError(

@@ -263,7 +263,8 @@ class GroupReader(Stage):
         self._stall = StallWatch(f"reader {self.group!r}", _STALL_HINT)
         workers = f"{self._pool.num_workers} read workers" if self._pool is not None else "no read workers"
         self._watch = ReadWatch(f"reader {self.group!r} ({self.where}, {workers})", self.group, datasets.paths,
-                                stall_warn_s=stall_warn_s, timeout_s=timeout_s, workers=self._pool is not None)
+                                stall_warn_s=stall_warn_s, timeout_s=timeout_s,
+                                worker_pids=self._pool.pids if self._pool is not None else None)
         self._guard = ChecksumGuard(datasets, f"{self.where}, reader {self.group!r}")
         self.skipped: list[dict[str, Any]] = []
         self._ahead: collections.deque = collections.deque()
