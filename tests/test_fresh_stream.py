@@ -71,4 +71,4 @@ def test_fresh_stream_resumes_a_changed_budget_and_says_so(demo_setup, tmp_path,
     assert len(said) == 1 and "[rank0]" in said[0], said  # one line per job (rank 0's INFO)
     summary = json.loads(next(line for line in out.splitlines() if " summary: " in line).split(" summary: ", 1)[1])
     assert summary["start_step"] == 2 and summary["steps"] == 1
-    assert summary["pipeline"]["position"] == 1  # batch 1 of a fresh stream, not batch 3 of the old one
+    assert summary["stream_position"] == 1  # batch 1 of a fresh stream, not batch 3 of the old one

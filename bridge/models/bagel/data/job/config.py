@@ -39,6 +39,8 @@ class TrainConfig:
     digest_log: str | None = None       # JSONL: one sha256 per batch per rank (resume verification)
     exit_after_step: int | None = None  # hard-exit after this step without the final save (simulated crash)
     progress: bool = True
+    stop_at_epoch: int | None = None    # elastic order: end the run (checkpoint as at train_iters) after the first
+                                        # step at which a group has completed this many epochs over the DP world
     tensor_model_parallel_size: int = 1     # TP peers of a DP replica read identical streams (no broadcast)
     pipeline_model_parallel_size: int = 1   # every PP stage of a replica reads the replica's stream
     context_parallel_size: int = 1          # CP peers read identical streams; DP excludes CP
@@ -59,6 +61,9 @@ class TrainConfig:
             out.append(f"train.micro_batch_size: must be 1 for BAGEL (each micro-batch is one packed sequence of up "
                        f"to data.packer.max_num_tokens tokens), got {self.micro_batch_size}; for more tokens per step "
                        "raise data.packer.expected_num_tokens/max_num_tokens or train.global_batch_size")
+        stop = self.stop_at_epoch
+        if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop <= 0):
+            out.append(f"train.stop_at_epoch: must be null or a positive integer (completed epochs), got {stop!r}")
         if not isinstance(self.save_interval, int) or self.save_interval < 0:
             out.append(f"train.save_interval: must be an integer >= 0, got {self.save_interval!r}")
         vpp = self.virtual_pipeline_model_parallel_size
@@ -164,4 +169,8 @@ def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True
     ``budgets`` / ``readers``: as for ``validate_data`` (``bagel-data stats`` reports budgets instead of
     refusing them). Returns the ``ValidatedData`` to build the loader from.
     """
-    return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=cfg.train.problems())
+    prior = cfg.train.problems()
+    if cfg.train.stop_at_epoch is not None and cfg.data.order == "official":
+        prior.append("train.stop_at_epoch: needs data.order 'elastic' (the official order reads every worker's "
+                     "files round and round: it has no epoch of the whole DP world to stop at)")
+    return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=prior)

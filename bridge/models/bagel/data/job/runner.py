@@ -39,6 +39,7 @@ from .config import JobConfig, validate_job
 from .straggler import StragglerMeter
 from .telemetry import Telemetry
 from .topology import agree, rank_coords
+from .world import completed_epochs, reduce_world
 
 __all__ = ["DataContractError", "Trainer", "build_iterator", "run_job"]
 
@@ -109,6 +110,11 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     on every step's micro-batches and is checkpointed with the loader (``Trainer``); None = data-only. The summary
     then holds ``loss_first`` / ``loss_last`` (the run's first and last step losses).
 
+    Returns the run's summary (``Telemetry.summary``: every DP rank's numbers, per group epochs, ledger and drops;
+    the straggler figures; ``start_step``, ``steps`` run, ``stream_position`` (batches
+    each rank's loader has handed out since its data stream began), ``layout``; ``stopped_at_epoch`` when
+    ``train.stop_at_epoch`` ended the run early) and ``pipeline``, this rank's own ``loader.stats()``.
+
     ``pg_collection`` holds Megatron's ``tp``/``pp``/``cp``/``dp`` groups (``topology.init_model_parallel``).
     Collective: every rank must call it. A failure while building or restoring the loader on any rank is
     raised on every rank as the same ``AgreedError``; a changed DP size on resume is a ``ConfigError``
@@ -165,6 +171,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
         raise
 
     weights = {g.name: g.weight for g in data.group_configs}
+    group_names = list(weights)
     tele = Telemetry(max_num_tokens=packer_cfg.max_num_tokens, group_weights=weights,
                      tensorboard_dir=train.tensorboard_dir if rank == 0 else None, enabled=rank == 0)
     straggler = StragglerMeter(packer_cfg.cost, enabled=rank == 0)
@@ -174,6 +181,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
         from tqdm import tqdm
 
         bar = tqdm(total=train.train_iters, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+    last_step, stopped = start_step, None
     try:
         for step in range(start_step + 1, train.train_iters + 1):
             chunks = _chunk_iterators(iterator, vpp)
@@ -217,11 +225,18 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             if digest_fh is not None and rows:
                 digest_fh.write("".join(json.dumps(row) + "\n" for row in rows))
                 digest_fh.flush()
-            if step % train.log_interval == 0 or step == train.train_iters:
-                tokens = torch.tensor([tele.interval["tokens"]], dtype=torch.int64)
-                dist.all_reduce(tokens, group=pg_collection.dp)  # TP/PP/CP peers hold copies of the same batches
+            last_step = step
+            world = None
+            if train.stop_at_epoch is not None:  # the world's completed epochs, every step (two small collectives)
+                world = reduce_world(tele.local(), loader.stats(), group_names, pg_collection.dp)
+                done = {g: e for g, e in completed_epochs(world).items() if e >= train.stop_at_epoch}
+                if done:
+                    stopped = {"step": step, "epochs": done}
+            if step % train.log_interval == 0 or step == train.train_iters or stopped:
+                if world is None:  # TP/PP/CP peers hold copies of the same batches: reduced over DP only
+                    world = reduce_world(tele.local(), loader.stats(), group_names, pg_collection.dp)
                 waits = straggler.log(step, straggler.reduce(pg_collection.dp))  # compute per step over DP ranks
-                tele.log(step, loader.stats(), global_tokens=int(tokens.item()), extra=waits)
+                tele.log(step, world, extra=waits)
             if train.exit_after_step is not None and step == train.exit_after_step:
                 logger.warning("train.exit_after_step=%d: simulating a crash (no final checkpoint)", step)
                 if digest_fh is not None:
@@ -229,12 +244,22 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                 dist.barrier()
                 os._exit(17)
             if train.save and ((train.save_interval and step % train.save_interval == 0)
-                               or step == train.train_iters):
+                               or step == train.train_iters or stopped):
                 save_checkpoint(train.save, step, iterator, pg_collection,
                                 trainer_state=trainer.state_dict() if trainer is not None else None)
                 logger.info("saved checkpoint at step %d to %s", step, train.save)
             if bar is not None:
                 bar.update(1)
+            if stopped:
+                if rank == 0:
+                    logger.info("train.stop_at_epoch=%d: stopping after step %d (of train_iters %d): group(s) %s "
+                                "completed epoch %d over the %d DP ranks", train.stop_at_epoch, step,
+                                train.train_iters, ", ".join(repr(g) for g in stopped["epochs"]),
+                                train.stop_at_epoch, dp_size)
+                break
+        own = loader.stats()
+        final = reduce_world(tele.local(), own, group_names, pg_collection.dp)
+        logger.debug("this rank's pipeline counters at the end: %s", json.dumps(own, default=str))
     finally:
         if bar is not None:
             bar.close()
@@ -242,8 +267,9 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             digest_fh.close()
         tele.close()
         loader.close()
-    summary = {**tele.summary(), **straggler.summary()}
-    summary.update(start_step=start_step, steps=max(train.train_iters - start_step, 0),
-                   micro_batches_per_step=num_micro,
-                   layout=layout, pipeline=loader.stats())
+    summary = {**tele.summary(final), **straggler.summary()}
+    summary.update(start_step=start_step, steps=last_step - start_step, micro_batches_per_step=num_micro,
+                   stream_position=own.get("position"),
+                   layout=layout, **({"stopped_at_epoch": stopped} if stopped else {}))
+    summary["pipeline"] = own  # this rank's own counters (``loader.stats()``): not part of the logged line
     return summary

@@ -1,9 +1,10 @@
 """Training-side telemetry for the data pipeline: what a user watches while BAGEL trains.
 
-Per log interval: step, tokens/s, fill ratio (real tokens / max_num_tokens), samples per pack, group mix
-against the configured weights, buffer occupancy, drops by reason and the time spent waiting in
-``next()``; when a model trains, its loss (mean over the interval's steps) and the share of the step time spent
-waiting for data. Written through ``logging`` and, when a directory is given, as TensorBoard scalars.
+Per log interval, over every DP rank (``world.reduce_world``): step, tokens/s, fill ratio (real tokens /
+max_num_tokens), samples per pack, the time spent waiting in ``next()`` (mean and the worst rank's), buffer
+occupancy, completed epochs and epochs read per group (elastic order), group mix against the configured weights,
+ignored record parts and drops by reason (and on how many ranks); when a model trains, its loss (mean over the
+interval's steps). Written by rank 0 through ``logging`` and, when a directory is given, as TensorBoard scalars.
 """
 
 from __future__ import annotations
@@ -63,33 +64,59 @@ class Telemetry:
         """Add one step's wall time (pulling its micro-batches and training on them)."""
         self.step_seconds += seconds
 
-    def log(self, step: int, pipeline: Mapping[str, Any], global_tokens: int | None = None,
-            extra: Mapping[str, float] | None = None) -> dict[str, float]:
-        """Emit and reset the interval; ``pipeline`` holds buffer_len and drops (packer + readers); ``extra``: more
-        scalars of the interval for TensorBoard and the return value (the straggler figures, ``job.straggler``)."""
+    def local(self) -> dict[str, Any]:
+        """This rank's counters for ``world.reduce_world``: the interval's (``interval_*``) and the run's tokens,
+        samples, batches, CE / MSE tokens, wait seconds and count, the p95 wait (s) and samples per group."""
+        waits = sorted(self.waits)
+        return {"interval_tokens": self.interval["tokens"], "interval_samples": self.interval["samples"],
+                "interval_batches": self.interval["batches"], "interval_wait_s": sum(self.interval_waits),
+                "interval_waits": len(self.interval_waits), "tokens": self.total["tokens"],
+                "samples": self.total["samples"], "batches": self.total["batches"],
+                "ce_tokens": self.total["ce_tokens"], "mse_tokens": self.total["mse_tokens"],
+                "wait_s": sum(waits), "waits": len(waits),
+                "wait_p95_s": waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0,
+                "group_samples": dict(self.groups_total)}
+
+    def log(self, step: int, world: Mapping[str, Any], extra: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Emit and reset the interval. ``world``: ``world.reduce_world`` over the DP ranks (every rank's tokens,
+        samples, waits, drops, epochs; an empty mapping: this rank's own counters); ``extra``: more scalars of the
+        interval for TensorBoard and the return value (the straggler figures, ``job.straggler``)."""
         now = time.perf_counter()
         dt = max(now - self._tint, 1e-9)
-        b = max(self.interval["batches"], 1)
-        n_samples = max(sum(self.groups_total.values()), 1)
-        mix = {g: self.groups_total.get(g, 0) / n_samples for g in self.weight_share}
+        own = self.local()
+        tokens = world.get("interval_tokens", own["interval_tokens"])
+        b = max(world.get("interval_batches", own["interval_batches"]), 1)
+        waits = max(world.get("interval_waits", own["interval_waits"]), 1)
+        group_samples = world.get("group_samples", own["group_samples"])
+        n_samples = max(sum(group_samples.values()), 1)
+        mix = {g: group_samples.get(g, 0) / n_samples for g in self.weight_share}
+        wait_mean = 1000 * world.get("interval_wait_s", own["interval_wait_s"]) / waits
         stats = {
-            "tokens_per_s": (global_tokens if global_tokens is not None else self.interval["tokens"]) / dt,
-            "fill_ratio": self.interval["tokens"] / (b * self.max_num_tokens),
-            "samples_per_pack": self.interval["samples"] / b,
-            "wait_ms_mean": 1000 * sum(self.interval_waits) / max(len(self.interval_waits), 1),
-            "buffer_len": float(pipeline.get("buffer_len", 0)),
+            "tokens_per_s": tokens / dt,
+            "fill_ratio": tokens / (b * self.max_num_tokens),
+            "samples_per_pack": world.get("interval_samples", own["interval_samples"]) / b,
+            "wait_ms_mean": wait_mean,
+            "wait_ms_worst": world.get("wait_ms_worst", wait_mean),
+            "buffer_len": float(world.get("buffer_len", 0)),
             **(extra or {}),
         }
+        groups = world.get("groups", {})
+        epochs = {g: (v["epoch"], v["epochs_read"]) for g, v in groups.items() if v.get("epoch") is not None}
         train = {f"train/{k}": sum(v) / len(v) for k, v in self.interval_metrics.items() if v}
-        drops = dict(pipeline.get("drops", {}))
-        unused = dict(pipeline.get("unused", {}))
+        drops = dict(world.get("drops", {}))
+        unused = dict(world.get("unused", {}))
+        dp = world.get("dp_size", 1)
         if self.enabled:
+            epoch_part = (" | epochs " + ", ".join(f"{g} {e} ({r:.2f})" for g, (e, r) in epochs.items())
+                          if epochs else "")
+            drop_part = (f"{drops} on {world.get('drop_ranks', 0)} of {dp} ranks" if drops else "none")
             logger.info(
-                "step %d | %.0f tokens/s | fill %.3f | %.1f samples/pack | wait %.1f ms/batch | buffer %d | "
-                "group mix %s (weights %s) | ignored record parts %s | drops %s", step, stats["tokens_per_s"], stats["fill_ratio"],
-                stats["samples_per_pack"], stats["wait_ms_mean"], int(stats["buffer_len"]),
+                "step %d | %.0f tokens/s | fill %.3f | %.1f samples/pack | wait %.1f ms/batch (worst rank %.1f) | "
+                "buffer %d%s | group mix %s (weights %s) | ignored record parts %s | drops %s", step,
+                stats["tokens_per_s"], stats["fill_ratio"], stats["samples_per_pack"], stats["wait_ms_mean"],
+                stats["wait_ms_worst"], int(stats["buffer_len"]), epoch_part,
                 {g: round(v, 3) for g, v in mix.items()}, {g: round(v, 3) for g, v in self.weight_share.items()},
-                unused or "none", drops or "none")
+                unused or "none", drop_part)
             if train:
                 logger.info("step %d | loss %.4f | %s", step, train["train/loss"],
                             " | ".join(f"{k[6:]} {v:.4g}" for k, v in train.items() if k != "train/loss"))
@@ -100,6 +127,9 @@ class Telemetry:
                     self._writer.add_scalar(f"data/{key}", value, step)
                 for g, v in mix.items():
                     self._writer.add_scalar(f"data/group_mix/{g}", v, step)
+                for g, (e, r) in epochs.items():
+                    self._writer.add_scalar(f"data/epoch/{g}", e, step)
+                    self._writer.add_scalar(f"data/epochs_read/{g}", r, step)
                 for reason, count in drops.items():
                     self._writer.add_scalar(f"data/drops/{reason}", count, step)
                 self._writer.flush()
@@ -109,26 +139,32 @@ class Telemetry:
         self._tint = now
         return {**stats, **train}
 
-    def summary(self) -> dict[str, Any]:
-        """Totals of the whole run (tokens, fill, wait mean/p95, group mix); ``wait_share``: time in ``next()`` over
-        the steps' wall time; with a trainer, ``loss_first`` / ``loss_last`` (first and last step of this run)."""
-        waits = sorted(self.waits)
-        p95 = waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0
-        b = max(self.total["batches"], 1)
-        n = max(sum(self.groups_total.values()), 1)
+    def summary(self, world: Mapping[str, Any]) -> dict[str, Any]:
+        """The run in a few hundred bytes at any world size or partition count: ``world`` (``reduce_world`` at
+        the end) gives every rank's tokens, fill, samples, waits (mean; the worst rank's p95), the group mix,
+        ``drops`` / ``unused`` by reason and ``groups`` (per group: completed ``epoch``, ``epochs_read``,
+        ``consumed``, ``packed``, ``buffered``, ``dropped`` by reason); ``wait_share`` (rank 0: time in ``next()``
+        over the steps' wall time); with a trainer, ``loss_first`` / ``loss_last`` (first and last step of this
+        run)."""
+        b = max(world["batches"], 1)
+        n = max(sum(world["group_samples"].values()), 1)
         return {
-            "batches": self.total["batches"],
-            "tokens": self.total["tokens"],
-            "fill_ratio": self.total["tokens"] / (b * self.max_num_tokens),
-            "ce_tokens": self.total["ce_tokens"],
-            "mse_tokens": self.total["mse_tokens"],
-            "samples": self.total["samples"],
-            "wait_ms_mean": 1000 * sum(waits) / max(len(waits), 1),
-            "wait_ms_p95": 1000 * p95,
-            "group_mix": {g: self.groups_total.get(g, 0) / n for g in self.weight_share},
-            "seconds": time.perf_counter() - self._t0,
-            "wait_share": sum(waits) / self.step_seconds if self.step_seconds else 0.0,
+            "dp_size": world["dp_size"],
+            "batches": world["batches"],
+            "tokens": world["tokens"],
+            "fill_ratio": round(world["tokens"] / (b * self.max_num_tokens), 4),
+            "ce_tokens": world["ce_tokens"],
+            "mse_tokens": world["mse_tokens"],
+            "samples": world["samples"],
+            "wait_ms_mean": round(1000 * world["wait_s"] / max(world["waits"], 1), 2),
+            "wait_ms_p95_worst": round(world["wait_ms_p95_worst"], 2),
+            "group_mix": {g: round(world["group_samples"].get(g, 0) / n, 4) for g in self.weight_share},
+            "seconds": round(time.perf_counter() - self._t0, 2),
+            "wait_share": round(sum(self.waits) / self.step_seconds, 4) if self.step_seconds else 0.0,
             **({"loss_first": self.losses[0][1], "loss_last": self.losses[-1][1]} if self.losses else {}),
+            "drops": world["drops"],
+            "unused": world["unused"],
+            "groups": world["groups"],
         }
 
     def close(self) -> None:

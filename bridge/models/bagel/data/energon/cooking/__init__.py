@@ -7,9 +7,10 @@
 * ``sample``: ``BagelSample``.
 """
 
-from .common import DROP_REASONS, CookContext, Draws, DropSample, ReplayError, SampleCookError, cook_with, global_random
+from .common import (DROP_REASONS, UNUSED_REASONS, CookContext, Draws, DropSample, ReplayError, SampleCookError,
+                     cook_with, global_random)
 from .groups import CORES, make_cook_context
 from .sample import PLAN_KEYS, BagelSample
 
-__all__ = ["CORES", "DROP_REASONS", "PLAN_KEYS", "BagelSample", "CookContext", "Draws", "DropSample", "ReplayError",
-           "SampleCookError", "cook_with", "global_random", "make_cook_context"]
+__all__ = ["CORES", "DROP_REASONS", "UNUSED_REASONS", "PLAN_KEYS", "BagelSample", "CookContext", "Draws",
+           "DropSample", "ReplayError", "SampleCookError", "cook_with", "global_random", "make_cook_context"]

@@ -28,6 +28,7 @@ from .sample import BagelSample
 __all__ = [
     "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "cook_with", "decode_image",
     "global_random", "load_meta", "plan_item", "source_coordinate", "transform_image", "DROP_REASONS",
+    "UNUSED_REASONS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,9 @@ DROP_REASONS: tuple[str, ...] = (
     "no_loss_item",        # vlm: no plan item carries a loss ("No loss defined, skipped.")
     "checksum_mismatch",   # the sample's bytes differ from the checksum recorded at conversion (layout.checksums)
 )
+
+#: Every reason a kept record has parts the official readers ignore too (``BagelSample.unused``; ``vlm.ignored_parts``).
+UNUSED_REASONS: tuple[str, ...] = ("image_without_placeholder", "placeholder_without_image", "turn_of_other_role")
 
 
 class ReplayError(RuntimeError):

@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
+from .common import UNUSED_REASONS, CookContext, Draws, DropSample, decode_image, plan_item, transform_image
 from ..layout import VIDEO_ERROR_KEY
 
 __all__ = ["cook_vlm_core", "conversation_elements"]
@@ -73,6 +73,7 @@ def ignored_parts(conversations: list, elements: list[tuple[str, str | None, int
     other = sum(1 for turn in conversations if turn.get("from") not in ("human", "gpt"))
     counts = {"image_without_placeholder": num_images - used, "placeholder_without_image": tags - used,
               "turn_of_other_role": other}
+    assert tuple(counts) == UNUSED_REASONS
     return {k: v for k, v in counts.items() if v > 0}
 
 

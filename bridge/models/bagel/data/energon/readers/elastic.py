@@ -231,10 +231,13 @@ class ElasticPlan(Savable):
         return None
 
     def stats(self) -> dict[str, Any]:
-        """``epoch``: the oldest epoch this rank is reading; ``blocks_open`` / ``blocks_queued``; ``pending``."""
+        """``epoch``: the oldest epoch this rank is reading (its blocks of every earlier epoch are read, so the
+        minimum over the DP world is the group's count of completed epochs); ``epoch_size``: the group's selected
+        samples per epoch over the whole world; ``blocks_open`` / ``blocks_queued``; ``pending``."""
         n = self.order.num_partitions
         return {"epoch": min(v // n for v, _ in (*self._open, *self._queue)) if (self._open or self._queue) else 0,
-                "blocks_open": len(self._open), "blocks_queued": len(self._queue), "pending": len(self.pending)}
+                "epoch_size": self.layout.num_positions, "blocks_open": len(self._open),
+                "blocks_queued": len(self._queue), "pending": len(self.pending)}
 
     # -- resize (pure data) --------------------------------------------------------------------------
     def resize_state(self, olds: Sequence[Mapping[str, Any]], ctx: ResizeContext,
