@@ -152,3 +152,26 @@ def test_under_the_official_order_a_budget_change_stays_refused(small) -> None:
     assert "packer.max_num_tokens: saved=8192 current=12288" in text, text
     assert "data.order: official cannot change them" in text and "function of the packer state" in text, text
     loader.close()
+
+
+def test_the_budget_keys_are_packer_knobs_and_the_balanced_pool_is_handed_back_too(small) -> None:
+    """``PACKER_BUDGET_KEYS`` names real ``data.packer`` knobs; under ``packer.strategy: balanced`` a change of
+    ``max_num_tokens`` and ``balance.target_tokens`` hands the look-ahead pool back and stays exactly once."""
+    from bridge.models.bagel.data.config import PACKER_BUDGET_KEYS, PackerConfig
+
+    knobs = PackerConfig()
+    for key in PACKER_BUDGET_KEYS:
+        section, _, name = key.rpartition(".")
+        assert hasattr(getattr(knobs, section) if section else knobs, name), key
+    cfg, tok = small
+    cfg = _budget(cfg, strategy="balanced")
+    reads: list[dict] = []
+    _, saved = run_world(elastic_world(cfg, tok, 1), 2, reads)
+    assert _waiting(check_exactly_once(reads, saved)) > 0  # the pool holds samples to hand back
+    changed = _budget(cfg, max_num_tokens=12288, expected_num_tokens=10240,
+                      balance=dataclasses.replace(cfg.packer.balance, target_tokens=9000))
+    world = elastic_world(changed, tok, 1, saved, resume_budget_change=True)
+    assert world[0].stats()["buffer_len"] == 0
+    _, final = run_world(world, 2, reads)
+    report = check_exactly_once(reads, final)
+    assert report.ok, report.problems
