@@ -6,7 +6,8 @@ and the key restores each rank's own state: the packer's waiting samples go back
 the readers keep their cursors, and over the epoch every read is packed, dropped (counted) or still waiting exactly
 once, identified by (group, selection position, epoch) (``tools.ledger.check_exactly_once``). Without the key the
 same restore is refused naming the budget and the key; a seed change, or a budget change under ``data.order:
-official``, stays refused with the key.
+official``, stays refused with the key. Also: a budget change with a resize (2 -> 1), under ``packer.strategy:
+balanced``, and through the main job's restore (Bridge's ``maybe_load_dataloader_state``).
 """
 
 from __future__ import annotations
@@ -175,3 +176,41 @@ def test_the_budget_keys_are_packer_knobs_and_the_balanced_pool_is_handed_back_t
     _, final = run_world(world, 2, reads)
     report = check_exactly_once(reads, final)
     assert report.ok, report.problems
+
+
+def test_the_job_resumes_a_budget_change_through_bridge_restore(demo_setup, tmp_path, caplog) -> None:
+    """The main job (one rank, in this process): a checkpoint at step 2 under ``max_num_tokens`` 8192, resumed with
+    9216 — refused without the key (naming it), continued at batch 2 with it (Bridge's ``maybe_load_dataloader_state``
+    calls ``restore_state``), the change said in one line."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    from _external_common import single_process_pg_collection
+    from _relative_project import project
+    from bridge.models.bagel.data.job.config import load_job_config
+    from bridge.models.bagel.data.job.runner import run_job
+    from bridge.models.bagel.data.job.topology import AgreedError
+
+    job_yaml = project(demo_setup, tmp_path)
+    _, tokenizer = demo_setup
+    ckpt = tmp_path / "ckpt"
+    small = ["data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=8192",
+             "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
+             "train.global_batch_size=1", "train.progress=false", "train.log_interval=1"]
+
+    def run(*overrides: str) -> dict:
+        cfg = load_job_config(job_yaml, [*small, *overrides])
+        try:
+            return run_job(cfg, single_process_pg_collection(), tokenizer)
+        finally:
+            nmc.destroy_num_microbatches_calculator()
+
+    assert run("train.train_iters=2", f"train.save={ckpt}")["pipeline"]["position"] == 2
+    changed = ["train.train_iters=3", f"train.load={ckpt}", "data.packer.max_num_tokens=9216"]
+    with pytest.raises(AgreedError) as refused:
+        run(*changed)
+    assert "data.resume_budget_change=true" in str(refused.value), str(refused.value)
+    caplog.set_level(logging.INFO, logger="bridge.models.bagel.data.pipeline.loader")
+    summary = run(*changed, "data.resume_budget_change=true")
+    assert summary["pipeline"]["position"] == 3  # batch 2 of the same stream, then one more
+    said = [r.getMessage() for r in caplog.records if "packer budgets changed at batch 2" in r.getMessage()]
+    assert len(said) == 1 and "max_num_tokens 8192 -> 9216" in said[0], said
