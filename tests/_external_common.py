@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,3 +80,49 @@ def single_process_pg_collection():
         torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     world = torch.distributed.group.WORLD
     return ProcessGroupCollection(tp=world, pp=world, cp=world, dp=world)
+
+
+def small_selection_config(out: Any, directory: Path) -> Any:
+    """The demo data config (``demo_config``, no workers, flex) with a small selection — 16 t2i, 8 edit, 12 vlm reads
+    per epoch — and 4 partitions under ``data.order: elastic`` (its groups YAML written to ``directory``)."""
+    import yaml
+
+    groups = yaml.safe_load((out / "groups.yaml").read_text())
+    groups["t2i_pretrain"]["num_used_data"] = [2]
+    groups["unified_edit"]["num_used_data"] = [1]
+    groups["vlm_sft"]["num_used_data"] = [12]
+    path = Path(directory) / "groups.yaml"
+    path.write_text(yaml.safe_dump(groups))
+    return dataclasses.replace(demo_config(out, 0, True), groups=str(path), order="elastic", partitions=4)
+
+
+def elastic_world(cfg: Any, tok: Any, size: int, states: list | None = None, **changes: Any) -> list:
+    """The ``size`` loaders of one world (DP ranks built one after another in this process), each restored from its
+    own state of ``states`` when there is one per rank, else from the resize of all of them; ``changes``: data
+    config keys changed for the new world."""
+    from bridge.models.bagel.data.build import build_bagel_train_loader
+
+    cfg = dataclasses.replace(cfg, **changes)
+    loaders = [build_bagel_train_loader(cfg, tok, (r, size), length=10) for r in range(size)]
+    if states is not None:
+        for r, loader in enumerate(loaders):
+            loader.restore_state(states[r] if len(states) == size else loader.resize_states(states, r, size))
+    return loaders
+
+
+def run_world(loaders: list, steps: int, reads: list | None = None) -> tuple[list, list]:
+    """``steps`` batches of every loader, then their states (the loaders closed): (batches per rank, states). Every
+    packed sample's ``data_indexes`` is appended to ``reads``; the packer's ledger balances on every rank."""
+    from bridge.models.bagel.data.packing.packer import ledger_errors
+
+    batches = [[next(ld) for _ in range(steps)] for ld in loaders]
+    if reads is not None:
+        reads += [d for per_rank in batches for b in per_rank for d in b["batch_data_indexes"]]
+    states = [ld.save_state() for ld in loaders]
+    for ld in loaders:
+        stats = ld.stats()  # the ledger balances on every rank; the readers report their part of it
+        assert not ledger_errors(stats["ledger"]), stats["ledger"]
+        readers = list(stats.get("sources", {}).values())
+        assert not readers or sum(st["taken"] + st["handed_in"] for st in readers) > 0, stats["sources"]
+        ld.close()
+    return batches, states

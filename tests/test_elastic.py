@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import yaml
 
-from _external_common import assert_same, demo_config
+from _external_common import assert_same, elastic_world as _world, run_world as _run, small_selection_config
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import ConfigError
 from bridge.models.bagel.data.energon.readers.partitions import GroupLayout, PartitionOrder, block
 from bridge.models.bagel.data.job.checkpoint import check_resume_dp
-from bridge.models.bagel.data.packing.packer import ledger_errors
 from bridge.models.bagel.data.state import StateError
 from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
@@ -54,37 +53,7 @@ def test_layout_counts_repetitions_as_positions() -> None:
 def small(demo_setup, tmp_path_factory):
     """The demo data with a small selection (16 t2i, 8 edit, 12 vlm reads per epoch) and 4 partitions."""
     out, tok = demo_setup
-    groups = yaml.safe_load((out / "groups.yaml").read_text())
-    groups["t2i_pretrain"]["num_used_data"] = [2]
-    groups["unified_edit"]["num_used_data"] = [1]
-    groups["vlm_sft"]["num_used_data"] = [12]
-    path = tmp_path_factory.mktemp("elastic") / "groups.yaml"
-    path.write_text(yaml.safe_dump(groups))
-    cfg = dataclasses.replace(demo_config(out, 0, True), groups=str(path), order="elastic", partitions=4)
-    return cfg, tok
-
-
-def _world(cfg, tok, size, states=None, **changes):
-    cfg = dataclasses.replace(cfg, **changes)
-    loaders = [build_bagel_train_loader(cfg, tok, (r, size), length=10) for r in range(size)]
-    if states is not None:
-        for r, loader in enumerate(loaders):
-            loader.restore_state(states[r] if len(states) == size else loader.resize_states(states, r, size))
-    return loaders
-
-
-def _run(loaders, steps, reads=None):
-    batches = [[next(ld) for _ in range(steps)] for ld in loaders]
-    if reads is not None:
-        reads += [d for per_rank in batches for b in per_rank for d in b["batch_data_indexes"]]
-    states = [ld.save_state() for ld in loaders]
-    for ld in loaders:
-        stats = ld.stats()  # the ledger balances on every rank; the readers report their part of it
-        assert not ledger_errors(stats["ledger"]), stats["ledger"]
-        readers = list(stats.get("sources", {}).values())
-        assert not readers or sum(st["taken"] + st["handed_in"] for st in readers) > 0, stats["sources"]
-        ld.close()
-    return batches, states
+    return small_selection_config(out, tmp_path_factory.mktemp("elastic")), tok
 
 
 def test_stream_does_not_depend_on_workers_and_resumes_exactly(small) -> None:

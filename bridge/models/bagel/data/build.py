@@ -190,4 +190,4 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
                                  timeout_s=config.timeout_s)
     return BagelExternalLoader(upstream, length=length, fingerprint=data.fingerprint(special, dp_rank, dp_size),
                                topology_keys=ELASTIC_TOPOLOGY_KEYS if config.order == "elastic" else (),
-                               fresh_stream=config.fresh_stream)
+                               fresh_stream=config.fresh_stream, resume_budget_change=config.resume_budget_change)

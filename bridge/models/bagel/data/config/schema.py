@@ -32,6 +32,7 @@ __all__ = [
     "KNOWN_GROUPS",
     "OFFICIAL_NON_PACKER_KEYS",
     "DATA_PATH_KEYS",
+    "PACKER_BUDGET_KEYS",
     "DEFAULT_PARTITIONS",
     "ORDERS",
     "PREFETCH_STARTS",
@@ -68,6 +69,15 @@ REMOVED_ORDERS: dict[str, str] = {
 #: Canonical partitions per group of the elastic order unless ``data.partitions`` says otherwise: one per rank of a
 #: large group up to DP 8192 (a group uses ``min(partitions, its selected samples)``; any DP size works).
 DEFAULT_PARTITIONS = 8192
+#: The packer *budgets*: the ``data.packer.*`` knobs that only decide how the samples read are packed (how many
+#: tokens a pack aims at / may hold, which sample is too long, how many samples wait in the overflow buffer or the
+#: balanced pool), never which samples are read nor in which order. With ``data.resume_budget_change: true`` they
+#: may change across a resume under ``data.order: elastic`` (docs/resume.md): the packer's waiting samples go back
+#: to the readers. Everything else (dropout probabilities, image geometry, ``lossless``, ``strategy``, ``use_flex``
+#: ...) changes the samples or the loop and stays part of the resume fingerprint.
+PACKER_BUDGET_KEYS: tuple[str, ...] = ("expected_num_tokens", "max_num_tokens", "max_num_tokens_per_sample",
+                                       "prefer_buffer_before", "max_buffer_size", "balance.target_tokens",
+                                       "balance.lookahead", "balance.max_wait")
 #: Keys of the official ``PackedDataset(data_config, **packed_dataset_args)`` call that are not packer knobs
 #: (the dataset's place in the world and its resume status): pass as ``PackerConfig.from_mapping(ignore=...)``
 #: when reading an official config.
@@ -402,6 +412,9 @@ class BagelDataConfig:
     fresh_stream: bool = False          # with a checkpoint to resume (train.load / Bridge's checkpoint.load): do not
                                         # restore the saved loader state, start the data stream fresh from data.seed
                                         # while the model resumes (a deliberate data change; one log line says so)
+    resume_budget_change: bool = False  # elastic order: on a resume, accept changed packer budgets
+                                        # (PACKER_BUDGET_KEYS): the packer's waiting samples go back to the readers,
+                                        # whose cursors are kept, and the epoch goes on exactly once (docs/resume.md)
     stall_warn_s: float = DEFAULT_STALL_WARN_S  # data watchdog: one warning line per rank after this long without a
     timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
     verify_checksums: bool = True       # check every sample's bytes against the checksums recorded at conversion
@@ -439,6 +452,8 @@ class BagelDataConfig:
             out.append(f"verify_checksums: must be true or false, got {self.verify_checksums!r}")
         if not isinstance(self.fresh_stream, bool):
             out.append(f"fresh_stream: must be a bool (true/false), got {self.fresh_stream!r}")
+        if not isinstance(self.resume_budget_change, bool):
+            out.append(f"resume_budget_change: must be a bool (true/false), got {self.resume_budget_change!r}")
         for key in ("stall_warn_s", "timeout_s"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

@@ -97,10 +97,13 @@ def _resize_packer_state(fields: Sequence[str], sources: Sequence[Any], olds: An
     rank, size = int(ctx.dp_rank), int(ctx.dp_size)
     if not 0 <= rank < size:
         raise StateError(f"{where}: new dp_rank {rank} is out of range for dp_size {size}")
-    first = rank == 0
+    if ctx.same_world and len(olds) != 1:
+        raise StateError(f"{where}: a budget change rebuilds a rank from its own state only, got {len(olds)} states")
+    first = ctx.carries_counters
     # old-rank order; within a rank buffer order, carry last
     waiting = [[key for old in olds for f in ("buffer", "carry") for gg, key in old[f] if gg == g]
                for g in range(n)]
+    ctx.note_handover(sum(len(keys) for keys in waiting))
 
     def summed(field: str, minus: Sequence[list] = ()) -> list[int]:
         return [sum(int(old[field][g]) for old in olds) - len(minus[g] if minus else ()) if first else 0

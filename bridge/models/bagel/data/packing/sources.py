@@ -48,9 +48,13 @@ class ListGroupSource(Savable):
         ``r``'s position (0 for a rank the old world did not have; the positions of ranks a shrunk world drops
         end with them). ``handover`` (restore keys = list indices of samples that were waiting in the old
         ranks' packers) is dealt round-robin, ``handover[dp_rank::dp_size]``, and yielded first, in order,
-        after any handover the old rank ``r`` had not yielded yet. Raises ``StateError`` for malformed states.
+        after any handover the old rank ``r`` had not yielded yet. In a budget change (``ctx.same_world``)
+        ``olds`` is this rank's own state alone: its position is kept and the whole handover appended. Raises
+        ``StateError`` for malformed states.
         """
         rank, size = int(ctx.dp_rank), int(ctx.dp_size)
+        if getattr(ctx, "same_world", False):  # a budget change: this rank's own state alone, the handover appended
+            olds, rank, size = list(olds)[:1], 0, 1
         for i, old in enumerate(olds):
             if not isinstance(old, dict) or set(old) != set(self._savable_fields):
                 raise StateError(f"ListGroupSource.resize_state: old rank {i}'s state {old!r:.80} is not a "

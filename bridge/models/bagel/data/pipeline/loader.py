@@ -7,7 +7,8 @@ call; the only place those names are used — inside the package every stage spe
 ``load_state_dict``) save the whole chain it owns — prefetch stage, RNG streams, packer, per-group readers,
 each through its own declared state — plus a fingerprint that refuses a resume under a changed
 configuration (``state.fingerprint``). ``resize_states`` turns every old rank's state into this rank's on another
-DP size (elastic order), by walking the live chain (``state.resize``). Public through ``external`` (the seed
+DP size (elastic order), by walking the live chain (``state.resize``); ``budget_change_state`` does the same for a
+change of packer budgets on one rank (``data.resume_budget_change``). Public through ``external`` (the seed
 import path).
 """
 
@@ -15,18 +16,20 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..config.schema import REMOVED_ORDERS
+from ..config.schema import PACKER_BUDGET_KEYS, REMOVED_ORDERS
 from ..energon.readers.workers import shutdown_workers
-from ..state import (ELASTIC_TOPOLOGY_KEYS, FRESH_STREAM_KEY, ResizeContext, ResumeMismatchError, Stage, StateError, check_fields,
-                     check_restricted, energon_state_classes, fingerprint_diff, fingerprint_of, is_stateful,
-                     load_value, mismatch_message, save_value, unsavable_fields, walk)
+from ..state import (BUDGET_CHANGE_KEY, ELASTIC_TOPOLOGY_KEYS, FRESH_STREAM_KEY, ResizeContext, ResumeMismatchError,
+                     Stage, StateError, check_fields, check_restricted, energon_state_classes, fingerprint_changes,
+                     fingerprint_diff, fingerprint_of, is_stateful, load_value, mismatch_message, save_value,
+                     unsavable_fields, walk)
 from ..watchdog import batch_call
 
-__all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "energon_state_classes", "fingerprint_diff",
-           "saved_world"]
+__all__ = ["BagelExternalLoader", "ResumeMismatchError", "STATE_VERSION", "budget_of", "energon_state_classes",
+           "fingerprint_diff", "saved_world"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,21 @@ def saved_world(state: Mapping[str, Any]) -> tuple[str, int, int]:
     fp = state.get("fingerprint", {}) if isinstance(state, Mapping) else {}
     loader = fp.get("loader", {}) if isinstance(fp, Mapping) else {}
     return str(loader.get("order", "?")), int(loader.get("dp_rank", -1)), int(loader.get("dp_size", -1))
+
+
+#: A fingerprint key holding a packer knob: the configuration's part (``loader.packer.K``) or the packer stage's
+#: identity (``source.source….config.K``, with ``[i]`` steps under the emulated official workers); K as
+#: ``PackerConfig.stream_identity`` writes it.
+_PACKER_KEY = re.compile(r"(?:loader\.packer|source(?:\.source|\[\d+\])*\.config)\.(?P<knob>.+)")
+#: ``PackerConfig.stream_identity`` path of each budget -> the ``data.packer.*`` name it is documented under (the
+#: balanced strategy's knobs sit under ``strategy.balance``).
+_BUDGET_PATHS = {("strategy." + k if k.startswith("balance.") else k): k for k in PACKER_BUDGET_KEYS}
+
+
+def budget_of(key: str) -> str | None:
+    """The packer budget (a ``PACKER_BUDGET_KEYS`` name) a fingerprint key (dotted path) holds, or None."""
+    m = _PACKER_KEY.fullmatch(key)
+    return _BUDGET_PATHS.get(m.group("knob")) if m else None
 
 
 def _version_problem(state: Mapping[str, Any]) -> str:
@@ -78,6 +96,11 @@ class BagelExternalLoader(Stage):
     ``fresh_stream`` (``data.fresh_stream``): ``restore_state`` does not restore anything; it says so in one
     log line and the stream starts fresh while the model resumes (a deliberate change of the data configuration).
 
+    ``resume_budget_change`` (``data.resume_budget_change``, elastic order only): a state whose fingerprint differs
+    from this loader's in packer budgets only (``config.schema.PACKER_BUDGET_KEYS``) is restored through
+    ``budget_change_state``: the packer's waiting samples go back to the readers, which keep their blocks and
+    cursors, and the epoch continues exactly once. Any other difference is still refused.
+
     ``__len__`` is only a positive hint (Megatron's MIMO setup calls ``len``); iteration is not bounded by it
     and it is not part of the state, so a run may resume with a different ``train_iters``.
     """
@@ -86,7 +109,7 @@ class BagelExternalLoader(Stage):
 
     def __init__(self, batches: Iterator[dict[str, Any]], *, length: int, stateful_loaders: Iterable[Any] = (),
                  fingerprint: Mapping[str, Any] | None = None, topology_keys: Iterable[str] = (),
-                 fresh_stream: bool = False) -> None:
+                 fresh_stream: bool = False, resume_budget_change: bool = False) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
             raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
         self.source = batches
@@ -104,6 +127,7 @@ class BagelExternalLoader(Stage):
         self._config_fingerprint = dict(fingerprint or {})
         self.topology_keys = tuple(topology_keys)
         self.fresh_stream = bool(fresh_stream)
+        self.resume_budget_change = bool(resume_budget_change)
         check_restricted(self._config_fingerprint, "fingerprint")
         self._closed = False
         self.reset_state()
@@ -173,10 +197,39 @@ class BagelExternalLoader(Stage):
         check_restricted(state, "BagelExternalLoader.save_state()", allow=energon_state_classes())
         return state
 
+    def _budget_changes(self, saved: Mapping[str, Any], ignore: Iterable[str]) -> dict[str, tuple[Any, Any]]:
+        """``{budget: (saved, current)}`` when the fingerprints ``saved`` and this loader's differ (outside ``ignore``)
+        in packer budgets only and this loader accepts that (``resume_budget_change``, elastic order); ``{}`` when
+        they do not differ. Raises ``ResumeMismatchError`` naming every differing key otherwise; when only budgets
+        differ the message names the key that allows it, or (official order) why it is refused."""
+        changes = fingerprint_changes(saved, self.fingerprint(), ignore)
+        if not changes:
+            return {}
+        budgets = {budget_of(k): v for k, v in changes.items() if budget_of(k)}
+        only_budgets = len(budgets) > 0 and all(budget_of(k) for k in changes)
+        if only_budgets and self.resume_budget_change and self.order == "elastic":
+            return budgets
+        names = ", ".join(f"data.packer.{b}" for b in budgets)
+        if only_budgets and self.order == "official":
+            note = (f"only packer budgets differ ({names}), but data.order: official cannot change them across a "
+                    "resume: its stream is the official loader's, whose order is a function of the packer state "
+                    "(the emulated workers' buffers); keep the budgets, or start the data stream fresh")
+        elif only_budgets and self.order == "elastic":
+            note = (f"only packer budgets differ ({names}): to keep them and continue the epoch exactly once, resume "
+                    f"with {BUDGET_CHANGE_KEY}=true (the packer's waiting samples go back to the readers; "
+                    "docs/resume.md)")
+        elif self.resume_budget_change and budgets:
+            note = (f"{BUDGET_CHANGE_KEY}=true lets only the packer budgets change ({', '.join(PACKER_BUDGET_KEYS)}); "
+                    "the other keys above must match")
+        else:
+            note = ""
+        diff = [f"{k}: saved={old!r} current={new!r}" for k, (old, new) in changes.items()]
+        raise ResumeMismatchError(mismatch_message(diff, note))
+
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Refuse a state of another version (naming a removed order), of another configuration (every differing
-        key: ``ResumeMismatchError``), or of another DP rank / size (the elastic order resizes with
-        ``resize_states`` first)."""
+        key: ``ResumeMismatchError``; a change of packer budgets only is accepted with ``resume_budget_change`` in
+        the elastic order), or of another DP rank / size (the elastic order resizes with ``resize_states`` first)."""
         if state.get("version") != STATE_VERSION:
             raise StateError(_version_problem(state))
         position = state.get("position")
@@ -185,9 +238,7 @@ class BagelExternalLoader(Stage):
         saved = state.get("fingerprint")
         if not isinstance(saved, dict):
             raise StateError("BagelExternalLoader.restore_state: fingerprint must be a dict")
-        diff = fingerprint_diff(saved, self.fingerprint(), self.topology_keys)
-        if diff:
-            raise ResumeMismatchError(mismatch_message(diff))
+        self._budget_changes(saved, self.topology_keys)
         order, rank, size = saved_world(state)
         here = (self._config_fingerprint.get("dp_rank"), self._config_fingerprint.get("dp_size"))
         if None not in here and (rank, size) != here:  # only the elastic order's fingerprint lets these differ
@@ -209,6 +260,8 @@ class BagelExternalLoader(Stage):
             raise StateError(_version_problem(state))
         check_fields(self, state, "BagelExternalLoader.restore_state")
         self.check_compatible(state)
+        if self._budget_changes(state["fingerprint"], self.topology_keys):
+            state = self.budget_change_state(state)
         if self.position:
             logger.warning("BagelExternalLoader.restore_state after %d batches were already taken", self.position)
         load_value(self, "source", state["source"], "BagelExternalLoader.source")
@@ -232,6 +285,36 @@ class BagelExternalLoader(Stage):
             return
         self.load_state_dict(state)
 
+    def budget_change_state(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's state after a deliberate change of packer budgets (``resume_budget_change``; pure data: this
+        loader is not changed), for ``load_state_dict``; ``state`` is this rank's own saved state, of this DP rank
+        and size, differing from this loader's configuration in packer budgets only.
+
+        Each stage rebuilds its part through the live chain (``Stage.resize_state`` with a ``same_world``
+        ``ResizeContext``): the packer's buffered and carried samples are handed back to their group readers (read
+        again first, by restore key, as after an elastic resize), the new packer starts with an empty buffer, the
+        readers keep their blocks and cursors and every counter stays on this rank, so the ledger keeps balancing
+        and every sample of the epoch is still packed or dropped exactly once. The RNG iterator starts fresh streams
+        for (seed, rank, generation + 1). The result carries this loader's fingerprint. Logs one INFO line on DP
+        rank 0 (old -> new budgets, samples handed back). Raises ``StateError`` for a hand-wired loader's state and
+        ``ResumeMismatchError`` when anything but budgets differs or the change is not allowed here.
+        """
+        if state.get("stateful_loaders"):
+            raise StateError("budget change: a loader with hand-wired stateful_loaders cannot change its packer budgets")
+        budgets = self._budget_changes(state["fingerprint"], self.topology_keys)
+        _, rank, size = saved_world(state)
+        generation = int(state["generation"]) + 1
+        ctx = ResizeContext(rank, size, generation, int(state["fingerprint"]["loader"]["seed"]), same_world=True)
+        new = {"version": STATE_VERSION, "fingerprint": self.fingerprint(), "generation": generation,
+               "position": int(state["position"]), "source": ctx.resize(self.source, [state["source"]]),
+               "stateful_loaders": []}
+        changed = ", ".join(f"{k} {old} -> {cur}" for k, (old, cur) in budgets.items()) or "none"
+        logger.log(logging.INFO if rank == 0 else logging.DEBUG,
+                   "%s=true: packer budgets changed at batch %d (DP rank %d of %d): %s; %d buffered sample(s) handed "
+                   "back to the readers (partition cursors kept), the packer starts with an empty buffer",
+                   BUDGET_CHANGE_KEY, new["position"], rank, size, changed, ctx.handed_over)
+        return new
+
     def resize_states(self, olds: Sequence[Mapping[str, Any]], dp_rank: int, dp_size: int) -> dict[str, Any]:
         """The state of new DP rank ``dp_rank`` of ``dp_size`` from the states of every old rank (old rank order), for
         ``restore_state`` on a loader built like this one (pure data: this loader is not changed; with the same inputs
@@ -242,7 +325,9 @@ class BagelExternalLoader(Stage):
         readers hand their partitions (with cursors) and handed-over samples to their new owners, and new rank 0
         carries the counters so that the ledger summed over the world is unchanged. Raises ``StateError`` (one line)
         when the states are not one complete elastic checkpoint of this configuration: another order or version, a
-        missing or duplicated rank, differing configurations or positions.
+        missing or duplicated rank, differing configurations or positions. States that differ from this loader in
+        packer budgets only pass when the loader accepts a budget change (``resume_budget_change``): the resized
+        state keeps the old fingerprint and ``restore_state`` applies the change (``budget_change_state``).
         """
         if not olds:
             raise StateError("elastic resize: no old loader states")
@@ -265,9 +350,8 @@ class BagelExternalLoader(Stage):
                                  f"{old['position']} on rank {k}): the files are not from one checkpoint")
             if old.get("stateful_loaders"):
                 raise StateError("elastic resize: a loader with hand-wired stateful_loaders cannot be resized")
-        diff = fingerprint_diff(olds[0]["fingerprint"], self.fingerprint(), ELASTIC_TOPOLOGY_KEYS)
-        if diff:
-            raise ResumeMismatchError(mismatch_message(diff))
+        # a change of budgets (resume_budget_change) is applied by restore_state, after the resize
+        self._budget_changes(olds[0]["fingerprint"], ELASTIC_TOPOLOGY_KEYS)
         generation = 1 + max(int(o.get("generation", 0)) for o in olds)
         ctx = ResizeContext(dp_rank, dp_size, generation, int(olds[0]["fingerprint"]["loader"]["seed"]))
         fingerprint = copy.deepcopy(olds[0]["fingerprint"])

@@ -8,7 +8,8 @@
 * ``resize``: ``ResizeContext``, a resize dispatched through the live chain's ``resize_state`` methods.
 """
 
-from .fingerprint import ELASTIC_TOPOLOGY_KEYS, FRESH_STREAM_KEY, ResumeMismatchError, fingerprint_diff, fingerprint_of, mismatch_message
+from .fingerprint import (ABSENT, BUDGET_CHANGE_KEY, ELASTIC_TOPOLOGY_KEYS, FRESH_STREAM_KEY, ResumeMismatchError,
+                          fingerprint_changes, fingerprint_diff, fingerprint_of, mismatch_message)
 from .protocol import (STATE_PROTOCOLS, StateError, energon_rank_state, is_stateful, is_stateful_list, load_nested,
                        load_value, restore_of, save_nested, save_of, save_value, state_protocol, tag_of)
 from .resize import ResizeContext
@@ -16,8 +17,9 @@ from .restricted import check_restricted, energon_state_classes
 from .savable import Savable, Stage, check_fields, unsavable_fields, walk
 
 __all__ = [
-    "ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM_KEY", "STATE_PROTOCOLS", "ResizeContext", "ResumeMismatchError", "Savable", "Stage", "StateError",
-    "check_fields", "check_restricted", "energon_rank_state", "energon_state_classes", "fingerprint_diff",
-    "fingerprint_of", "is_stateful", "is_stateful_list", "load_nested", "load_value", "mismatch_message", "restore_of",
-    "save_nested", "save_of", "save_value", "state_protocol", "tag_of", "unsavable_fields", "walk",
+    "ABSENT", "BUDGET_CHANGE_KEY", "ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM_KEY", "STATE_PROTOCOLS", "ResizeContext",
+    "ResumeMismatchError", "Savable", "Stage", "StateError", "check_fields", "check_restricted", "energon_rank_state",
+    "energon_state_classes", "fingerprint_changes", "fingerprint_diff", "fingerprint_of", "is_stateful",
+    "is_stateful_list", "load_nested", "load_value", "mismatch_message", "restore_of", "save_nested", "save_of",
+    "save_value", "state_protocol", "tag_of", "unsavable_fields", "walk",
 ]

@@ -16,7 +16,8 @@ from typing import Any
 
 from .protocol import StateError, tag_of
 
-__all__ = ["ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM_KEY", "ResumeMismatchError", "fingerprint_diff", "fingerprint_of", "mismatch_message"]
+__all__ = ["ABSENT", "BUDGET_CHANGE_KEY", "ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM_KEY", "ResumeMismatchError",
+           "fingerprint_changes", "fingerprint_diff", "fingerprint_of", "mismatch_message"]
 
 #: Fingerprint keys the elastic order's stream does not depend on: the loader's DP rank/size and worker count,
 #: and the RNG iterator's rank seed (a function of the DP rank).
@@ -59,27 +60,42 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The value ``fingerprint_changes`` reports for a key one of the two fingerprints does not have.
+ABSENT = "<absent>"
+
+
+def fingerprint_changes(saved: Mapping[str, Any], current: Mapping[str, Any],
+                        ignore: Iterable[str] = ()) -> dict[str, tuple[Any, Any]]:
+    """Every key (dotted path, sorted) whose value differs between two fingerprints -> ``(saved, current)`` (``ABSENT``
+    where one side lacks the key); keys in ``ignore`` (exact dotted paths) are not compared."""
+    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
+    skip = set(ignore)
+    return {k: (a.get(k, ABSENT), b.get(k, ABSENT)) for k in sorted(set(a) | set(b))
+            if k not in skip and a.get(k, ABSENT) != b.get(k, ABSENT)}
+
+
 def fingerprint_diff(saved: Mapping[str, Any], current: Mapping[str, Any], ignore: Iterable[str] = ()) -> list[str]:
     """Every key (dotted path) whose value differs between two fingerprints, as ``key: saved=… current=…``;
     keys in ``ignore`` (exact dotted paths) are not compared."""
-    a, b = _flatten(saved, "", {}), _flatten(current, "", {})
-    absent, skip = "<absent>", set(ignore)
-    return [f"{k}: saved={a.get(k, absent)!r} current={b.get(k, absent)!r}"
-            for k in sorted(set(a) | set(b)) if k not in skip and a.get(k, absent) != b.get(k, absent)]
+    changes = fingerprint_changes(saved, current, ignore)
+    return [f"{k}: saved={old!r} current={new!r}" for k, (old, new) in changes.items()]
 
 
 #: The key that starts the data stream fresh while the model resumes (``BagelDataConfig.fresh_stream``).
 FRESH_STREAM_KEY = "data.fresh_stream"
+#: The key that lets a resume change the packer budgets (``BagelDataConfig.resume_budget_change``).
+BUDGET_CHANGE_KEY = "data.resume_budget_change"
 #: A refused restore names at most this many differing keys, each cut to _DIFF_CHARS characters.
 _DIFF_SHOWN, _DIFF_CHARS = 8, 240
 #: Loader keys that only the elastic order lets a run change across a restart.
 _ELASTIC_KEYS = ("loader.num_workers:", "loader.dp_size:", "loader.dp_rank:")
 
 
-def mismatch_message(diff: list[str]) -> str:
+def mismatch_message(diff: list[str], note: str = "") -> str:
     """The ``ResumeMismatchError`` text for ``fingerprint_diff`` lines: the configuration keys (``loader.*``:
     ``data.*`` settings, the groups, DP size) first, the stage keys that follow from them only counted, long values
-    cut, and what to do, so the line stays readable however much differs."""
+    cut, and what to do, so the line stays readable however much differs. ``note``: a last line of the caller's
+    (what a budget change would need, or why it is refused)."""
     config = [d for d in diff if d.startswith("loader.")]
     shown = (config or diff)[:_DIFF_SHOWN]
     cut = [d if len(d) <= _DIFF_CHARS else d[: _DIFF_CHARS - 1] + "…" for d in shown]
@@ -92,4 +108,4 @@ def mismatch_message(diff: list[str]) -> str:
         remedy += ("; only data.order: elastic lets a run change DP size or data.num_workers across a restart "
                    "(docs/elastic.md)")
     return ("BagelExternalLoader.restore_state: the saved loader state belongs to a different data configuration; "
-            "differing keys:\n  " + "\n  ".join(cut) + f"\n{remedy}")
+            "differing keys:\n  " + "\n  ".join(cut) + f"\n{remedy}" + (f"\n{note}" if note else ""))

@@ -297,8 +297,9 @@ class GroupReader(Stage):
     def resize_state(self, olds: list[dict[str, Any]], ctx: ResizeContext,
                      handover: Sequence[Any] = ()) -> dict[str, Any]:
         """This reader's state on new DP rank ``ctx.dp_rank`` from every old rank's: the plan's resize (with the
-        handed-over restore keys), and the counters carried by new rank 0 (their world sum is unchanged)."""
-        first = ctx.dp_rank == 0
+        handed-over restore keys), and the counters carried by new rank 0 (their world sum is unchanged), or by every
+        rank in a budget change (``ctx.same_world``: its own)."""
+        first = ctx.carries_counters
 
         def counts(field: str) -> dict[str, Any]:
             return {"stage": "DropCounter", "state": {"counts": merge_counts(o[field]["state"]["counts"]

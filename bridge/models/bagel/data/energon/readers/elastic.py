@@ -25,6 +25,8 @@ A resize (:meth:`ElasticPlan.resize_state`, pure data over every old rank's stat
 every block below ``B`` that no old rank finished (open with its cursor, queued, or an old tail's block below ``B``)
 is dealt round robin, in block order, to the new ranks; the blocks from ``B`` on are the new tails (``B + r', W'``);
 handed-over keys are dealt round robin too. Every unfinished block stays owned by exactly one rank, with its cursor.
+A budget change (``data.resume_budget_change``) goes through the same method on one rank's own state: blocks and
+cursors kept, the packer's waiting samples appended to ``pending``.
 :func:`reads_taken` recovers, from the final states of every rank, exactly which (position, epoch) reads were taken:
 ``tools.ledger`` proves exactly-once from it.
 """
@@ -244,8 +246,22 @@ class ElasticPlan(Savable):
                      handover: Sequence[Any] = ()) -> dict[str, Any]:
         """This plan's state on new DP rank ``ctx.dp_rank`` of ``ctx.dp_size`` from every old rank's (module
         docstring). Raises ``StateError`` when the old states are not one world's (a block owned twice, tails that
-        do not cover every block from the largest base on)."""
+        do not cover every block from the largest base on).
+
+        A budget change (``ctx.same_world``: ``olds`` is this rank's own state alone) keeps every block, cursor, turn
+        and the tail as they are, and appends the handed-over keys (the samples that waited in this rank's packer) to
+        ``pending``, read first: every read stays owned by this rank, exactly once."""
         where = "elastic resize"
+        if ctx.same_world:
+            if len(olds) != 1:
+                raise StateError(f"{where}: a budget change rebuilds a rank from its own state only, got {len(olds)}")
+            old = olds[0]
+            check_fields(self, old, f"{where}: DP rank {ctx.dp_rank}")
+            keys = [list(k) for k in old["pending"]] + [list(k) for k in handover]
+            for key in keys:
+                _key_parts(key, where)
+            return {"open": old["open"], "turn": int(old["turn"]), "queue": old["queue"],
+                    "tail": [int(x) for x in old["tail"]], "pending": keys}
         bases, strides, explicit = [], set(), []
         for k, old in enumerate(olds):
             check_fields(self, old, f"{where}: old rank {k}")
