@@ -76,6 +76,22 @@ def test_the_validation_stream_restarts_at_every_evaluation(demo_setup, tmp_path
             alone = BagelMegatronMIMODatasetProvider(train_loader=train)
             assert alone.build_datasets(SimpleNamespace(train_samples=4, valid_samples=4, test_samples=4)) == (
                 train, None, None)
+    # Bridge's standard path: BagelDatasetProvider builds the valid split itself, one evaluation's micro-batches per
+    # rank taken from the build context (test_samples = eval_iters x eval_global_batch_size; DP 1 here)
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from bridge.models.bagel.data.providers import BagelDatasetProvider
+
+    provider = BagelDatasetProvider(data=cfg.data, tokenizer=tokenizer)
+    train, valid, test = provider.build_datasets(SimpleNamespace(train_samples=4, valid_samples=6, test_samples=3))
+    try:
+        assert test is None and valid.batches_per_eval == 3
+        it = RerunDataIterator(valid)  # what Bridge's external path makes of it, once
+        one, two = ([batch_digest(next(it)) for _ in range(3)] for _evaluation in range(2))
+        assert one == two
+    finally:
+        train.close()
+        valid.close()
     cfg.data.valid = None
     with pytest.raises(ValueError, match="data.valid is not set"):
         build_bagel_valid_loader(validate_job(cfg), tokenizer, batches_per_eval=1)

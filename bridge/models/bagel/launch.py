@@ -189,12 +189,13 @@ def _announce_validation(cfg: Any, container: Any) -> None:
     import torch.distributed as dist
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    validation = container.validation
+    validation = getattr(container, "validation", None)
     if cfg.data.valid is None:
-        validation.eval_iters = 0
+        if validation is not None:
+            validation.eval_iters = 0
         if rank0:
             logger.info("validation is off: data.valid is not set")
-    elif not (validation.eval_iters or 0) or not validation.eval_interval:
+    elif validation is None or not (validation.eval_iters or 0) or not validation.eval_interval:
         if rank0:
             logger.info("validation is off: data.valid is set but the recipe's validation.eval_iters / eval_interval "
                         "is not (set them in the recipe)")

@@ -166,12 +166,13 @@ def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True
     YAML, the registry, the datasets, the budgets), every problem in one ``ConfigError``.
 
     ``budgets`` / ``readers``: as for ``validate_data`` (``bagel-data stats`` reports budgets instead of
-    refusing them). ``train.eval_interval`` > 0 without ``data.valid`` is a problem too (nothing to evaluate on).
+    refusing them). ``train.eval_interval`` and ``train.eval_iters`` > 0 without ``data.valid`` is a problem too
+    (nothing to evaluate on).
     Returns the ``ValidatedData`` to build the loader from.
     """
     problems = cfg.train.problems()
-    interval = cfg.train.eval_interval
-    if isinstance(interval, int) and interval > 0 and cfg.data.valid is None:
+    interval, iters = cfg.train.eval_interval, cfg.train.eval_iters
+    if isinstance(interval, int) and interval > 0 and isinstance(iters, int) and iters > 0 and cfg.data.valid is None:
         problems.append(f"train.eval_interval: {interval} asks for an evaluation every {interval} steps but data.valid "
                         "is not set: set data.valid.groups (the validation split) or train.eval_interval=0")
     return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=problems)
