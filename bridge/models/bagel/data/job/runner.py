@@ -201,7 +201,9 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
 
     ``data``: ``cfg`` already through ``job.config.validate_job`` (validated here when None). ``trainer``: trains
     on every step's micro-batches and is checkpointed with the loader (``Trainer``); None = data-only. The summary
-    then holds ``loss_first`` / ``loss_last`` (the run's first and last step losses).
+    then holds ``loss_first`` / ``loss_last`` (the run's first and last step losses). With ``data.valid`` and
+    ``train.eval_interval`` > 0 the job evaluates every ``eval_interval`` steps (module docstring); the summary's
+    ``evaluations`` lists them (``step``, ``batches`` over all ranks, ``digest``, ``loss`` or None).
 
     ``pg_collection`` holds Megatron's ``tp``/``pp``/``cp``/``dp`` groups (``topology.init_model_parallel``).
     Collective: every rank must call it. A failure while building or restoring the loader on any rank is
@@ -265,7 +267,9 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             logger.info("validation: every %d steps, %d step(s) x %d micro-batch(es) per rank from data.valid (the same "
                         "batches at every evaluation)", train.eval_interval, train.eval_iters, num_micro)
         elif cfg.data.valid is not None:
-            logger.info("validation is off: data.valid is set but train.eval_interval / train.eval_iters is 0")
+            logger.info("validation is off: data.valid is set but this run evaluates nothing (train.eval_interval %d, "
+                        "train.eval_iters %d, train.train_iters %d)", train.eval_interval, train.eval_iters,
+                        train.train_iters)
         else:
             logger.info("validation is off: data.valid is not set")
     eval_results: list[dict[str, Any]] = []
