@@ -23,3 +23,11 @@ def small_image_groups(out: Path, dest: Path) -> Path:
                 group[key].pop("max_pixels", None)
     dest.write_text(yaml.safe_dump(groups))
     return dest
+
+
+def valid_groups(out: Path, dest: Path) -> Path:
+    """A validation split for ``data.valid.groups``: the demo's t2i group alone at small images (its own grouped
+    YAML; the training registry names its dataset)."""
+    groups = yaml.safe_load(small_image_groups(out, dest.with_name(dest.stem + "_all.yaml")).read_text())
+    dest.write_text(yaml.safe_dump({"t2i_pretrain": groups["t2i_pretrain"]}))
+    return dest

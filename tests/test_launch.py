@@ -69,6 +69,11 @@ def test_recipe_refuses_a_disagreeing_override_and_validation(recipe):
     try:
         with pytest.raises(ConfigError, match="no validation split"):
             reconcile_recipe(recipe, TrainConfig(), explicit=set())
+        train = TrainConfig()  # with data.valid the recipe's validation is kept, and copied to train.eval_*
+        reconcile_recipe(recipe, train, explicit=set(), has_valid=True)
+        assert (train.eval_interval, train.eval_iters) == (10, 5)
+        with pytest.raises(ConfigError, match=r"train.eval_iters=2 but the recipe has 5"):
+            reconcile_recipe(recipe, TrainConfig(eval_iters=2), explicit={"eval_iters"}, has_valid=True)
     finally:
         recipe.validation.eval_iters, recipe.validation.eval_interval = 0, None
     assert set(RECIPE_KEYS) >= {"train_iters", "global_batch_size", "tensor_model_parallel_size",

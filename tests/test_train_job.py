@@ -6,7 +6,9 @@
   once step 3 has been logged; run C restarts it from its last checkpoint: every per-step loss (every bit,
   ``float.hex``) and the final parameters equal run A's;
 * run D: A's final checkpoint restarted on 3 ranks (elastic order): it trains on from A's model (its first loss
-  is A's regime, not a fresh model's) and the data ledger over A and D proves every sample packed exactly once.
+  is A's regime, not a fresh model's) and the data ledger over A and D proves every sample packed exactly once;
+* validation (``data.valid``: the demo's t2i group, an evaluation every 2 steps): every evaluation of A, and of C
+  after the restart, pulls the same validation batches on each rank, and the model's loss on them is computed.
 
 Data: the demo dataset with small images (``_train_common``), 2K-token packs, elastic order; the tiny model.
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _train_common import SMALL_BUDGETS, small_image_groups
+from _train_common import SMALL_BUDGETS, small_image_groups, valid_groups
 
 from bridge.models.bagel.data.job.checkpoint import TRACKER, read_loader_states, trainer_state_file
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
@@ -33,6 +35,7 @@ from bridge.models.bagel.data.tools.ledger import check_exactly_once
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 8
+EVAL_INTERVAL = 2
 
 
 def _free_port() -> int:
@@ -75,8 +78,10 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
-def _rows(path: Path) -> dict[tuple[int, int, int], dict]:
-    return {(r["rank"], r["step"], r["micro"]): r for r in map(json.loads, path.read_text().splitlines())}
+def _rows(path: Path, split: str = "train") -> dict[tuple[int, int, int], dict]:
+    """The digest log's rows of one split (training rows carry no ``split``; evaluations' say ``"valid"``)."""
+    return {(r["rank"], r["step"], r["micro"]): r for r in map(json.loads, path.read_text().splitlines())
+            if r.get("split", "train") == split}
 
 
 def _losses(rows: dict) -> dict[int, float]:
@@ -90,7 +95,9 @@ class Runs:
         self.common = ["demo_data=null", f"data.groups={groups}", f"data.dataset_info={out}/dataset_info.yaml",
                        "data.order=elastic", "data.partitions=8", "data.prefetch=0", *SMALL_BUDGETS,
                        "model.name=bagel-tiny", "model.optimizer.lr=0.01", "train.progress=false",
-                       "train.log_interval=2", "train.micro_batch_size=1"]
+                       "train.log_interval=2", "train.micro_batch_size=1",
+                       f"data.valid.groups={valid_groups(out, root / 'valid_groups.yaml')}",
+                       f"train.eval_interval={EVAL_INTERVAL}", "train.eval_iters=1"]
         dp2 = [*self.common, f"train.train_iters={STEPS}", "train.global_batch_size=4", "train.save_interval=2"]
         self.a = self.run(2, [*dp2, f"train.save={root}/a", f"train.tensorboard_dir={root}/tb",
                               f"--digest-log={root}/a.jsonl"], "a")
@@ -186,3 +193,29 @@ def test_elastic_resize_to_three_ranks_trains_on(runs: Runs) -> None:
              for rows in (a, d) for r in rows.values() for g, j, e in r["reads"]]
     report = check_exactly_once(reads, read_loader_states(str(runs.root / "d"), STEPS + 2))
     assert report.ok, report.problems
+
+
+def test_every_evaluation_and_the_restart_see_the_same_validation_batches(runs: Runs) -> None:
+    """Evaluations every 2 steps (1 iteration x 2 micro-batches per rank): A's four evaluations and C's after the
+    restart from B's checkpoint pull the same validation batches, rank by rank; the loss on them is the model's
+    (it moves as the model trains: no optimizer step is taken on them, training's losses equal the run without
+    evaluations' rules above)."""
+    a, c = _rows(runs.root / "a.jsonl", "valid"), _rows(runs.root / "c.jsonl", "valid")
+    evals = {}
+    for rows in (a, c):
+        for (rank, step, micro), r in rows.items():
+            evals.setdefault(step, {})[(rank, micro)] = r["digest"]
+    assert sorted({k[1] for k in a}) == list(range(EVAL_INTERVAL, STEPS + 1, EVAL_INTERVAL))
+    assert {k[1] for k in c} == {s for s in range(EVAL_INTERVAL, STEPS + 1, EVAL_INTERVAL) if s > runs.resumed_from}
+    first = evals[EVAL_INTERVAL]
+    assert set(first) == {(0, 0), (0, 1), (1, 0), (1, 1)}  # 2 ranks x 2 micro-batches
+    assert all(e == first for e in evals.values())  # every evaluation, before and after the restart
+    assert all(a[k] == c[k] for k in c)  # ... with the same loss, bit for bit (the same model at that step)
+    assert len(set(first.values())) == 4  # ranks and micro-batches read their own slices, as in training
+    train_digests = {r["digest"] for r in _rows(runs.root / "a.jsonl").values()}
+    assert not train_digests & set(first.values())
+    losses = [float.fromhex(r["loss"]) for r in a.values()]
+    assert all(v > 0 for v in losses) and len(set(losses)) > 1  # the model's loss, as it trains
+    lines = [line for line in (runs.root / "a.log").read_text().splitlines() if "eval at step" in line]
+    assert len(lines) == STEPS // EVAL_INTERVAL and all("| batches 4 | digest " in line for line in lines), lines
+    assert len({line.split("| digest ")[1].split()[0] for line in lines}) == 1

@@ -15,8 +15,10 @@ imports:
   its dataset becomes ``BagelDatasetProvider`` over this job's ``data`` section and the forward step defaults to
   ``bridge.models.bagel.model.step:forward_step``. The recipe owns ``train_iters``, the batch sizes and the
   parallel layout (TP/PP/CP/VPP): they are taken from it, and a ``train.<key>=`` override on the command line
-  that disagrees is refused in one line (``reconcile_recipe``); a recipe that asks for validation is refused
-  too (the provider has no validation split).
+  that disagrees is refused in one line (``reconcile_recipe``). Validation is the recipe's too
+  (``validation.eval_interval`` / ``eval_iters``, copied to ``train.eval_*``): with ``data.valid`` set the provider
+  hands Bridge a validation stream that restarts at every evaluation; without it a recipe that asks for
+  validation is refused, and one INFO line says validation is off.
 
 Config: ``--config configs/demo.yaml`` (default) plus OmegaConf ``key=value`` overrides, e.g.
 ``model.name=bagel-tiny train.train_iters=20 data.packer.use_flex=false train.load=runs/demo/ckpt``.
@@ -33,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["RECIPE_KEYS", "main", "model_config", "reconcile_recipe"]
+__all__ = ["RECIPE_KEYS", "RECIPE_VALIDATION_KEYS", "main", "model_config", "reconcile_recipe"]
 
 logger = logging.getLogger("bagel.launch")
 
@@ -47,6 +49,11 @@ RECIPE_KEYS: dict[str, tuple[str, str]] = {
     "context_parallel_size": ("model", "context_parallel_size"),
     "virtual_pipeline_model_parallel_size": ("model", "virtual_pipeline_model_parallel_size"),
 }
+
+
+#: ``train.*`` validation keys the recipe owns under ``--recipe`` → ``ConfigContainer.validation`` attribute
+#: (None there = 0 here); not reported as changed (the job's defaults differ from a recipe without validation).
+RECIPE_VALIDATION_KEYS: dict[str, str] = {"eval_interval": "eval_interval", "eval_iters": "eval_iters"}
 
 
 def _default_config() -> str:
@@ -70,15 +77,17 @@ def model_config(section: dict[str, Any], source: str = "model") -> Any:
     return structured_merge(BagelModelConfig, [section or {}], source)
 
 
-def reconcile_recipe(container: Any, train: Any, explicit: set[str]) -> list[str]:
+def reconcile_recipe(container: Any, train: Any, explicit: set[str], *, has_valid: bool = False) -> list[str]:
     """Make the job's ``train`` agree with a Bridge recipe's ``container`` before anything is built.
 
     The recipe's ``train_iters``, ``global_batch_size``, ``micro_batch_size`` and TP/PP/CP/VPP (``RECIPE_KEYS``)
     are copied into ``train``; a key the user set explicitly on the command line (``explicit``: ``train.<key>=``
-    overrides) that differs from the recipe raises ``ConfigError`` in one line naming both values. A recipe
-    without ``train_iters`` or with validation configured (``eval_iters`` > 0 and an ``eval_interval``) is
-    refused as well (the BAGEL providers have no validation split). Returns the keys taken from the recipe whose
-    value differed from the job config's (for one INFO line).
+    overrides) that differs from the recipe raises ``ConfigError`` in one line naming both values; the same
+    holds for the validation keys (``RECIPE_VALIDATION_KEYS``: ``validation.eval_interval`` / ``eval_iters``, None
+    read as 0). A recipe without ``train_iters`` is refused, and so is one with validation configured
+    (``eval_iters`` > 0 and an ``eval_interval``) when ``has_valid`` is False (``data.valid`` not set: no
+    validation split). Returns the keys of ``RECIPE_KEYS`` taken from the recipe whose value differed from the job
+    config's (for one INFO line).
     """
     from .data.config import ConfigError
 
@@ -88,19 +97,21 @@ def reconcile_recipe(container: Any, train: Any, explicit: set[str]) -> list[str
                           "with the external BAGEL loader): set cfg.train.train_iters in the recipe")
     for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         recipe[key] = recipe[key] or 1
-    clash = [f"train.{k}={getattr(train, k)!r} but the recipe has {recipe[k]!r}" for k in sorted(explicit & set(recipe))
-             if getattr(train, k) != recipe[k]]
+    validation = getattr(container, "validation", None)
+    evals = {key: int(getattr(validation, attr, 0) or 0) for key, attr in RECIPE_VALIDATION_KEYS.items()}
+    owned = {**recipe, **evals}
+    clash = [f"train.{k}={getattr(train, k)!r} but the recipe has {owned[k]!r}" for k in sorted(explicit & set(owned))
+             if getattr(train, k) != owned[k]]
     if clash:
         raise ConfigError(f"--recipe: {'; '.join(clash)}: the recipe owns these keys; drop the override or change the "
                           "recipe")
-    validation = getattr(container, "validation", None)
-    eval_iters = getattr(validation, "eval_iters", 0) or 0
-    if eval_iters > 0 and getattr(validation, "eval_interval", None):
-        raise ConfigError(f"--recipe: the recipe asks for validation (validation.eval_iters={eval_iters}, "
-                          f"eval_interval={validation.eval_interval}) but the BAGEL providers have no validation "
-                          "split: set cfg.validation.eval_iters = 0 in the recipe")
+    if evals["eval_iters"] > 0 and evals["eval_interval"] > 0 and not has_valid:
+        raise ConfigError(f"--recipe: the recipe asks for validation (validation.eval_iters={evals['eval_iters']}, "
+                          f"eval_interval={evals['eval_interval']}) but data.valid is not set, so there is no "
+                          "validation split: set data.valid (docs/configuration.md) or cfg.validation.eval_iters = 0 "
+                          "in the recipe")
     changed = [k for k in RECIPE_KEYS if getattr(train, k) != recipe[k]]
-    for key, value in recipe.items():
+    for key, value in owned.items():
         setattr(train, key, value)
     train.validate()
     return changed
@@ -163,11 +174,34 @@ def _run_bridge_pretrain(cfg: Any, tokenizer: Any, container: Any, forward_step:
     if api.pretrain is None:
         raise RuntimeError(f"--recipe needs Megatron-Bridge's pretrain(), which is not importable here: {api.error}")
     container.dataset = BagelDatasetProvider(data=cfg.data, tokenizer=tokenizer)
+    _announce_validation(cfg, container)
     if cfg.train.save:
         container.checkpoint.save = cfg.train.save
     if cfg.train.load:
         container.checkpoint.load = cfg.train.load
     api.pretrain(config=container, forward_step_func=_load_symbol(forward_step))
+
+
+def _announce_validation(cfg: Any, container: Any) -> None:
+    """One INFO line (rank 0) on what Bridge's ``pretrain()`` will validate on. Without ``data.valid`` the recipe's
+    validation is off (``reconcile_recipe`` refused one that asked for it; ``eval_iters`` is set to 0 so Bridge
+    builds no valid split)."""
+    import torch.distributed as dist
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    validation = getattr(container, "validation", None)
+    if cfg.data.valid is None:
+        if validation is not None:
+            validation.eval_iters = 0
+        if rank0:
+            logger.info("validation is off: data.valid is not set")
+    elif validation is None or not (validation.eval_iters or 0) or not validation.eval_interval:
+        if rank0:
+            logger.info("validation is off: data.valid is set but the recipe's validation.eval_iters / eval_interval "
+                        "is not (set them in the recipe)")
+    elif rank0:
+        logger.info("validation: every %d steps, %d iterations on data.valid (the same batches at every evaluation; no "
+                    "test split)", validation.eval_interval, validation.eval_iters)
 
 
 def _explicit_train_keys(overrides: list[str]) -> set[str]:
@@ -239,7 +273,8 @@ def _main(args: argparse.Namespace, rank: int) -> int:
     container = None
     if args.recipe:
         container = _load_symbol(args.recipe)()
-        changed = reconcile_recipe(container, cfg.train, _explicit_train_keys(overrides))
+        changed = reconcile_recipe(container, cfg.train, _explicit_train_keys(overrides),
+                                   has_valid=cfg.data.valid is not None)
         if changed and rank == 0:
             logger.info("--recipe: train.%s taken from the recipe (the config file's values are not used)",
                         ", train.".join(changed))

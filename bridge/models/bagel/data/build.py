@@ -8,7 +8,8 @@ workers, each a ``BagelRNGIterator(BagelPacker([GroupReader with an OfficialPlan
 ``pipeline.official_mode``).
 
 ``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML, after
-the one validation pass (``config.validate_data``; pass its ``ValidatedData`` to skip a second pass); the stages
+the one validation pass; ``build_bagel_valid_loader`` the validation stream over ``data.valid``'s groups with the
+same builder (``pipeline.valid.BagelValidLoader``: rebuilt from ``data.seed`` at every evaluation). Both follow (``config.validate_data``; pass its ``ValidatedData`` to skip a second pass); the stages
 trust the validated configuration. ``providers.BagelDatasetProvider`` wraps it for Bridge's standard ``pretrain()``.
 """
 
@@ -30,10 +31,11 @@ from .pipeline.loader import BagelExternalLoader
 from .pipeline.official_mode import OfficialWorkers
 from .pipeline.prefetch import PrefetchStage
 from .pipeline.rng import BagelRNGIterator, elastic_rank_seed
+from .pipeline.valid import BagelValidLoader
 from .state import ELASTIC_TOPOLOGY_KEYS
 from .tokenizer import add_special_tokens
 
-__all__ = ["build_bagel_train_loader", "build_upstream", "dp_rank_size", "rank_seed"]
+__all__ = ["build_bagel_train_loader", "build_bagel_valid_loader", "build_upstream", "dp_rank_size", "rank_seed"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,17 +174,25 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     listing every configuration problem.
     """
     data = config if isinstance(config, ValidatedData) else validate_data(config)
-    config, groups = data.config, data.groups
-    warn_once_if_unproven()  # one WARNING per process outside the versions bit parity was proven on
-    shm.reclaim_stale()  # shared memory of killed jobs (read workers, prefetch) on this machine, whatever this one runs
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
+    return _build_loader(data, tokenizer, dp_rank, dp_size, length=length, announce=True)
+
+
+def _build_loader(data: ValidatedData, tokenizer: Any, dp_rank: int, dp_size: int, *, length: int, announce: bool,
+                  what: str = "BAGEL loader") -> BagelExternalLoader:
+    """One rank's loader from validated ``data``; ``announce``: log the loader line and the verification warning
+    (a validation stream rebuilt at every evaluation announces itself once)."""
+    config, groups = data.config, data.groups
+    warn_once_if_unproven()  # one WARNING per process outside the versions bit parity was proven on
+    shm.reclaim_stale()  # shared memory of killed jobs (read workers, prefetch) on this machine, whatever this one runs
     tokenizer, special, _ = add_special_tokens(tokenizer)
-    logger.info("BAGEL loader: order %s, DP rank %d/%d, groups %s, data seed %d, %d workers, prefetch %d",
-                config.order, dp_rank, dp_size, [g.group.name for g in groups], config.effective_data_seed,
-                config.num_workers, config.prefetch)
-    upstream = _upstream(config, groups, tokenizer, special, dp_rank, dp_size, describe=dp_rank == 0)
+    if announce:
+        logger.info("%s: order %s, DP rank %d/%d, groups %s, data seed %d, %d workers, prefetch %d", what,
+                    config.order, dp_rank, dp_size, [g.group.name for g in groups], config.effective_data_seed,
+                    config.num_workers, config.prefetch)
+    upstream = _upstream(config, groups, tokenizer, special, dp_rank, dp_size, describe=announce and dp_rank == 0)
     if config.prefetch:
         rebuild = (functools.partial(build_upstream, data, tokenizer, dp_rank, dp_size)
                    if config.prefetch_start != "fork" else None)
@@ -191,3 +201,30 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     return BagelExternalLoader(upstream, length=length, fingerprint=data.fingerprint(special, dp_rank, dp_size),
                                topology_keys=ELASTIC_TOPOLOGY_KEYS if config.order == "elastic" else (),
                                fresh_stream=config.fresh_stream, resume_budget_change=config.resume_budget_change)
+
+
+def build_bagel_valid_loader(config: BagelDataConfig | ValidatedData, tokenizer: Any, context_or_dp: Any = (0, 1),
+                             *, batches_per_eval: int) -> BagelValidLoader:
+    """One rank's validation stream over ``data.valid``'s groups: the training builder's chain (same packer,
+    seed, order, partitions, workers; no prefetch process), rebuilt from ``data.seed`` at the first pull of every
+    evaluation, so every evaluation gets the same ``batches_per_eval`` packed batches (``BagelValidLoader``).
+
+    ``config``: as for ``build_bagel_train_loader`` (validated here when a ``BagelDataConfig``: the one pass checks
+    the validation groups with training's). ``context_or_dp``: ``(dp_rank, dp_size)`` or a Bridge build context,
+    the same DP slicing as training. ``batches_per_eval``: micro-batches one evaluation pulls on this rank (> 0).
+    Raises ``ValueError`` when ``data.valid`` is not set, ``ConfigError`` listing every configuration problem.
+    """
+    data = config if isinstance(config, ValidatedData) else validate_data(config)
+    if not data.has_valid:
+        raise ValueError("build_bagel_valid_loader: data.valid is not set (the validation split's groups and "
+                         "registry: docs/configuration.md)")
+    valid = data.valid_data()
+    dp_rank, dp_size = dp_rank_size(context_or_dp)
+    build = functools.partial(_build_valid, valid, tokenizer, dp_rank, dp_size, batches_per_eval)
+    return BagelValidLoader(build, batches_per_eval, seq_length=valid.config.packer.max_num_tokens)
+
+
+def _build_valid(valid: ValidatedData, tokenizer: Any, dp_rank: int, dp_size: int, batches_per_eval: int,
+                 first: bool) -> BagelExternalLoader:
+    return _build_loader(valid, tokenizer, dp_rank, dp_size, length=batches_per_eval, announce=first,
+                         what="BAGEL validation loader (rebuilt at every evaluation)")

@@ -7,7 +7,10 @@
   ``BagelDataConfig`` and the build context's DP group, for Bridge's standard ``pretrain()`` path.
 
 Both are ``dataloader_type="external"`` (Bridge passes the loader through ``RerunDataIterator`` unchanged)
-and their ``get_collate_fn()`` is a guard that raises. ``seq_length`` (read by Bridge's training loop and
+and their ``get_collate_fn()`` is a guard that raises. Validation: with ``data.valid`` (``BagelDatasetProvider``)
+or a ``valid_loader`` (MIMO) the valid split is a ``pipeline.valid.BagelValidLoader``, which restarts itself after
+each evaluation's micro-batches, so the one iterator Bridge keeps yields the same batches at every evaluation. No
+test split: the third element is always None. ``seq_length`` (read by Bridge's training loop and
 throughput logging) comes from the packer's ``max_num_tokens``; a different explicit value is refused. Both
 classes are created on first access (module ``__getattr__``), so this module imports without Bridge.
 """
@@ -85,6 +88,10 @@ def megatron_mimo_provider_class() -> type:
         """
 
         train_loader: Any
+        #: Optional: the validation stream, an iterator that yields the same batches at every evaluation by
+        #: itself (``build.build_bagel_valid_loader`` makes one: a ``BagelValidLoader`` restarting after each
+        #: evaluation's micro-batches). None = no validation split.
+        valid_loader: Any = None
 
         def __post_init__(self) -> None:
             packed = getattr(self.train_loader, "seq_length", None)
@@ -92,10 +99,16 @@ def megatron_mimo_provider_class() -> type:
                 self.seq_length = check_seq_length(self.seq_length, packed, "BagelMegatronMIMODatasetProvider")
             elif self.seq_length is None:
                 _log_unknown_seq_length(type(self.train_loader).__name__)
+            valid_packed = getattr(self.valid_loader, "seq_length", None)
+            if valid_packed is not None and self.seq_length is not None:
+                check_seq_length(self.seq_length, valid_packed, "BagelMegatronMIMODatasetProvider (valid_loader)")
 
-        def build_datasets(self, context: Any) -> tuple[Any, None, None]:
-            """(the train loader, or None when no training samples are requested; no valid; no test)."""
-            return (self.train_loader if context.train_samples > 0 else None, None, None)
+        def build_datasets(self, context: Any) -> tuple[Any, Any, None]:
+            """(the train loader, or None when no training samples are requested; the valid loader, or None when
+            none was given or no validation samples are requested; no test split)."""
+            train = self.train_loader if context.train_samples > 0 else None
+            valid = self.valid_loader if getattr(context, "valid_samples", 0) > 0 else None
+            return train, valid, None
 
     BagelMegatronMIMODatasetProvider.__module__ = "bridge.models.bagel.data.external"
     BagelMegatronMIMODatasetProvider.__qualname__ = "BagelMegatronMIMODatasetProvider"
@@ -105,9 +118,10 @@ def megatron_mimo_provider_class() -> type:
 @functools.cache
 def dataset_provider_class() -> type:
     """``BagelDatasetProvider``: a plain Bridge ``DatasetProvider`` building the loader for ``pretrain()``."""
-    from .build import build_bagel_train_loader
-    from .config import BagelDataConfig
+    from .build import build_bagel_train_loader, build_bagel_valid_loader, dp_rank_size
+    from .config import BagelDataConfig, validate_data
     from .pipeline.loader import BagelExternalLoader
+    from .pipeline.valid import BagelValidLoader
 
     base = import_bridge().DatasetProvider
 
@@ -118,17 +132,26 @@ def dataset_provider_class() -> type:
         ``tokenizer`` is the HF tokenizer used for the BAGEL text (Bridge's own tokenizer in the context is a
         Megatron wrapper and is not used). ``seq_length`` = ``data.packer.max_num_tokens`` (an explicit value
         that differs raises ``ValueError``).
+
+        Validation: with ``data.valid`` set and validation samples requested, the valid split is this rank's
+        ``BagelValidLoader`` (``build.build_bagel_valid_loader``), restarting after ``valid_batches_per_eval``
+        micro-batches. None derives it from the build context: Bridge sets ``test_samples`` to one evaluation's
+        samples (``validation.eval_iters × eval_global_batch_size``), i.e. ``test_samples / DP`` micro-batches of
+        one packed sequence per rank. No test split.
         """
 
         data: BagelDataConfig
         tokenizer: Any = None
+        valid_batches_per_eval: int | None = None
 
         def __post_init__(self) -> None:
             self.seq_length = check_seq_length(self.seq_length, self.data.packer.max_num_tokens,
                                                "BagelDatasetProvider")
 
-        def build_datasets(self, context: Any) -> tuple[BagelExternalLoader | None, None, None]:
-            """(this rank's loader, or None when no training samples are requested; no valid; no test)."""
+        def build_datasets(self, context: Any) -> tuple[BagelExternalLoader | None, BagelValidLoader | None, None]:
+            """(this rank's loader, or None when no training samples are requested; the validation stream, or
+            None without ``data.valid`` or validation samples; no test). The configuration is validated once,
+            validation groups included."""
             if context.train_samples <= 0:
                 return None, None, None
             tokenizer = self.tokenizer
@@ -136,7 +159,17 @@ def dataset_provider_class() -> type:
                 from .tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(self.data.tokenizer)
-            return build_bagel_train_loader(self.data, tokenizer, context), None, None
+            data = validate_data(self.data)
+            train = build_bagel_train_loader(data, tokenizer, context)
+            valid = None
+            if data.has_valid and getattr(context, "valid_samples", 0) > 0:
+                per_eval = self.valid_batches_per_eval
+                if per_eval is None:
+                    _, dp_size = dp_rank_size(context)
+                    per_eval = int(getattr(context, "test_samples", 0) or 0) // dp_size
+                if per_eval > 0:
+                    valid = build_bagel_valid_loader(data, tokenizer, context, batches_per_eval=per_eval)
+            return train, valid, None
 
     BagelDatasetProvider.__module__ = "bridge.models.bagel.data.providers"
     BagelDatasetProvider.__qualname__ = "BagelDatasetProvider"

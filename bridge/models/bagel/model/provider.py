@@ -6,10 +6,10 @@
   its ``bagel`` field the resolved ``BagelModelConfig``.
 * ``bagel_recipe(data, model, ...)``: a complete ``ConfigContainer``: that provider, ``BagelDatasetProvider`` over
   ``data`` (the loader is built inside ``pretrain()`` from its DP group), one packed micro-batch per DP rank per
-  step (gradient accumulation when ``global_batch_size`` > DP size), Adam with a constant learning rate, no
-  validation (the providers have no validation split), a NullTokenizer (the BAGEL text is tokenised by the data
-  pipeline's Qwen2 tokenizer). ``bagel_tiny_recipe()`` is the zero-argument form for ``--recipe`` (the demo data
-  of ``configs/demo.yaml``, the tiny model).
+  step (gradient accumulation when ``global_batch_size`` > DP size), Adam with a constant learning rate,
+  validation only when asked (``eval_interval`` / ``eval_iters``, on ``data.valid``), a NullTokenizer (the BAGEL
+  text is tokenised by the data pipeline's Qwen2 tokenizer). ``bagel_tiny_recipe()`` is the zero-argument form
+  for ``--recipe`` (the demo data of ``configs/demo.yaml``, the tiny model).
 
 The forward step to pass with it is ``step.forward_step``. Only TP = PP = CP = 1 is supported by ``BagelModel``.
 """
@@ -64,13 +64,17 @@ def bagel_model_provider(cfg: BagelModelConfig, *, seq_length: int, bf16: bool =
 
 
 def bagel_recipe(data: BagelDataConfig, model: BagelModelConfig, *, tokenizer: Any = None, train_iters: int = 10,
-                 global_batch_size: int = 1, seed: int = 1234, save: str | None = None, bf16: bool = False) -> Any:
+                 global_batch_size: int = 1, seed: int = 1234, save: str | None = None, bf16: bool = False,
+                 eval_interval: int | None = None, eval_iters: int = 0) -> Any:
     """A Megatron-Bridge ``ConfigContainer`` training ``model`` (resolved here against the tokenizer and
     ``data.packer``) on ``data`` (module docstring). ``tokenizer``: the BAGEL text tokenizer (default:
-    ``data.tokenizer``, the offline Qwen2 one)."""
+    ``data.tokenizer``, the offline Qwen2 one). ``eval_interval`` / ``eval_iters``: Bridge's validation (steps
+    between evaluations, iterations per evaluation); it needs ``data.valid`` (``ValueError`` otherwise)."""
     from ..data.providers import BagelDatasetProvider
     from ..data.tokenizer import add_special_tokens, load_tokenizer
 
+    if eval_iters and eval_interval and data.valid is None:
+        raise ValueError("bagel_recipe: eval_interval / eval_iters ask for validation but data.valid is not set")
     api = import_bridge_training()
     if tokenizer is None:
         tokenizer = load_tokenizer(data.tokenizer)
@@ -80,7 +84,7 @@ def bagel_recipe(data: BagelDataConfig, model: BagelModelConfig, *, tokenizer: A
     return api.ConfigContainer(
         model=bagel_model_provider(resolved, seq_length=data.packer.max_num_tokens, bf16=bf16),
         train=api.TrainingConfig(train_iters=train_iters, global_batch_size=global_batch_size, micro_batch_size=1),
-        validation=api.ValidationConfig(eval_iters=0, eval_interval=None),
+        validation=api.ValidationConfig(eval_iters=eval_iters if eval_interval else 0, eval_interval=eval_interval),
         optimizer=api.OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
                                       adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
                                       clip_grad=o.clip_grad, bf16=bf16, use_distributed_optimizer=False),

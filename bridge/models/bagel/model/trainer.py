@@ -1,6 +1,7 @@
 """``BagelTrainer``: the main job's trainer (the ``trainer`` of ``data.job.runner.run_job``) for ``BagelModel``.
 
-One optimizer step per job step, on CPU (gloo) or one GPU per rank:
+One optimizer step per job step, on CPU (gloo) or one GPU per rank (and ``eval_step``: the same loss on the
+validation batches, no gradients, no optimizer step):
 
 1. every micro-batch of the step goes through ``step.forward_step`` (the function Bridge's ``pretrain()`` calls)
    and ``loss_func``; the loss divided by the number of micro-batches is back-propagated, so gradients
@@ -117,6 +118,36 @@ class BagelTrainer:
         self.optimizer.step()
         loss, ce, mse = ordered_mean(reports, self.dp).tolist()
         return {"loss": loss, "ce_loss": ce, "mse_loss": mse, "grad_norm": float(norm)}
+
+    def eval_step(self, batches: Sequence[Mapping[str, Any]], step: int) -> dict[str, float]:
+        """The loss over this rank's validation micro-batches of the evaluation after job step ``step``: the same
+        forward step and loss as ``train_step``, in eval mode, without gradients or an optimizer step (the model and
+        optimizer are untouched; the diffusion noise comes from each batch's identity, so an evaluation of the same
+        model on the same batches gives the same bits).
+
+        Returns ``loss``, ``ce_loss``, ``mse_loss`` averaged over micro-batches and DP ranks in rank order (identical
+        on every rank). Raises ``AgreedError`` on every rank when any rank's forward failed or gave a non-finite loss.
+        """
+        self.model.eval()
+        reports = torch.zeros(3, dtype=torch.float64, device=self.device)
+        error: BaseException | None = None
+        try:
+            with torch.no_grad():
+                for micro, batch in enumerate(batches):
+                    output, loss_fn = forward_step(iter([batch]), self.model)
+                    loss, report = loss_fn(output)
+                    if not torch.isfinite(loss):
+                        raise FloatingPointError(f"rank {dist.get_rank()} evaluation at step {step} batch {micro}: "
+                                                 f"loss is {loss.item()}")
+                    reports += torch.stack([report[k].double() for k in ("loss", "ce loss", "mse loss")]) / max(
+                        len(batches), 1)
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+            error = exc
+        finally:
+            self.model.train()
+        agree(error, f"in the evaluation at step {step}")
+        loss, ce, mse = ordered_mean(reports, self.dp).tolist()
+        return {"loss": loss, "ce_loss": ce, "mse_loss": mse}
 
     def parameter_digest(self) -> str:
         """sha256 over every tensor of the model's state dict, in order (local; equal across ranks while the

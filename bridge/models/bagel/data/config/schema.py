@@ -40,6 +40,7 @@ __all__ = [
     "STRATEGIES",
     "BagelDataConfig",
     "BalanceConfig",
+    "ValidDataConfig",
     "ConfigError",
     "CostConfig",
     "DatasetInfoEntry",
@@ -83,8 +84,9 @@ PACKER_BUDGET_KEYS: tuple[str, ...] = ("expected_num_tokens", "max_num_tokens", 
 #: when reading an official config.
 OFFICIAL_NON_PACKER_KEYS: tuple[str, ...] = ("grouped_datasets", "data_status", "local_rank", "num_workers",
                                              "world_size")
-#: ``BagelDataConfig`` keys that hold file paths: in a config file, relative to that file's directory.
-DATA_PATH_KEYS: tuple[str, ...] = ("groups", "dataset_info")
+#: ``BagelDataConfig`` keys that hold file paths: in a config file, relative to that file's directory (dotted:
+#: the validation split's ``valid.groups`` / ``valid.dataset_info`` resolve exactly as training's do).
+DATA_PATH_KEYS: tuple[str, ...] = ("groups", "dataset_info", "valid.groups", "valid.dataset_info")
 #: Registry fields each group's readers need besides ``data_dir``.
 _REQUIRED_INFO = {"vlm_sft": ("jsonl_path",), "unified_edit": ("parquet_info_path",)}
 
@@ -378,6 +380,23 @@ def resolve_groups(groups: Sequence[GroupConfig], dataset_info: Mapping[str, Map
 
 
 @dataclass
+class ValidDataConfig:
+    """The validation split (``data.valid``): its own grouped-datasets YAML and registry, in training's vocabulary.
+
+    ``groups``: the official grouped YAML (a path or the mapping), required. ``dataset_info``: the registry (a path
+    or the mapping); null = training's ``data.dataset_info`` (validation groups usually name held-out datasets of
+    the same registry). Every other knob (packer, seed, order, partitions, workers, tokenizer) is training's: the
+    validation stream is the training builder's stream over these groups, rebuilt from ``data.seed`` at every
+    evaluation (``pipeline.valid.BagelValidLoader``). Validated by the same pass as training
+    (``validate.validate_data``).
+    """
+
+    groups: Any = "???"
+    dataset_info: Any = None
+
+
+
+@dataclass
 class BagelDataConfig:
     """Everything the data pipeline needs: the groups and the registry, packer knobs, data seed, workers, tokenizer.
 
@@ -419,15 +438,24 @@ class BagelDataConfig:
     timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
     verify_checksums: bool = True       # check every sample's bytes against the checksums recorded at conversion
                                         # (a mismatch: dropped as checksum_mismatch; a damaged shard stops the job)
+    valid: ValidDataConfig | None = None  # the validation split {groups, dataset_info}; null = no validation
 
     def problems(self) -> list[str]:
         """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""
         out = self.packer.problems("packer")
-        for key in ("groups", "dataset_info"):
-            value = getattr(self, key)
+        for key in ("groups", "dataset_info", "valid.groups", "valid.dataset_info"):
+            owner, _, name = key.rpartition(".")
+            holder = self.valid if owner else self
+            if holder is None:
+                continue
+            value = getattr(holder, name)
+            if key == "valid.dataset_info" and value is None:  # training's registry
+                continue
             if not isinstance(value, (str, os.PathLike, Mapping)) or (isinstance(value, str) and not value):
                 out.append(f"{key}: must be a path to a YAML/JSON file or a mapping, got {type(value).__name__} "
                            f"{value!r:.80}")
+        if self.valid is not None and not isinstance(self.valid, ValidDataConfig):
+            out.append(f"valid: must be null or a mapping {{groups, dataset_info}}, got {self.valid!r:.80}")
         if not is_int(self.seed) or self.seed < 0:
             out.append(f"seed: must be a non-negative integer, got {self.seed!r}")
         if not is_int(self.num_workers) or self.num_workers < 0:
@@ -476,6 +504,34 @@ class BagelDataConfig:
     def dataset_info_source(self) -> str:
         """How messages name ``dataset_info``: its path, or ``data.dataset_info (mapping)``."""
         return "data.dataset_info (mapping)" if isinstance(self.dataset_info, Mapping) else str(self.dataset_info)
+
+    @property
+    def valid_groups_source(self) -> str:
+        """How messages name ``valid.groups``: its path, or ``data.valid.groups (mapping)`` (None without ``valid``)."""
+        if self.valid is None:
+            return "data.valid (not set)"
+        groups = self.valid.groups
+        return "data.valid.groups (mapping)" if isinstance(groups, Mapping) else str(groups)
+
+    @property
+    def valid_dataset_info_source(self) -> str:
+        """How messages name the validation registry: ``valid.dataset_info``'s path or ``data.valid.dataset_info
+        (mapping)``; training's (``dataset_info_source``) when it is null."""
+        info = None if self.valid is None else self.valid.dataset_info
+        if info is None:
+            return self.dataset_info_source
+        return "data.valid.dataset_info (mapping)" if isinstance(info, Mapping) else str(info)
+
+    def valid_config(self) -> "BagelDataConfig":
+        """The data config of the validation stream: this config with ``valid.groups`` / ``valid.dataset_info``
+        (training's registry when null) as its groups and registry, no prefetch process (an evaluation reads a
+        few batches and then stops), never ``fresh_stream``, no ``valid`` of its own. ``ValueError`` without
+        ``valid``."""
+        if self.valid is None:
+            raise ValueError("valid_config: data.valid is not set")
+        info = self.valid.dataset_info if self.valid.dataset_info is not None else self.dataset_info
+        return dataclasses.replace(self, groups=self.valid.groups, dataset_info=info, prefetch=0, fresh_stream=False,
+                                   valid=None)
 
     @property
     def effective_data_seed(self) -> int:

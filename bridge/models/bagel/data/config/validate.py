@@ -7,6 +7,8 @@
    (:func:`strategy_problems`);
 2. the grouped-datasets YAML (``config.groups``: every group, every key; ``grouped_yaml``);
 3. the dataset registry (``config.dataset_info``: every entry) and that it registers every group's names;
+   steps 2-5 run for the validation split too when ``data.valid`` is set (``valid.groups`` against its registry,
+   training's when ``valid.dataset_info`` is null), its problems in the same error, named by its files;
 4. what the readers need from each group: a converted ``energon_path`` per dataset, ``image_transform_args``,
    ``num_used_data`` under ``order: official``;
 5. the packer budgets against the groups' transforms (``budgets.budget_issues``, cases B3/B4/B6 of
@@ -84,6 +86,20 @@ class ValidatedData:
     config: BagelDataConfig
     groups: list[ResolvedGroup]
     warnings: list[BudgetIssue] = field(default_factory=list)
+    #: The validation split's resolved groups (``config.valid``), None when ``data.valid`` is not set.
+    valid_groups: list[ResolvedGroup] | None = None
+
+    @property
+    def has_valid(self) -> bool:
+        """Whether ``data.valid`` is set (and passed the validation pass with training)."""
+        return self.valid_groups is not None
+
+    def valid_data(self) -> "ValidatedData":
+        """The validation stream's ``ValidatedData`` (``BagelDataConfig.valid_config`` with its resolved groups),
+        for ``build_bagel_train_loader``: no second validation pass. ``ValueError`` without ``data.valid``."""
+        if self.valid_groups is None:
+            raise ValueError("valid_data: data.valid is not set")
+        return ValidatedData(self.config.valid_config(), self.valid_groups)
 
     @property
     def group_configs(self) -> list[GroupConfig]:
@@ -114,21 +130,23 @@ class ValidatedData:
         }
 
 
-def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems: _Problems) -> None:
-    """What the readers of one group need besides parsed keys (step 4 of the module docstring)."""
+def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems: _Problems, *,
+                     groups_source: str, info_source: str) -> None:
+    """What the readers of one group need besides parsed keys (step 4 of the module docstring); messages name
+    ``groups_source`` / ``info_source`` (training's files, or the validation split's)."""
     g = resolved.group
     for name, entry in zip(g.dataset_names, resolved.datasets):
         if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
-            problems.add(f"{config.dataset_info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
+            problems.add(f"{info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
                          "(bagel-data convert) and register the converted directory")
         elif not os.path.isdir(entry.energon_path):
-            problems.add(f"{config.dataset_info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
+            problems.add(f"{info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
                          "fix energon_path (relative paths are relative to the registry file) or convert the "
                          "dataset there (bagel-data convert)")
     if not g.image_transform_args:
-        problems.add(f"{config.groups_source}: group {g.name!r}: key 'image_transform_args' is required")
+        problems.add(f"{groups_source}: group {g.name!r}: key 'image_transform_args' is required")
     if config.order == "official" and g.num_used_data is None:
-        problems.add(f"{config.groups_source}: group {g.name!r}: order 'official' needs 'num_used_data' "
+        problems.add(f"{groups_source}: group {g.name!r}: order 'official' needs 'num_used_data' "
                      "(the official loader requires it)")
 
 
@@ -261,28 +279,23 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
         config.validate()
     for message in strategy_problems(config.packer):
         problems.add(message)
-    groups: list[GroupConfig] | None = None
-    info = None
     paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems.messages)
-    if paths_ok:
-        with problems.check():
-            groups = load_grouped_yaml(config.groups, source=config.groups_source)
-        with problems.check():
-            info = load_dataset_info(config.dataset_info, source=config.dataset_info_source)
-    resolved: list[ResolvedGroup] = []
-    if groups is not None and info is not None:
-        with problems.check():
-            resolved = resolve_groups(groups, info, source=config.dataset_info_source)
-        if readers:
-            for r in resolved:
-                _reader_problems(config, r, problems)
-    issues: list[BudgetIssue] = []
-    if groups is not None and not config.packer.problems() and not strategy_problems(config.packer):
-        issues = budget_issues(config.packer, groups, source=config.groups_source, official=config.order == "official")
-        if budgets == "error":
-            for issue in issues:
-                if issue.level == "error":
-                    problems.add(f"packer budgets cannot work with these groups: {issue.message}")
+    resolved, issues = _split_problems(config, config.groups, config.dataset_info, config.groups_source,
+                                       config.dataset_info_source, problems, paths_ok=paths_ok, readers=readers,
+                                       budgets=budgets)
+    valid_resolved: list[ResolvedGroup] | None = None
+    if config.valid is not None:
+        valid = config.valid
+        valid_ok = not any(p.startswith(("valid.", "valid:")) for p in problems.messages) and (
+            valid.dataset_info is not None or paths_ok)
+        valid_problems = _Problems()
+        valid_resolved, valid_issues = _split_problems(
+            config, valid.groups, valid.dataset_info if valid.dataset_info is not None else config.dataset_info,
+            config.valid_groups_source, config.valid_dataset_info_source, valid_problems, paths_ok=valid_ok,
+            readers=readers, budgets=budgets)
+        for message in valid_problems.messages:  # named as the validation split's, beside training's
+            problems.add(f"data.valid: {message}")
+        issues += valid_issues
     workers = bool(config.num_workers) and config.order != "official"  # the official order's are emulated
     if readers and (workers or config.prefetch):
         problem = socket_path_problem(workers=workers, prefetch=bool(config.prefetch))
@@ -290,5 +303,35 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
             problems.add(problem)
     problems.raise_if_any(config.groups_source)
     if budgets == "report":
-        return ValidatedData(config, resolved, issues)
-    return ValidatedData(config, resolved, log_warnings(issues))
+        return ValidatedData(config, resolved, issues, valid_resolved)
+    return ValidatedData(config, resolved, log_warnings(issues), valid_resolved)
+
+
+def _split_problems(config: BagelDataConfig, groups_value: Any, info_value: Any, groups_source: str,
+                    info_source: str, problems: _Problems, *, paths_ok: bool, readers: bool, budgets: str
+                    ) -> tuple[list[ResolvedGroup], list[BudgetIssue]]:
+    """Steps 2-5 of the module docstring for one split (training's ``groups`` / ``dataset_info``, or
+    ``valid.groups`` / its registry): its problems are added to ``problems``, each naming ``groups_source`` /
+    ``info_source``. Returns the resolved groups (empty when they could not be resolved) and the budget issues."""
+    groups: list[GroupConfig] | None = None
+    info = None
+    if paths_ok:
+        with problems.check():
+            groups = load_grouped_yaml(groups_value, source=groups_source)
+        with problems.check():
+            info = load_dataset_info(info_value, source=info_source)
+    resolved: list[ResolvedGroup] = []
+    if groups is not None and info is not None:
+        with problems.check():
+            resolved = resolve_groups(groups, info, source=info_source)
+        if readers:
+            for r in resolved:
+                _reader_problems(config, r, problems, groups_source=groups_source, info_source=info_source)
+    issues: list[BudgetIssue] = []
+    if groups is not None and not config.packer.problems() and not strategy_problems(config.packer):
+        issues = budget_issues(config.packer, groups, source=groups_source, official=config.order == "official")
+        if budgets == "error":
+            for issue in issues:
+                if issue.level == "error":
+                    problems.add(f"packer budgets cannot work with these groups: {issue.message}")
+    return resolved, issues

@@ -37,6 +37,8 @@ class TrainConfig:
     log_interval: int = 1
     tensorboard_dir: str | None = None
     digest_log: str | None = None       # JSONL: one sha256 per batch per rank (resume verification)
+    eval_interval: int = 0              # evaluate on data.valid every this many steps (0 = never; Megatron's name)
+    eval_iters: int = 1                 # steps per evaluation: eval_iters x micro-batches per step batches per rank
     exit_after_step: int | None = None  # hard-exit after this step without the final save (simulated crash)
     progress: bool = True
     stop_at_epoch: int | None = None    # elastic order: end the run (checkpoint as at train_iters) after the first
@@ -64,8 +66,10 @@ class TrainConfig:
         stop = self.stop_at_epoch
         if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop <= 0):
             out.append(f"train.stop_at_epoch: must be null or a positive integer (completed epochs), got {stop!r}")
-        if not isinstance(self.save_interval, int) or self.save_interval < 0:
-            out.append(f"train.save_interval: must be an integer >= 0, got {self.save_interval!r}")
+        for key in ("save_interval", "eval_interval", "eval_iters"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                out.append(f"train.{key}: must be an integer >= 0, got {value!r}")
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             if not isinstance(vpp, int) or vpp < 2:
@@ -167,10 +171,16 @@ def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True
     YAML, the registry, the datasets, the budgets), every problem in one ``ConfigError``.
 
     ``budgets`` / ``readers``: as for ``validate_data`` (``bagel-data stats`` reports budgets instead of
-    refusing them). Returns the ``ValidatedData`` to build the loader from.
+    refusing them). ``train.eval_interval`` and ``train.eval_iters`` > 0 without ``data.valid`` is a problem too
+    (nothing to evaluate on).
+    Returns the ``ValidatedData`` to build the loader from.
     """
-    prior = cfg.train.problems()
+    problems = cfg.train.problems()
     if cfg.train.stop_at_epoch is not None and cfg.data.order == "official":
-        prior.append("train.stop_at_epoch: needs data.order 'elastic' (the official order reads every worker's "
-                     "files round and round: it has no epoch of the whole DP world to stop at)")
-    return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=prior)
+        problems.append("train.stop_at_epoch: needs data.order 'elastic' (the official order reads every worker's "
+                        "files round and round: it has no epoch of the whole DP world to stop at)")
+    interval, iters = cfg.train.eval_interval, cfg.train.eval_iters
+    if isinstance(interval, int) and interval > 0 and isinstance(iters, int) and iters > 0 and cfg.data.valid is None:
+        problems.append(f"train.eval_interval: {interval} asks for an evaluation every {interval} steps but data.valid "
+                        "is not set: set data.valid.groups (the validation split) or train.eval_interval=0")
+    return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=problems)

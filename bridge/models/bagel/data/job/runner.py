@@ -11,6 +11,13 @@ and reads its own loader, as BAGEL's packed metadata (sample lengths, masks, pos
 every stage; peers of one DP replica therefore read identical streams. With a virtual pipeline the
 micro-batches are served to the model chunks through Bridge's ``make_data_iterator_list``.
 
+Validation: with ``data.valid`` and ``train.eval_interval`` > 0, every ``eval_interval`` steps (after the step,
+before its checkpoint, as Megatron does) each rank pulls ``train.eval_iters × micro-batches per step`` batches
+from the validation stream (``build.build_bagel_valid_loader``, handed over through the same provider and
+``RerunDataIterator`` as Bridge's valid split), checks them against the batch contract, and — with a trainer that
+has ``eval_step`` — computes their loss without an optimizer step. Every evaluation sees the same batches; rank 0
+logs one line per evaluation, and ``train.digest_log`` gets the batches' digests with ``"split": "valid"``.
+
 Training: ``run_job(..., trainer=...)`` also trains a model on every step's micro-batches. The trainer is any
 object with the ``Trainer`` protocol below (the reference one is ``bridge.models.bagel.model.trainer``, composed
 by the launcher ``bridge.models.bagel.launch``; this data package never imports a model). Without one
@@ -19,12 +26,13 @@ by the launcher ``bridge.models.bagel.launch``; this data package never imports 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +40,7 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 from ..packing import batch_digest
-from ..config import ValidatedData
+from ..config import ValidatedData, validate_data
 from .batch_check import account_batch, check_batch
 from .checkpoint import check_resume_dp, load_trainer_state, read_step, restore_loader, save_checkpoint
 from .config import JobConfig, validate_job
@@ -41,7 +49,7 @@ from .telemetry import Telemetry
 from .topology import agree, rank_coords
 from .world import completed_epochs, reduce_world
 
-__all__ = ["DataContractError", "Trainer", "build_iterator", "run_job"]
+__all__ = ["DataContractError", "JobIterators", "Trainer", "build_iterator", "build_iterators", "run_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,40 +66,126 @@ class Trainer(Protocol):
     ``{"loss": float}`` (the step's loss, identical on every rank), optionally more scalars (logged too).
     ``state_dict()``: everything a restart needs besides the loader (model, optimizer), torch-saveable with
     ``weights_only`` types; rank 0's is written. ``load_state_dict(state)``: restore it (every rank).
+    ``eval_step(batches, step)`` (optional: a trainer without it gets a data-only evaluation): the loss over this
+    rank's validation batches of the evaluation after step ``step``, without gradients or an optimizer step;
+    returns at least ``{"loss": float}``, identical on every rank.
     """
 
     def train_step(self, batches: Sequence[Mapping[str, Any]], step: int) -> Mapping[str, float]: ...
+
+    def eval_step(self, batches: Sequence[Mapping[str, Any]], step: int) -> Mapping[str, float]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None
-                   ) -> tuple[Any, Any]:
-    """Provider → Bridge ``build_pretraining_data_loader(..., "external")`` → ``RerunDataIterator``.
+class JobIterators(NamedTuple):
+    """What ``build_iterators`` returns: the training iterator Megatron's loop pulls (``RerunDataIterator``) and
+    the loader under it; the validation iterator and its ``BagelValidLoader`` (None without validation)."""
+
+    train: Any
+    loader: Any
+    valid: Any = None
+    valid_loader: Any = None
+
+
+def evaluations(train_iters: int, eval_interval: int) -> int:
+    """How many evaluations a run of ``train_iters`` steps makes (``eval_interval`` 0: none)."""
+    return train_iters // eval_interval if eval_interval > 0 else 0
+
+
+def build_iterators(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None, *,
+                    valid_batches_per_eval: int = 0) -> JobIterators:
+    """Provider → Bridge ``build_pretraining_data_loader(..., "external")`` → ``RerunDataIterator``, for the
+    training loader and, with ``valid_batches_per_eval`` > 0 (micro-batches one evaluation pulls on this rank;
+    ``data.valid`` must be set), the validation stream as Bridge's valid split (``BagelValidLoader``).
 
     ``data``: ``cfg.data`` already through ``validate_data`` (validated here when None)."""
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from ..build import build_bagel_train_loader
+    from ..build import build_bagel_train_loader, build_bagel_valid_loader
     from ..external import BagelMegatronMIMODatasetProvider
 
     api = import_bridge()
     train = cfg.train
-    context = api.DatasetBuildContext(train_samples=train.train_iters * train.global_batch_size, valid_samples=0,
-                                      test_samples=0, tokenizer=None, pg_collection=pg_collection)
-    loader = build_bagel_train_loader(cfg.data if data is None else data, tokenizer, context)
-    provider = BagelMegatronMIMODatasetProvider(train_loader=loader)
-    train_ds, valid_ds, test_ds = provider.build_datasets(context)
-    assert valid_ds is None and test_ds is None
-    external = api.build_pretraining_data_loader(
-        train_ds, 0, provider.dataloader_type, train.micro_batch_size, provider.num_workers, True,
-        collate_fn=provider.get_collate_fn(), pin_memory=False, data_parallel_rank=pg_collection.dp.rank(),
-        data_parallel_size=pg_collection.dp.size())
-    if external is not loader:
-        raise RuntimeError("build_pretraining_data_loader(..., 'external') did not return the provider's loader")
-    return RerunDataIterator(external), loader
+    if data is None:
+        data = validate_data(cfg.data)
+    valid_samples = valid_batches_per_eval * pg_collection.dp.size() * evaluations(train.train_iters,
+                                                                                    train.eval_interval)
+    context = api.DatasetBuildContext(train_samples=train.train_iters * train.global_batch_size,
+                                      valid_samples=valid_samples, test_samples=0, tokenizer=None,
+                                      pg_collection=pg_collection)
+    loader = build_bagel_train_loader(data, tokenizer, context)
+    valid_loader = None
+    try:
+        if valid_samples > 0:
+            valid_loader = build_bagel_valid_loader(data, tokenizer, context, batches_per_eval=valid_batches_per_eval)
+        provider = BagelMegatronMIMODatasetProvider(train_loader=loader, valid_loader=valid_loader)
+        train_ds, valid_ds, test_ds = provider.build_datasets(context)
+        assert test_ds is None and valid_ds is valid_loader
+        loaders = []
+        for ds in (train_ds, valid_ds):
+            loaders.append(None if ds is None else api.build_pretraining_data_loader(
+                ds, 0, provider.dataloader_type, train.micro_batch_size, provider.num_workers, True,
+                collate_fn=provider.get_collate_fn(), pin_memory=False, data_parallel_rank=pg_collection.dp.rank(),
+                data_parallel_size=pg_collection.dp.size()))
+        if loaders[0] is not loader or loaders[1] is not valid_loader:
+            raise RuntimeError("build_pretraining_data_loader(..., 'external') did not return the provider's loader")
+    except BaseException:
+        loader.close()
+        if valid_loader is not None:
+            valid_loader.close()
+        raise
+    return JobIterators(RerunDataIterator(loader), loader,
+                        RerunDataIterator(valid_loader) if valid_loader is not None else None, valid_loader)
+
+
+def build_iterator(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None
+                   ) -> tuple[Any, Any]:
+    """The training part of ``build_iterators``: ``(RerunDataIterator, loader)``."""
+    its = build_iterators(cfg, pg_collection, tokenizer, data)
+    return its.train, its.loader
+
+
+def _evaluate(step: int, valid: Any, num_batches: int, trainer: Any, cfg: JobConfig, coords: Mapping[str, Any],
+              digest_fh: Any) -> dict[str, Any]:
+    """One evaluation after ``step``: ``num_batches`` validation batches per rank, checked against the batch
+    contract, their loss through ``trainer.eval_step`` when it has one; collective (every rank). Returns
+    ``{"step", "batches" (over all ranks), "digest" (sha256 over every rank's batch digests in rank order),
+    "loss" (float or None)}``; writes the batches' digests (``"split": "valid"``) to ``digest_fh``."""
+    packer_cfg = cfg.data.packer
+    rank = coords["rank"]
+    batches: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    error: BaseException | None = None
+    try:
+        for i in range(num_batches):
+            batch = next(valid)
+            problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens, use_flex=packer_cfg.use_flex,
+                                   max_latent_size=packer_cfg.max_latent_size,
+                                   max_num_patch_per_side=packer_cfg.max_num_patch_per_side)
+            if problems:
+                raise DataContractError(f"rank {rank} evaluation at step {step} batch {i}: " + "; ".join(problems))
+            batches.append(batch)
+            rows.append({**coords, "split": "valid", "step": step, "micro": i, "digest": batch_digest(batch)})
+    except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
+        error = exc
+    agree(error, f"in the evaluation at step {step}")
+    loss = None
+    eval_step = getattr(trainer, "eval_step", None)
+    if eval_step is not None:
+        loss = float(eval_step(batches, step)["loss"])
+        for row in rows:
+            row["loss"] = loss.hex()
+    del batches
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [row["digest"] for row in rows])
+    digest = hashlib.sha256("".join(d for ds in gathered for d in ds).encode()).hexdigest()
+    if digest_fh is not None and rows:
+        digest_fh.write("".join(json.dumps(row) + "\n" for row in rows))
+        digest_fh.flush()
+    return {"step": step, "batches": sum(len(ds) for ds in gathered), "digest": digest, "loss": loss}
 
 
 def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
@@ -108,7 +202,10 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
 
     ``data``: ``cfg`` already through ``job.config.validate_job`` (validated here when None). ``trainer``: trains
     on every step's micro-batches and is checkpointed with the loader (``Trainer``); None = data-only. The summary
-    then holds ``loss_first`` / ``loss_last`` (the run's first and last step losses).
+    then holds ``loss_first`` / ``loss_last`` (the run's first and last step losses). With ``data.valid`` and
+    ``train.eval_interval`` > 0 the job evaluates every ``eval_interval`` steps (module docstring); the summary's
+    ``evaluations`` counts them and ``eval_last`` is the last one (``step``, ``batches`` over all ranks, ``digest``,
+    ``loss`` or None).
 
     Returns the run's summary (``Telemetry.summary``: every DP rank's numbers, per group epochs, ledger and drops;
     the straggler figures; ``start_step``, ``steps`` run, ``stream_position`` (batches
@@ -143,8 +240,9 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
         finally:
             rsm_log.setLevel(level)
     error: BaseException | None = None
-    iterator = loader = None
+    iterator = loader = valid = valid_loader = None
     start_step = 0
+    per_eval = train.eval_iters * num_micro if cfg.data.valid is not None and train.eval_interval > 0 else 0
     try:
         if data is None:
             data = validate_job(cfg)  # the one validation pass of this job
@@ -152,7 +250,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             start_step = read_step(train.load)
             if not cfg.data.fresh_stream:  # a fresh data stream reads no loader state
                 check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
-        iterator, loader = build_iterator(cfg, pg_collection, tokenizer, data)
+        iterator, loader, valid, valid_loader = build_iterators(cfg, pg_collection, tokenizer, data,
+                                                                 valid_batches_per_eval=per_eval)
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
             if trainer is not None:
@@ -166,9 +265,21 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     try:
         agree(error, "while building/restoring the loader")
     except BaseException:
-        if loader is not None:
-            loader.close()
+        for opened in (loader, valid_loader):
+            if opened is not None:
+                opened.close()
         raise
+    if rank == 0:
+        if valid is not None:
+            logger.info("validation: every %d steps, %d step(s) x %d micro-batch(es) per rank from data.valid (the same "
+                        "batches at every evaluation)", train.eval_interval, train.eval_iters, num_micro)
+        elif cfg.data.valid is not None:
+            logger.info("validation is off: data.valid is set but this run evaluates nothing (train.eval_interval %d, "
+                        "train.eval_iters %d, train.train_iters %d)", train.eval_interval, train.eval_iters,
+                        train.train_iters)
+        else:
+            logger.info("validation is off: data.valid is not set")
+    eval_results: list[dict[str, Any]] = []
 
     weights = {g.name: g.weight for g in data.group_configs}
     group_names = list(weights)
@@ -237,6 +348,13 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                     world = reduce_world(tele.local(), loader.stats(), group_names, pg_collection.dp)
                 waits = straggler.log(step, straggler.reduce(pg_collection.dp))  # compute per step over DP ranks
                 tele.log(step, world, extra=waits)
+            if valid is not None and step % train.eval_interval == 0:
+                result = _evaluate(step, valid, per_eval, trainer, cfg, coords, digest_fh)
+                eval_results.append(result)
+                if rank == 0:
+                    loss_text = "n/a (data only)" if result["loss"] is None else f"{result['loss']:.6g}"
+                    logger.info("eval at step %d | batches %d | digest %s | loss %s", step, result["batches"],
+                                result["digest"][:16], loss_text)
             if train.exit_after_step is not None and step == train.exit_after_step:
                 logger.warning("train.exit_after_step=%d: simulating a crash (no final checkpoint)", step)
                 if digest_fh is not None:
@@ -267,9 +385,14 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             digest_fh.close()
         tele.close()
         loader.close()
+        if valid_loader is not None:
+            valid_loader.close()
     summary = {**tele.summary(final), **straggler.summary()}
     summary.update(start_step=start_step, steps=last_step - start_step, micro_batches_per_step=num_micro,
                    stream_position=own.get("position"),
                    layout=layout, **({"stopped_at_epoch": stopped} if stopped else {}))
+    if eval_results:  # the count and the last one: the summary stays small however many evaluations ran
+        summary["evaluations"] = len(eval_results)
+        summary["eval_last"] = eval_results[-1]
     summary["pipeline"] = own  # this rank's own counters (``loader.stats()``): not part of the logged line
     return summary

@@ -5,4 +5,5 @@
 * ``prefetch`` (+ ``shm``): ``PrefetchStage``, packed batches made ahead in a producer process, handed over in
   shared memory whose segments a later job reclaims when their owner died.
 * ``loader``: ``BagelExternalLoader``, what Megatron receives (public through ``external``).
+* ``valid``: ``BagelValidLoader``, the validation stream: the same batches at every evaluation (no state).
 """
