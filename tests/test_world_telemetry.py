@@ -109,3 +109,38 @@ def test_stop_at_epoch_is_checked_with_the_other_keys() -> None:
     assert TrainConfig(stop_at_epoch=0).problems() == [
         "train.stop_at_epoch: must be null or a positive integer (completed epochs), got 0"]
     assert TrainConfig(stop_at_epoch=3).problems() == []
+
+
+_WAITING_RANKS = r"""
+import logging, os, time
+import torch.distributed as dist
+from bridge.models.bagel.data.job.topology import agree
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(levelname)s %(message)s")
+if rank == 1:
+    time.sleep(3.0)  # this rank's data is slow (the watchdog would name its shard on this rank)
+agree(None, "at step 7", warn_s=0.5)
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_waiting_for_a_slower_one_says_so(tmp_path) -> None:
+    """The waiting ranks warn too while one rank's data stalls: rank 0, ready, says it waits at that step for the
+    others (the slow rank's own watchdog line names the shard), then when they arrived; rank 1 says nothing."""
+    script = tmp_path / "waiting.py"
+    script.write_text(_WAITING_RANKS)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), str(script)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env=env)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    waited = [x for x in log.splitlines() if "for other ranks" in x]
+    assert len(waited) == 1 and waited[0].startswith("[rank0] WARNING rank 0 has waited") and "at step 7" in waited[0]
+    arrived = [x for x in log.splitlines() if "the other ranks arrived at step 7" in x]
+    assert len(arrived) == 1 and arrived[0].startswith("[rank0]"), log[-3000:]

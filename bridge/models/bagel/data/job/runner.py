@@ -171,7 +171,7 @@ def _evaluate(step: int, valid: Any, num_batches: int, trainer: Any, cfg: JobCon
             rows.append({**coords, "split": "valid", "step": step, "micro": i, "digest": batch_digest(batch)})
     except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
         error = exc
-    agree(error, f"in the evaluation at step {step}")
+    agree(error, f"in the evaluation at step {step}", warn_s=cfg.data.stall_warn_s)
     loss = None
     eval_step = getattr(trainer, "eval_step", None)
     if eval_step is not None:
@@ -325,7 +325,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
                 step_error = exc
             # Every rank learns of a failing rank's data error at the same step, so none waits in a collective.
-            agree(step_error, f"at step {step}")
+            agree(step_error, f"at step {step}", warn_s=cfg.data.stall_warn_s)
             if trainer is not None:
                 metrics = dict(trainer.train_step(batches, step))
                 tele.record_step(step, metrics)

@@ -15,6 +15,8 @@ The loader is sharded by data parallelism only. Following Megatron-Bridge's stan
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -44,7 +46,7 @@ class AgreedError(RuntimeError):
         self.source_rank = source_rank
 
 
-def agree(error: BaseException | None, what: str = "setup") -> None:
+def agree(error: BaseException | None, what: str = "setup", warn_s: float = 0.0) -> None:
     """Collective over the world: return iff no rank failed, else raise ``AgreedError`` on every rank.
 
     Every rank must call this at the same point, so no rank is left waiting in a later collective. A rank that
@@ -52,7 +54,34 @@ def agree(error: BaseException | None, what: str = "setup") -> None:
     words and names the lowest failing rank, its error kind and a short form of what failed (the error's
     ``brief`` if it has one): ``another rank failed <what>: rank R (Kind: …); this rank was fine``. The local
     exception (if any) is chained as the cause.
+
+    ``warn_s`` (seconds, 0 = silent; the job passes ``data.stall_warn_s``): a rank that has waited this long for
+    the others logs one WARNING saying so (it is not its own data: a slower rank's data watchdog names the shard
+    that rank waits on), and one line when they arrive; the same time-out as the collective's own applies.
     """
+    t0, waiting = time.monotonic(), threading.Event()
+    timer = None
+    if warn_s and warn_s > 0:
+        def _warn() -> None:
+            waiting.set()
+            logger.warning("rank %d has waited %.0fs %s for other ranks (data.stall_warn_s=%g): this rank's data is "
+                           "ready; a slower rank's data watchdog line names what it waits on", dist.get_rank(),
+                           time.monotonic() - t0, what, warn_s)
+
+        timer = threading.Timer(warn_s, _warn)
+        timer.daemon = True
+        timer.start()
+    try:
+        _agree(error, what)
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if waiting.is_set():
+            logger.warning("rank %d: the other ranks arrived %s after %.1fs", dist.get_rank(), what,
+                           time.monotonic() - t0)
+
+
+def _agree(error: BaseException | None, what: str) -> None:
     mine = None
     if error is not None:
         message = "\n".join(" ".join(line.split()) for line in str(error).splitlines() if line.strip())
