@@ -3,7 +3,9 @@
 A 2-rank ``torchrun`` job over a 32-sample t2i group whose one broken row (no image) is read only by DP rank 1:
 rank 0's interval lines and the summary count that drop (and say it happened on 1 of 2 ranks), every interval
 line names the group's completed epochs, and ``train.stop_at_epoch`` ends the run at the step the world
-completes that epoch. In process: the summary of a group read through 1024 partitions stays small.
+completes that epoch; the same job (``packer.strategy: balanced``) logs the straggler line of every step
+(issue 34). In process: the summary of a group read through 1024 partitions stays small; a rank that waits for a
+slower one says so.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def test_rank0_counts_rank1s_drop_logs_epochs_and_stops_at_one(tmp_path) -> None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
            "--master-port", str(port), "--log-dir", str(tmp_path / "torchelastic"),
            str(REPO / "scripts" / "pretrain_bagel.py"), "demo_data=null", *_overrides(root),
-           "train.train_iters=60", "train.global_batch_size=2", "train.stop_at_epoch=2", f"train.save={tmp_path}/ck"]
+           "train.train_iters=60", "train.global_batch_size=2", "train.stop_at_epoch=2", f"train.save={tmp_path}/ck",
+           "data.packer.strategy=balanced"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
@@ -83,6 +86,8 @@ def test_rank0_counts_rank1s_drop_logs_epochs_and_stops_at_one(tmp_path) -> None
     assert group["consumed"] == group["packed"] + group["buffered"] + sum(
         n for r, n in group["dropped"].items() if r != "missing_image")  # the packer's ledger, over the world
     assert group["epoch"] == 2 and group["epochs_read"] >= 2
+    straggler = [x for x in log.splitlines() if "straggler: compute max/mean over 2 DP ranks" in x]
+    assert len(straggler) == step and "straggler_ratio" in summary, log[-4000:]  # every step's line; the run's ratio
     saved = (tmp_path / "ck" / "latest_checkpointed_iteration.txt").read_text().strip()
     assert saved == str(step), saved  # the checkpoint is where it stopped
 
