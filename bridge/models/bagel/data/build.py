@@ -7,10 +7,11 @@ replaces the reader/packer/RNG part by ``OfficialWorkers`` over ``num_workers`` 
 workers, each a ``BagelRNGIterator(BagelPacker([GroupReader with an OfficialPlan per group]))`` chain (see
 ``pipeline.official_mode``).
 
-``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML, after
-the one validation pass; ``build_bagel_valid_loader`` the validation stream over ``data.valid``'s groups with the
-same builder (``pipeline.valid.BagelValidLoader``: rebuilt from ``data.seed`` at every evaluation). Both follow (``config.validate_data``; pass its ``ValidatedData`` to skip a second pass); the stages
-trust the validated configuration. ``providers.BagelDatasetProvider`` wraps it for Bridge's standard ``pretrain()``.
+``build_bagel_train_loader`` builds one rank's loader for any number of groups from the grouped YAML;
+``build_bagel_valid_loader`` the validation stream over ``data.valid``'s groups with the same builder
+(``pipeline.valid.BagelValidLoader``: rebuilt from ``data.seed`` at every evaluation). Both run after the one
+validation pass (``config.validate_data``; pass its ``ValidatedData`` to skip a second pass); the stages trust the
+validated configuration. ``providers.BagelDatasetProvider`` wraps it for Bridge's standard ``pretrain()``.
 """
 
 from __future__ import annotations

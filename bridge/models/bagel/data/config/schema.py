@@ -395,7 +395,6 @@ class ValidDataConfig:
     dataset_info: Any = None
 
 
-
 @dataclass
 class BagelDataConfig:
     """Everything the data pipeline needs: the groups and the registry, packer knobs, data seed, workers, tokenizer.
@@ -507,7 +506,8 @@ class BagelDataConfig:
 
     @property
     def valid_groups_source(self) -> str:
-        """How messages name ``valid.groups``: its path, or ``data.valid.groups (mapping)`` (None without ``valid``)."""
+        """How messages name ``valid.groups``: its path, or ``data.valid.groups (mapping)`` (``data.valid (not set)``
+        without ``valid``)."""
         if self.valid is None:
             return "data.valid (not set)"
         groups = self.valid.groups

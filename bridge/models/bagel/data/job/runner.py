@@ -34,7 +34,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-import torch
 import torch.distributed as dist
 
 from .._bridge import import_bridge
@@ -376,7 +375,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                                 train.stop_at_epoch, dp_size)
                 break
         own = loader.stats()
-        final = reduce_world(tele.local(), own, group_names, pg_collection.dp)
+        final = reduce_world(tele.local(p95=True), own, group_names, pg_collection.dp)
         logger.debug("this rank's pipeline counters at the end: %s", json.dumps(own, default=str))
     finally:
         if bar is not None:

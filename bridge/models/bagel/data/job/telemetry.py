@@ -64,18 +64,20 @@ class Telemetry:
         """Add one step's wall time (pulling its micro-batches and training on them)."""
         self.step_seconds += seconds
 
-    def local(self) -> dict[str, Any]:
+    def local(self, *, p95: bool = False) -> dict[str, Any]:
         """This rank's counters for ``world.reduce_world``: the interval's (``interval_*``) and the run's tokens,
-        samples, batches, CE / MSE tokens, wait seconds and count, the p95 wait (s) and samples per group."""
-        waits = sorted(self.waits)
-        return {"interval_tokens": self.interval["tokens"], "interval_samples": self.interval["samples"],
-                "interval_batches": self.interval["batches"], "interval_wait_s": sum(self.interval_waits),
-                "interval_waits": len(self.interval_waits), "tokens": self.total["tokens"],
-                "samples": self.total["samples"], "batches": self.total["batches"],
-                "ce_tokens": self.total["ce_tokens"], "mse_tokens": self.total["mse_tokens"],
-                "wait_s": sum(waits), "waits": len(waits),
-                "wait_p95_s": waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0,
-                "group_samples": dict(self.groups_total)}
+        samples, batches, CE / MSE tokens, wait seconds and count and samples per group; with ``p95`` also the
+        run's p95 wait (s: a sort of every wait so far, so only for the summary, not every interval)."""
+        out = {"interval_tokens": self.interval["tokens"], "interval_samples": self.interval["samples"],
+               "interval_batches": self.interval["batches"], "interval_wait_s": sum(self.interval_waits),
+               "interval_waits": len(self.interval_waits), "tokens": self.total["tokens"],
+               "samples": self.total["samples"], "batches": self.total["batches"],
+               "ce_tokens": self.total["ce_tokens"], "mse_tokens": self.total["mse_tokens"],
+               "wait_s": sum(self.waits), "waits": len(self.waits), "group_samples": dict(self.groups_total)}
+        if p95:
+            waits = sorted(self.waits)
+            out["wait_p95_s"] = waits[min(len(waits) - 1, int(0.95 * len(waits)))] if waits else 0.0
+        return out
 
     def log(self, step: int, world: Mapping[str, Any], extra: Mapping[str, float] | None = None) -> dict[str, float]:
         """Emit and reset the interval. ``world``: ``world.reduce_world`` over the DP ranks (every rank's tokens,
@@ -83,20 +85,19 @@ class Telemetry:
         interval for TensorBoard and the return value (the straggler figures, ``job.straggler``)."""
         now = time.perf_counter()
         dt = max(now - self._tint, 1e-9)
-        own = self.local()
-        tokens = world.get("interval_tokens", own["interval_tokens"])
-        b = max(world.get("interval_batches", own["interval_batches"]), 1)
-        waits = max(world.get("interval_waits", own["interval_waits"]), 1)
-        group_samples = world.get("group_samples", own["group_samples"])
+        counts = world or self.local()  # reduce_world's keys are local()'s, summed over the ranks
+        tokens = counts["interval_tokens"]
+        b = max(counts["interval_batches"], 1)
+        group_samples = counts["group_samples"]
         n_samples = max(sum(group_samples.values()), 1)
         mix = {g: group_samples.get(g, 0) / n_samples for g in self.weight_share}
-        wait_mean = 1000 * world.get("interval_wait_s", own["interval_wait_s"]) / waits
+        wait_mean = 1000 * counts["interval_wait_s"] / max(counts["interval_waits"], 1)
         stats = {
             "tokens_per_s": tokens / dt,
             "fill_ratio": tokens / (b * self.max_num_tokens),
-            "samples_per_pack": world.get("interval_samples", own["interval_samples"]) / b,
+            "samples_per_pack": counts["interval_samples"] / b,
             "wait_ms_mean": wait_mean,
-            "wait_ms_worst": world.get("wait_ms_worst", wait_mean),
+            "wait_ms_worst": counts.get("wait_ms_worst", wait_mean),
             "buffer_len": float(world.get("buffer_len", 0)),
             **(extra or {}),
         }

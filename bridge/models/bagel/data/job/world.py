@@ -68,7 +68,8 @@ def reduce_world(telemetry: Mapping[str, float], pipeline: Mapping[str, Any], gr
     Without an initialized process group: this rank's numbers alone.
 
     Returns ``{"dp_size", **sums of _TELEMETRY_SUMS, "wait_ms_worst" (the worst rank's mean wait of the interval,
-    ms), "wait_ms_p95_worst" (the worst rank's p95 over the run, ms), "buffer_len", "drops", "unused"
+    ms), "wait_ms_p95_worst" (the worst rank's p95 over the run, ms; 0 unless
+    ``telemetry`` holds ``wait_p95_s``: ``Telemetry.local(p95=True)``, for the summary), "buffer_len", "drops", "unused"
     ({reason: count}, zero counts left out), "drop_ranks" (ranks that dropped anything so far), "group_samples"
     ({group: samples packed}, for the mix), "groups": {group: {"epoch": completed epochs or None, "epochs_read":
     float or None, "consumed", "packed", "buffered", "dropped": {reason: count}}}}``; counts are ints.

@@ -53,7 +53,7 @@ class ListGroupSource(Savable):
         ``StateError`` for malformed states.
         """
         rank, size = int(ctx.dp_rank), int(ctx.dp_size)
-        if getattr(ctx, "same_world", False):  # a budget change: this rank's own state alone, the handover appended
+        if ctx.same_world:  # a budget change: this rank's own state alone, the handover appended
             olds, rank, size = list(olds)[:1], 0, 1
         for i, old in enumerate(olds):
             if not isinstance(old, dict) or set(old) != set(self._savable_fields):
