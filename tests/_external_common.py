@@ -82,6 +82,27 @@ def single_process_pg_collection():
     return ProcessGroupCollection(tp=world, pp=world, cp=world, dp=world)
 
 
+#: Main-job overrides for a quick in-process run on the demo data: small packs, one micro-batch per step, no bar.
+SMALL_JOB = ["data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=8192",
+             "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
+             "train.global_batch_size=1", "train.progress=false", "train.log_interval=1"]
+
+
+def run_job_in_process(config: Any, overrides: list[str], tokenizer: Any) -> dict:
+    """The main job's ``run_job`` in this process (a one-rank gloo world) on ``load_job_config(config,
+    overrides)``; Megatron's global micro-batch calculator is reset afterwards, so the next run may set it again."""
+    from megatron.core import num_microbatches_calculator as nmc
+
+    from bridge.models.bagel.data.job.config import load_job_config
+    from bridge.models.bagel.data.job.runner import run_job
+
+    cfg = load_job_config(config, overrides)
+    try:
+        return run_job(cfg, single_process_pg_collection(), tokenizer)
+    finally:
+        nmc.destroy_num_microbatches_calculator()
+
+
 def small_selection_config(out: Any, directory: Path) -> Any:
     """The demo data config (``demo_config``, no workers, flex) with a small selection — 16 t2i, 8 edit, 12 vlm reads
     per epoch — and 4 partitions under ``data.order: elastic`` (its groups YAML written to ``directory``)."""

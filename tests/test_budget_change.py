@@ -116,29 +116,29 @@ def test_a_budget_change_with_a_resize_is_exactly_once(small, one_step) -> None:
     grown.close()
 
 
+def _refusal(cfg, tok, dp: tuple[int, int], state: dict) -> str:
+    """The ``ResumeMismatchError`` text of restoring ``state`` into a loader built from ``cfg`` on ``dp``."""
+    loader = build_bagel_train_loader(cfg, tok, dp, length=10)
+    try:
+        with pytest.raises(ResumeMismatchError) as refused:
+            loader.restore_state(state)
+    finally:
+        loader.close()
+    return str(refused.value)
+
+
 def test_without_the_key_a_budget_change_is_refused_and_the_key_allows_budgets_only(small, one_step) -> None:
     cfg, tok = small
     saved = one_step[1]
-    bigger = build_bagel_train_loader(_budget(cfg, max_num_tokens=12288), tok, (0, 2), length=10)
-    with pytest.raises(ResumeMismatchError) as refused:
-        bigger.restore_state(saved[0])
-    text = str(refused.value)
+    text = _refusal(_budget(cfg, max_num_tokens=12288), tok, (0, 2), saved[0])
     assert "packer.max_num_tokens: saved=8192 current=12288" in text, text
     assert "data.resume_budget_change=true" in text and "only packer budgets differ" in text, text
-    bigger.close()
 
     both = dataclasses.replace(_budget(cfg, max_num_tokens=12288), seed=7, resume_budget_change=True)
-    reseeded = build_bagel_train_loader(both, tok, (0, 2), length=10)
-    with pytest.raises(ResumeMismatchError) as refused:
-        reseeded.restore_state(saved[0])
-    text = str(refused.value)
+    text = _refusal(both, tok, (0, 2), saved[0])
     assert "loader.seed: saved=42 current=7" in text and "lets only the packer budgets change" in text, text
-    reseeded.close()
-    lossless = build_bagel_train_loader(dataclasses.replace(_budget(cfg, lossless=True), resume_budget_change=True),
-                                        tok, (0, 2), length=10)
-    with pytest.raises(ResumeMismatchError, match="packer.lossless: saved=False current=True"):
-        lossless.restore_state(saved[0])  # not a budget: it changes what the loop drops
-    lossless.close()
+    text = _refusal(dataclasses.replace(_budget(cfg, lossless=True), resume_budget_change=True), tok, (0, 2), saved[0])
+    assert "packer.lossless: saved=False current=True" in text, text  # not a budget: it changes what the loop drops
 
 
 def test_under_the_official_order_a_budget_change_stays_refused(small) -> None:
@@ -146,13 +146,9 @@ def test_under_the_official_order_a_budget_change_stays_refused(small) -> None:
     official = dataclasses.replace(cfg, order="official", num_workers=1)
     _, saved = run_world(elastic_world(official, tok, 1), 1)
     changed = dataclasses.replace(_budget(official, max_num_tokens=12288), resume_budget_change=True)
-    loader = build_bagel_train_loader(changed, tok, (0, 1), length=10)
-    with pytest.raises(ResumeMismatchError) as refused:
-        loader.restore_state(saved[0])
-    text = str(refused.value)
+    text = _refusal(changed, tok, (0, 1), saved[0])
     assert "packer.max_num_tokens: saved=8192 current=12288" in text, text
     assert "data.order: official cannot change them" in text and "function of the packer state" in text, text
-    loader.close()
 
 
 def test_the_budget_keys_are_packer_knobs_and_the_balanced_pool_is_handed_back_too(small) -> None:
@@ -182,27 +178,16 @@ def test_the_job_resumes_a_budget_change_through_bridge_restore(demo_setup, tmp_
     """The main job (one rank, in this process): a checkpoint at step 2 under ``max_num_tokens`` 8192, resumed with
     9216 — refused without the key (naming it), continued at batch 2 with it (Bridge's ``maybe_load_dataloader_state``
     calls ``restore_state``), the change said in one line."""
-    from megatron.core import num_microbatches_calculator as nmc
-
-    from _external_common import single_process_pg_collection
+    from _external_common import SMALL_JOB, run_job_in_process
     from _relative_project import project
-    from bridge.models.bagel.data.job.config import load_job_config
-    from bridge.models.bagel.data.job.runner import run_job
     from bridge.models.bagel.data.job.topology import AgreedError
 
     job_yaml = project(demo_setup, tmp_path)
     _, tokenizer = demo_setup
     ckpt = tmp_path / "ckpt"
-    small = ["data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=8192",
-             "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
-             "train.global_batch_size=1", "train.progress=false", "train.log_interval=1"]
 
     def run(*overrides: str) -> dict:
-        cfg = load_job_config(job_yaml, [*small, *overrides])
-        try:
-            return run_job(cfg, single_process_pg_collection(), tokenizer)
-        finally:
-            nmc.destroy_num_microbatches_calculator()
+        return run_job_in_process(job_yaml, [*SMALL_JOB, *overrides], tokenizer)
 
     assert run("train.train_iters=2", f"train.save={ckpt}")["pipeline"]["position"] == 2
     changed = ["train.train_iters=3", f"train.load={ckpt}", "data.packer.max_num_tokens=9216"]

@@ -17,31 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from _external_common import single_process_pg_collection
+from _external_common import SMALL_JOB, run_job_in_process
 from _relative_project import project
-from bridge.models.bagel.data.job.config import load_job_config
-from bridge.models.bagel.data.job.runner import run_job
 from bridge.models.bagel.data.job.topology import AgreedError
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["data.packer.expected_num_tokens=4096", "data.packer.max_num_tokens=8192",
-         "data.packer.max_num_tokens_per_sample=4096", "data.packer.prefer_buffer_before=2048",
-         "train.global_batch_size=1", "train.progress=false", "train.log_interval=1"]
 
 
 def test_fresh_stream_resumes_a_changed_budget_and_says_so(demo_setup, tmp_path, caplog):
     job_yaml = project(demo_setup, tmp_path)
     _, tokenizer = demo_setup
     ckpt = tmp_path / "ckpt"
-    from megatron.core import num_microbatches_calculator as nmc
 
     def run(*overrides: str) -> dict:
-        cfg = load_job_config(job_yaml, [*SMALL, *overrides])
-        try:
-            return run_job(cfg, single_process_pg_collection(), tokenizer)
-        finally:
-            nmc.destroy_num_microbatches_calculator()
+        return run_job_in_process(job_yaml, [*SMALL_JOB, *overrides], tokenizer)
 
     first = run("train.train_iters=2", f"train.save={ckpt}")
     assert first["pipeline"]["position"] == 2
@@ -62,7 +52,7 @@ def test_fresh_stream_resumes_a_changed_budget_and_says_so(demo_setup, tmp_path,
     env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-         str(REPO / "scripts" / "pretrain_bagel.py"), "--config", rel_config, *SMALL,
+         str(REPO / "scripts" / "pretrain_bagel.py"), "--config", rel_config, *SMALL_JOB,
          "train.global_batch_size=2", *changed, "data.fresh_stream=true"],
         cwd=elsewhere, capture_output=True, text=True, timeout=600, env=env)
     out = proc.stdout + proc.stderr

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _external_common import single_process_pg_collection
-from bridge.models.bagel.data.job.config import TrainConfig, load_job_config
-from bridge.models.bagel.data.job.runner import run_job
+from _external_common import run_job_in_process
+from bridge.models.bagel.data.job.config import TrainConfig
 from test_liveness import SMALL, T2I_ARGS, _png, _t2i
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,17 +92,11 @@ def test_rank0_counts_rank1s_drop_logs_epochs_and_stops_at_one(tmp_path) -> None
 
 
 def test_summary_is_small_at_1024_partitions(tmp_path, demo_setup) -> None:
-    from megatron.core import num_microbatches_calculator as nmc
-
     _, tokenizer = demo_setup
     rows = [{"image": _png(16, 16, i), "captions": json.dumps({"c": f"p{i}"})} for i in range(1100)]
     root = _job_files(tmp_path, rows, T2I_ARGS)
-    cfg = load_job_config(None, [*_overrides(root), "data.partitions=1024", "train.train_iters=2",
-                                 "train.global_batch_size=1"])
-    try:
-        summary = run_job(cfg, single_process_pg_collection(), tokenizer)
-    finally:
-        nmc.destroy_num_microbatches_calculator()
+    summary = run_job_in_process(None, [*_overrides(root), "data.partitions=1024", "train.train_iters=2",
+                                        "train.global_batch_size=1"], tokenizer)
     assert summary["pipeline"]["sources"]["t2i_pretrain"]["blocks_open"] == 1024  # one rank reads all 1024
     logged = json.dumps({k: v for k, v in summary.items() if k != "pipeline"})  # what the launcher logs
     assert len(logged) < 2048, len(logged)
