@@ -1,4 +1,7 @@
-"""Time to first batch after imports, per process, at the default budgets (32K expected / 36K max) on demo data.
+"""Start-up: one rank's time to its first batch after imports, and the 2-rank main job's time to its first step.
+
+**Loader** (``startup:`` keys ``imports_s`` … ``after_imports_s``), at the default budgets (32K expected / 36K max)
+on demo data.
 
 Each measurement is a fresh Python process (what every rank pays at launch and at every restart): it imports
 torch, transformers' Qwen2 tokenizer module and our builder (``imports_s``), then loads the offline tokenizer
@@ -6,8 +9,18 @@ torch, transformers' Qwen2 tokenizer module and our builder (``imports_s``), the
 batch (``first_batch_s``). ``after_imports_s`` is the sum of the last three; target <= 2 s. The first process may
 also write the tokenizer's snapshot, so ``--runs`` processes are timed and the median is reported. Last line:
 ``startup: imports_s=<a> tokenizer_s=<b> build_s=<c> first_batch_s=<d> after_imports_s=<e>``.
-``--quick`` is the CI smoke run (small sizes, one run; ``tests/test_benches.py``): it proves the bench still works,
-its numbers mean nothing.
+
+**Job** (keys ``job_*``; ``--loader-only`` skips it): ``torchrun --nproc-per-node=2 scripts/pretrain_bagel.py`` on
+the demo data, one step (``--model``: ``null`` data only, the default, or ``bagel-tiny``), timed from the launch to
+rank 0's ``start-up:`` line (logged as the first step begins: ``job_first_step_s``), with the job's own phase
+split from its summary (``job_<phase>_s``: rank 0's ``startup_s``). The baseline, measured in the same run:
+``job_import_floor_s``, the same launch of a 2-rank script that only imports what the job's path imports (torch,
+Megatron-Core, transformers' Qwen2 tokenizer module, Megatron-Bridge's data and checkpoint modules, this
+package's job) and exits at once; ``job_over_floor`` is the ratio, what the job adds on top of its imports.
+Runs alternate job / floor; medians of ``--runs``.
+
+``--quick`` is the CI smoke run (small sizes, one run each; ``tests/test_benches.py``): it proves the bench still
+works, its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +37,78 @@ import time
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TARGET_S = 2.0
 KEYS = ("imports_s", "tokenizer_s", "build_s", "first_batch_s", "after_imports_s")
+#: the import floor's script: what the job's path imports, then nothing (rank 0 prints when done)
+FLOOR = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import torch, megatron.core.parallel_state
+from transformers import Qwen2Tokenizer
+from bridge.models.bagel.data._bridge import import_bridge
+import bridge.models.bagel.data.job.runner, bridge.models.bagel.launch
+import_bridge()
+print("imports done", flush=True)
+"""
+
+
+def _torchrun(script: list[str], port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), *script]
+
+
+def _time_until(cmd: list[str], marker: str, log: str) -> tuple[float, str]:
+    """Seconds from starting ``cmd`` to the first output line holding ``marker`` (the whole output is kept in
+    ``log``); RuntimeError naming the log when the command ends without it or fails."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    seen = None
+    with open(log, "w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            fh.write(line)
+            if seen is None and marker in line:
+                seen = time.perf_counter() - t0
+        rc = proc.wait()
+    if rc != 0 or seen is None:
+        raise RuntimeError(f"{' '.join(cmd[-3:])}: exit {rc}, {marker!r} {'seen' if seen else 'never logged'}; "
+                           f"see {log}")
+    return seen, open(log, encoding="utf-8").read()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_startup(demo_dir: str, runs: int, model: str, work: str) -> dict[str, float]:
+    """Median launch -> first step of the 2-rank job and of its import floor (alternated), with the job's phases."""
+    floor_py = os.path.join(work, "import_floor.py")
+    with open(floor_py, "w", encoding="utf-8") as fh:
+        fh.write(FLOOR.format(repo=REPO))
+    job = [os.path.join(REPO, "scripts", "pretrain_bagel.py"), f"--config={os.path.join(REPO, 'configs', 'demo.yaml')}",
+           f"demo_data={demo_dir}", f"data.groups={demo_dir}/groups.yaml",
+           f"data.dataset_info={demo_dir}/dataset_info.yaml", "train.train_iters=1", "train.global_batch_size=2",
+           "train.save=null", "train.progress=false", f"model.name={model}"]
+    firsts, floors, phases = [], [], []
+    for i in range(runs):
+        first, out = _time_until(_torchrun(["--log-dir", os.path.join(work, "te"), *job], _free_port()),
+                                 "start-up:", os.path.join(work, f"job{i}.log"))
+        floor, _ = _time_until(_torchrun(["--log-dir", os.path.join(work, "te"), floor_py], _free_port()),
+                               "imports done", os.path.join(work, f"floor{i}.log"))
+        summary = json.loads(out.split("summary: ", 1)[1].splitlines()[0])
+        firsts.append(first)
+        floors.append(floor)
+        phases.append(summary["startup_s"]["phases"])
+        print(f"job run {i}: first step {first:.2f} s, import floor {floor:.2f} s; rank 0 phases {phases[-1]}",
+              flush=True)
+    out = {"job_first_step_s": statistics.median(firsts), "job_import_floor_s": statistics.median(floors)}
+    out["job_over_floor"] = out["job_first_step_s"] / out["job_import_floor_s"]
+    for name in phases[0]:
+        out[f"job_{name.replace(' ', '_').replace('-', '_').lower()}_s"] = statistics.median(
+            p.get(name, 0.0) for p in phases)
+    return out
 
 
 def _child(demo_dir: str, use_flex: bool, num_workers: int) -> None:
@@ -63,7 +148,9 @@ def main() -> int:
     ap.add_argument("--dense", action="store_true", help="dense masks instead of flex metadata")
     ap.add_argument("--num-workers", type=int, default=0)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="CI smoke run: one fresh process")
+    ap.add_argument("--loader-only", action="store_true", help="skip the 2-rank job and its import floor")
+    ap.add_argument("--model", default="null", help="the job's model.name (default %(default)s: data only)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: one fresh process (and one job run)")
     args = ap.parse_args()
     if args.quick:
         args.runs = 1
@@ -84,7 +171,13 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in runs) for k in KEYS}
     print(f"{'flex' if not args.dense else 'dense'} masks, {args.num_workers} Energon workers; target after imports "
           f"<= {TARGET_S:.0f} s: {'met' if med['after_imports_s'] <= TARGET_S else 'MISSED'}")
-    print("startup: " + " ".join(f"{k}={med[k]:.2f}" for k in KEYS))
+    if not args.loader_only:
+        with tempfile.TemporaryDirectory(prefix="bench_startup_") as work:
+            job = job_startup(args.demo_dir, args.runs, args.model, work)
+        print(f"2-rank job (model {args.model}): launch -> first step {job['job_first_step_s']:.2f} s, its imports "
+              f"alone {job['job_import_floor_s']:.2f} s (x{job['job_over_floor']:.2f})")
+        med.update(job)
+    print("startup: " + " ".join(f"{k}={v:.2f}" for k, v in med.items()))
     return 0
 
 

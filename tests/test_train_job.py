@@ -160,6 +160,27 @@ def test_loss_goes_down(runs: Runs) -> None:
     assert logged[STEPS] == pytest.approx((losses[STEPS - 1] + losses[STEPS]) / 2, rel=1e-6)
 
 
+def _summary(log: str) -> dict:
+    return json.loads(log.split("summary: ", 1)[1].splitlines()[0])
+
+
+def test_start_up_is_reported_per_phase_with_the_slowest_rank(runs: Runs) -> None:
+    """One rank-0 line as the first step begins and the summary's ``startup_s``: the launcher's phases and the job's,
+    adding up to the total; the slowest rank's total at least rank 0's; a restart books its ``resume``."""
+    a_log, c_log = (runs.root / "a.log").read_text(), (runs.root / "c.log").read_text()
+    lines = [line for line in a_log.splitlines() if "start-up: " in line]
+    assert len(lines) == 1 and "[rank0]" in lines[0] and len(lines[0].split(": ", 1)[1]) <= 300, lines
+    for log, resumed in ((a_log, False), (c_log, True)):
+        startup = _summary(log)["startup_s"]
+        phases = startup["phases"]
+        assert list(phases) == ["imports", "config", "Megatron-Core import", "process groups", "tokenizer", "model",
+                                "Megatron-Bridge import", "loader", *(["resume"] if resumed else []),
+                                "waiting for the other ranks"], phases
+        assert startup["total"] == pytest.approx(sum(phases.values()), abs=0.1)
+        assert 0 < startup["total"] <= startup["slowest_rank"] < 600
+        assert phases["imports"] > 0.3 and phases["Megatron-Bridge import"] > 0.3  # real imports, not a stub
+
+
 def test_two_micro_batches_per_rank_and_identical_losses_on_every_rank(runs: Runs) -> None:
     rows = _rows(runs.root / "a.jsonl")
     assert {k[0] for k in rows} == {0, 1} and {k[2] for k in rows} == {0, 1}  # DP 2, gradient accumulation

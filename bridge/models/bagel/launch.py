@@ -265,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace, rank: int) -> int:
     from .data.job.config import load_job_config, validate_job
     from .data.job.runner import run_job
+    from .data.job.startup import StartupClock
     from .data.tokenizer import add_special_tokens, load_tokenizer
 
+    clock = StartupClock()  # from this process's start: the imports above are its first phase
+    clock.mark("imports")
     overrides = list(args.overrides) + ([f"train.digest_log={args.digest_log}"] if args.digest_log else [])
     cfg = load_job_config(args.config, overrides)
     model_cfg = model_config(cfg.model, f"{args.config}: model")
@@ -281,11 +284,18 @@ def _main(args: argparse.Namespace, rank: int) -> int:
     # The one validation pass, every problem at once, before any process group exists (demo data: after rank 0
     # generated it).
     data = None if cfg.demo_data else validate_job(cfg)
+    clock.mark("config")
+    import megatron.core.parallel_state  # noqa: F401  (timed apart from the process groups it then builds)
+
+    clock.mark("Megatron-Core import")
     pg_collection = _init_distributed(cfg.train)
+    clock.mark("process groups")
     if cfg.demo_data:
         _prepare_demo_data(cfg)
         data = validate_job(cfg)
+        clock.mark("demo data")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
+    clock.mark("tokenizer")
     if container is not None:
         _run_bridge_pretrain(cfg, tokenizer, container, args.forward_step)
         return 0
@@ -306,7 +316,8 @@ def _main(args: argparse.Namespace, rank: int) -> int:
         except (ConfigError, ValueError) as exc:
             error = exc
         agree(error, "while building the model")
-    summary = run_job(cfg, pg_collection, tokenizer, data, trainer=trainer)
+        clock.mark("model")
+    summary = run_job(cfg, pg_collection, tokenizer, data, trainer=trainer, startup=clock)
     if rank == 0:  # the world's numbers; rank 0's own pipeline counters only in the debug log
         logger.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "pipeline"}, default=str))
     return 0

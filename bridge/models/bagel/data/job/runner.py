@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
+import torch
 import torch.distributed as dist
 
 from .._bridge import import_bridge
@@ -43,6 +44,7 @@ from ..config import ValidatedData, validate_data
 from .batch_check import account_batch, check_batch
 from .checkpoint import check_resume_dp, load_trainer_state, read_step, restore_loader, save_checkpoint
 from .config import JobConfig, validate_job
+from .startup import StartupClock
 from .straggler import StragglerMeter
 from .telemetry import Telemetry
 from .topology import agree, rank_coords
@@ -196,7 +198,7 @@ def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
 
 
 def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None,
-            trainer: Trainer | None = None) -> dict[str, Any]:
+            trainer: Trainer | None = None, *, startup: StartupClock | None = None) -> dict[str, Any]:
     """Run ``cfg.train.train_iters`` steps (from the checkpoint step when ``train.load`` is set).
 
     ``data``: ``cfg`` already through ``job.config.validate_job`` (validated here when None). ``trainer``: trains
@@ -209,7 +211,12 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     Returns the run's summary (``Telemetry.summary``: every DP rank's numbers, per group epochs, ledger and drops;
     the straggler figures; ``start_step``, ``steps`` run, ``stream_position`` (batches
     each rank's loader has handed out since its data stream began), ``layout``; ``stopped_at_epoch`` when
-    ``train.stop_at_epoch`` ended the run early) and ``pipeline``, this rank's own ``loader.stats()``.
+    ``train.stop_at_epoch`` ended the run early; ``startup_s``: this rank's seconds from its process's start to
+    the first step, per phase, and the slowest rank's total) and ``pipeline``, this rank's own ``loader.stats()``.
+
+    ``startup``: the launcher's ``StartupClock`` with the phases before this call marked (imports, config, process
+    groups, tokenizer, model); None books everything before this call to one phase, ``before run_job``. Rank 0 logs
+    the start-up once, when the first step begins.
 
     ``pg_collection`` holds Megatron's ``tp``/``pp``/``cp``/``dp`` groups (``topology.init_model_parallel``).
     Collective: every rank must call it. A failure while building or restoring the loader on any rank is
@@ -218,6 +225,9 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     """
     from megatron.core import num_microbatches_calculator as nmc
 
+    clock = startup if startup is not None else StartupClock()
+    if startup is None:
+        clock.mark("before run_job")
     train, packer_cfg = cfg.train, cfg.data.packer
     coords = rank_coords(pg_collection)
     rank, dp_size = coords["rank"], coords["dp_size"]
@@ -249,8 +259,11 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             start_step = read_step(train.load)
             if not cfg.data.fresh_stream:  # a fresh data stream reads no loader state
                 check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
+        import_bridge()  # what the data path and its checkpoints need; timed apart (most of a CPU start-up)
+        clock.mark("Megatron-Bridge import")
         iterator, loader, valid, valid_loader = build_iterators(cfg, pg_collection, tokenizer, data,
                                                                  valid_batches_per_eval=per_eval)
+        clock.mark("loader")
         if train.load:
             restore_loader(train.load, start_step, iterator, pg_collection)
             if trainer is not None:
@@ -259,6 +272,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             if start_step >= train.train_iters:  # Megatron's rule: nothing to train, not an error
                 logger.warning("train.train_iters %d is not above the checkpoint's step %d: no step to run (raise "
                                "train.train_iters to continue training)", train.train_iters, start_step)
+            clock.mark("resume")
     except Exception as exc:  # agree across ranks before raising, so no rank waits forever in a collective
         error = exc
     try:
@@ -268,7 +282,12 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             if opened is not None:
                 opened.close()
         raise
+    clock.mark("waiting for the other ranks")
+    slowest = torch.tensor([clock.total()], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the world's slowest start-up: what the first step waited for
+    startup_s = clock.report(float(slowest.item()))
     if rank == 0:
+        logger.info("%s", clock.line(startup_s["slowest_rank"]))
         if valid is not None:
             logger.info("validation: every %d steps, %d step(s) x %d micro-batch(es) per rank from data.valid (the same "
                         "batches at every evaluation)", train.eval_interval, train.eval_iters, num_micro)
@@ -388,7 +407,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             valid_loader.close()
     summary = {**tele.summary(final), **straggler.summary()}
     summary.update(start_step=start_step, steps=last_step - start_step, micro_batches_per_step=num_micro,
-                   stream_position=own.get("position"),
+                   stream_position=own.get("position"), startup_s=startup_s,
                    layout=layout, **({"stopped_at_epoch": stopped} if stopped else {}))
     if eval_results:  # the count and the last one: the summary stays small however many evaluations ran
         summary["evaluations"] = len(eval_results)

@@ -1,0 +1,79 @@
+"""Where a rank's start-up goes: seconds per phase from the process's start to its first training step.
+
+A training team restarts jobs often (preemption, node failures, resizes); the minutes before the first step are
+paid on every rank at every restart. ``StartupClock`` splits them into named phases, the job logs them once at the
+first step (rank 0, with the slowest rank's total) and puts them in the summary (``startup_s``). Most of the time
+on a CPU machine is imports the job's path needs (torch, Megatron-Core, Megatron-Bridge with Megatron-LM's
+training package and nvidia-modelopt, which Bridge's data and checkpoint modules import): docs/monitoring.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+__all__ = ["StartupClock", "process_start_time"]
+
+logger = logging.getLogger(__name__)
+
+
+def process_start_time() -> float | None:
+    """Wall-clock time (``time.time()`` seconds) at which this process started, from Linux's ``/proc`` (10 ms
+    resolution: the process's age is ``/proc/uptime`` minus its start tick in ``/proc/self/stat``); None where
+    ``/proc`` cannot tell (not Linux)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime", encoding="ascii") as fh:
+            uptime = float(fh.read().split()[0])
+        now = time.time()
+        started_after_boot = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 of stat(5): starttime
+    except (OSError, ValueError, IndexError):
+        return None
+    return now - max(0.0, uptime - started_after_boot)
+
+
+class StartupClock:
+    """Named phases of one rank's start-up, in seconds of wall-clock time, in the order they were marked.
+
+    ``origin``: when the start-up began (``time.time()`` seconds); default the process's start
+    (``process_start_time``), else the moment the clock is made. ``mark(phase)`` books the time since the previous
+    mark (or the origin) to ``phase`` (added up when a phase is marked twice). ``seconds()``: ``{phase: s}``;
+    ``total()``: origin to the last mark.
+    """
+
+    def __init__(self, origin: float | None = None) -> None:
+        now = time.time()
+        if origin is None:
+            origin = process_start_time()
+        self.origin = now if origin is None or origin > now else origin
+        self._last = self.origin
+        self._phases: dict[str, float] = {}
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self._phases[phase] = self._phases.get(phase, 0.0) + max(0.0, now - self._last)
+        self._last = max(now, self._last)
+
+    def seconds(self) -> dict[str, float]:
+        return dict(self._phases)
+
+    def total(self) -> float:
+        return self._last - self.origin
+
+    def report(self, slowest_rank_s: float | None = None) -> dict[str, Any]:
+        """``{"total", "slowest_rank" (when given), "phases": {phase: s}}``, rounded to 10 ms (the summary's
+        ``startup_s``)."""
+        out: dict[str, Any] = {"total": round(self.total(), 2)}
+        if slowest_rank_s is not None:
+            out["slowest_rank"] = round(slowest_rank_s, 2)
+        out["phases"] = {k: round(v, 2) for k, v in self._phases.items()}
+        return out
+
+    def line(self, slowest_rank_s: float | None = None) -> str:
+        """One log line: total, the slowest rank's total, then every phase (seconds, one decimal)."""
+        slowest = f" (slowest rank {slowest_rank_s:.1f} s)" if slowest_rank_s is not None else ""
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in self._phases.items())
+        return f"start-up: {self.total():.1f} s from process start to the first step{slowest}: {parts} (s)"
