@@ -67,7 +67,7 @@ def test_data_commands_import_neither_bridge_nor_modelopt_nor_megatron_core(demo
              "from bridge.models.bagel.data.tools.cli import main\n"
              "codes = []\n"
              "with contextlib.redirect_stdout(io.StringIO()):\n"
-             f"    codes.append(main(['stats', '--config', {str(config)!r}]))\n"
+             f"    codes.append(main(['stats', '--config', {str(config)!r}, '--histogram', '']))\n"
              f"    codes.append(main(['verify', {str(out)!r}]))\n"
              "heavy = sorted({m.split('.')[0] + ('.' + m.split('.')[1] if m.startswith('megatron.') else '')\n"
              "                for m in sys.modules if m.startswith(('megatron.bridge', 'megatron.core', 'modelopt',\n"
