@@ -47,7 +47,7 @@ from .config import JobConfig, validate_job
 from .startup import StartupClock
 from .straggler import StragglerMeter
 from .telemetry import Telemetry
-from .topology import agree, rank_coords
+from .topology import agree, collective_device, rank_coords
 from .world import completed_epochs, reduce_world
 
 __all__ = ["DataContractError", "JobIterators", "Trainer", "build_iterator", "build_iterators", "run_job"]
@@ -283,7 +283,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                 opened.close()
         raise
     clock.mark("waiting for the other ranks")
-    slowest = torch.tensor([clock.total()], dtype=torch.float64)
+    slowest = torch.tensor([clock.total()], dtype=torch.float64, device=collective_device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the world's slowest start-up: what the first step waited for
     startup_s = clock.report(float(slowest.item()))
     if rank == 0:

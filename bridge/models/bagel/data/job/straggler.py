@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from ..config.schema import CostConfig
 from ..packing.cost import CostModel, batch_work
+from .topology import collective_device
 
 __all__ = ["StragglerMeter", "StragglerStats"]
 
@@ -81,7 +82,8 @@ class StragglerMeter:
         import torch
         import torch.distributed as dist
 
-        local = torch.tensor([self._steps[s] for s in sorted(self._steps)], dtype=torch.float64)
+        local = torch.tensor([self._steps[s] for s in sorted(self._steps)], dtype=torch.float64,
+                             device=collective_device(group))
         self._steps = {}
         if not dist.is_available() or not dist.is_initialized():
             return StragglerStats(1, tuple(local.tolist()), tuple(local.tolist()))

@@ -25,7 +25,7 @@ from ..config import ConfigError
 from ..errors import shorten
 from .config import TrainConfig
 
-__all__ = ["AgreedError", "agree", "init_model_parallel", "rank_coords"]
+__all__ = ["AgreedError", "agree", "collective_device", "init_model_parallel", "rank_coords"]
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +133,18 @@ def init_model_parallel(train: TrainConfig) -> Any:
                     f" (VPP {train.virtual_pipeline_model_parallel_size})"
                     if train.virtual_pipeline_model_parallel_size else "", layout["num_microbatches"])
     return pgs
+
+
+def collective_device(group: Any = None) -> Any:
+    """Where a tensor for a collective over ``group`` (None: the world) must live: this rank's current CUDA device
+    when the group's backend is NCCL alone (it has no CPU path), else the CPU (gloo, or a ``cpu:gloo,cuda:nccl``
+    pair). The job's small all-reduces (``world.reduce_world``, ``straggler``, the start-up maximum) build their
+    float64 vectors here and read them back with ``.tolist()``."""
+    import torch
+
+    if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def rank_coords(pg_collection: Any) -> dict[str, int]:

@@ -29,6 +29,7 @@ from ..energon.cooking import DROP_REASONS as COOK_DROP_REASONS
 from ..energon.cooking import UNUSED_REASONS
 from ..packing.packer import END_OF_STREAM
 from ..packing.step import DROP_REASONS as PACK_DROP_REASONS
+from .topology import collective_device
 
 __all__ = ["DROP_VOCABULARY", "UNUSED_VOCABULARY", "reduce_world"]
 
@@ -99,8 +100,9 @@ def reduce_world(telemetry: Mapping[str, float], pipeline: Mapping[str, Any], gr
         epoch = src.get("epoch")
         # max over ranks of -epoch = -(the oldest epoch read); a rank that does not know (official order): +1
         highs += [-float(epoch) if epoch is not None else 1.0, float(src.get("epoch_size", 0))]
-    s = torch.tensor(sums, dtype=torch.float64)
-    m = torch.tensor(highs, dtype=torch.float64)
+    device = collective_device(dp_group)
+    s = torch.tensor(sums, dtype=torch.float64, device=device)
+    m = torch.tensor(highs, dtype=torch.float64, device=device)
     dp_size = 1
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(s, op=dist.ReduceOp.SUM, group=dp_group)
