@@ -197,6 +197,126 @@ def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
     return import_bridge().make_data_iterator_list([None] * vpp, iterator)
 
 
+def _init_megatron_globals(train: Any, rank: int, dp_size: int) -> int:
+    """Megatron-Core's global micro-batch calculator (``train`` batch sizes over ``dp_size`` ranks) and, where
+    nothing made one yet, its rerun state machine in the mode the implicit init would pick (disabled), without the
+    implicit init's warnings. Returns the micro-batches per step and rank."""
+    from megatron.core import num_microbatches_calculator as nmc
+    from megatron.core import rerun_state_machine as rsm
+
+    nmc.init_num_microbatches_calculator(rank, None, train.global_batch_size, train.micro_batch_size, dp_size)
+    if rsm._GLOBAL_RERUN_STATE_MACHINE is None:
+        rsm_log = logging.getLogger(rsm.__name__)
+        level = rsm_log.level
+        rsm_log.setLevel(logging.ERROR)  # "initialized in mode RerunMode.DISABLED": the CPU job's only mode
+        try:
+            rsm.initialize_rerun_state_machine()
+        finally:
+            rsm_log.setLevel(level)
+    return nmc.get_num_microbatches()
+
+
+def _open_streams(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None,
+                  trainer: Trainer | None, clock: StartupClock, per_eval: int
+                  ) -> tuple[JobIterators, int, ValidatedData]:
+    """Build the training (and validation) streams and, with ``train.load``, restore the loader and the trainer:
+    ``(JobIterators, start step, validated data)``. Collective: a failure on any rank is raised on every rank
+    (``agree``), after this rank closed what it opened. Marks the clock's ``Megatron-Bridge import``, ``loader``
+    and ``resume`` phases."""
+    train = cfg.train
+    error: BaseException | None = None
+    its = JobIterators(None, None)
+    start_step = 0
+    try:
+        if data is None:
+            data = validate_job(cfg)  # the one validation pass of this job
+        if train.load:
+            start_step = read_step(train.load)
+            if not cfg.data.fresh_stream:  # a fresh data stream reads no loader state
+                check_resume_dp(train.load, start_step, pg_collection.dp.size(), cfg.data.order)
+        import_bridge()  # what the data path and its checkpoints need; timed apart (most of a CPU start-up)
+        clock.mark("Megatron-Bridge import")
+        its = build_iterators(cfg, pg_collection, tokenizer, data, valid_batches_per_eval=per_eval)
+        clock.mark("loader")
+        if train.load:
+            restore_loader(train.load, start_step, its.train, pg_collection)
+            if trainer is not None:
+                trainer.load_state_dict(load_trainer_state(train.load, start_step))
+            logger.info("resumed from %s at step %d", train.load, start_step)
+            if start_step >= train.train_iters:  # Megatron's rule: nothing to train, not an error
+                logger.warning("train.train_iters %d is not above the checkpoint's step %d: no step to run (raise "
+                               "train.train_iters to continue training)", train.train_iters, start_step)
+            clock.mark("resume")
+    except Exception as exc:  # agree across ranks before raising, so no rank waits forever in a collective
+        error = exc
+    try:
+        agree(error, "while building/restoring the loader")
+    except BaseException:
+        for opened in (its.loader, its.valid_loader):
+            if opened is not None:
+                opened.close()
+        raise
+    assert data is not None
+    return its, start_step, data
+
+
+def _report_startup(clock: StartupClock) -> dict[str, Any]:
+    """Close the start-up (``waiting for the other ranks``), take the world's slowest total (one all-reduce MAX),
+    log the ``start-up:`` line on rank 0; returns ``StartupClock.report`` (the summary's ``startup_s``)."""
+    clock.mark("waiting for the other ranks")
+    slowest = torch.tensor([clock.total()], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the world's slowest start-up: what the first step waited for
+    report = clock.report(float(slowest.item()))
+    if dist.get_rank() == 0:
+        logger.info("%s", clock.line(report["slowest_rank"]))
+    return report
+
+
+def _announce_validation(cfg: JobConfig, evaluating: bool, num_micro: int) -> None:
+    """One line on whether and how this run evaluates on ``data.valid`` (rank 0 calls it)."""
+    train = cfg.train
+    if evaluating:
+        logger.info("validation: every %d steps, %d step(s) x %d micro-batch(es) per rank from data.valid (the same "
+                    "batches at every evaluation)", train.eval_interval, train.eval_iters, num_micro)
+    elif cfg.data.valid is not None:
+        logger.info("validation is off: data.valid is set but this run evaluates nothing (train.eval_interval %d, "
+                    "train.eval_iters %d, train.train_iters %d)", train.eval_interval, train.eval_iters,
+                    train.train_iters)
+    else:
+        logger.info("validation is off: data.valid is not set")
+
+
+def _pull_step(step: int, chunks: list[Any], num_micro: int, packer_cfg: Any, coords: Mapping[str, Any],
+               tele: Telemetry, straggler: StragglerMeter, batches: list[dict[str, Any]],
+               rows: list[dict[str, Any]] | None) -> None:
+    """This rank's ``num_micro`` micro-batches of ``step``: each pulled (its wait timed), the same object for every
+    model chunk, checked against the batch contract, accounted (``tele``, ``straggler``); appended to
+    ``batches`` and, when ``rows`` is a list, one digest row each (with the ledger's ``reads`` under the elastic
+    order). Raises ``DataContractError`` (or the loader's error) at the first bad micro-batch."""
+    rank = coords["rank"]
+    for micro in range(num_micro):
+        t0 = time.perf_counter()
+        batch = next(chunks[0])
+        wait = time.perf_counter() - t0
+        batches.append(batch)
+        if any(next(view) is not batch for view in chunks[1:]):
+            raise DataContractError(f"rank {rank} step {step}: model chunks saw different micro-batches")
+        problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens, use_flex=packer_cfg.use_flex,
+                               max_latent_size=packer_cfg.max_latent_size,
+                               max_num_patch_per_side=packer_cfg.max_num_patch_per_side)
+        if problems:
+            raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
+        tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)
+        straggler.record(step, batch)
+        if rows is not None:
+            row = {**coords, "step": step, "micro": micro, "digest": batch_digest(batch)}
+            reads = [[d["dataset_name"], d["position"], d["epoch"]]
+                     for d in batch.get("batch_data_indexes", ()) if "position" in d]
+            if reads:  # elastic order: the ledger's identity of every packed sample
+                row["reads"] = reads
+            rows.append(row)
+
+
 def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None,
             trainer: Trainer | None = None, *, startup: StartupClock | None = None) -> dict[str, Any]:
     """Run ``cfg.train.train_iters`` steps (from the checkpoint step when ``train.load`` is set).
@@ -223,8 +343,6 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     raised on every rank as the same ``AgreedError``; a changed DP size on resume is a ``ConfigError``
     (via ``AgreedError``) before the loader is built.
     """
-    from megatron.core import num_microbatches_calculator as nmc
-
     clock = startup if startup is not None else StartupClock()
     if startup is None:
         clock.mark("before run_job")
@@ -234,69 +352,14 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     layout = train.parallel_layout(dist.get_world_size())
     if layout["dp"] != dp_size:
         raise ConfigError(f"train: Megatron's data-parallel group has {dp_size} ranks, the config implies {layout['dp']}")
-    nmc.init_num_microbatches_calculator(rank, None, train.global_batch_size, train.micro_batch_size, dp_size)
-    num_micro = nmc.get_num_microbatches()
+    num_micro = _init_megatron_globals(train, rank, dp_size)
     vpp = train.virtual_pipeline_model_parallel_size
-
-    from megatron.core import rerun_state_machine as rsm
-
-    if rsm._GLOBAL_RERUN_STATE_MACHINE is None:  # what the implicit init makes (mode disabled), without its warnings
-        rsm_log = logging.getLogger(rsm.__name__)
-        level = rsm_log.level
-        rsm_log.setLevel(logging.ERROR)  # "initialized in mode RerunMode.DISABLED": the CPU job's only mode
-        try:
-            rsm.initialize_rerun_state_machine()
-        finally:
-            rsm_log.setLevel(level)
-    error: BaseException | None = None
-    iterator = loader = valid = valid_loader = None
-    start_step = 0
     per_eval = train.eval_iters * num_micro if cfg.data.valid is not None and train.eval_interval > 0 else 0
-    try:
-        if data is None:
-            data = validate_job(cfg)  # the one validation pass of this job
-        if train.load:
-            start_step = read_step(train.load)
-            if not cfg.data.fresh_stream:  # a fresh data stream reads no loader state
-                check_resume_dp(train.load, start_step, dp_size, cfg.data.order)
-        import_bridge()  # what the data path and its checkpoints need; timed apart (most of a CPU start-up)
-        clock.mark("Megatron-Bridge import")
-        iterator, loader, valid, valid_loader = build_iterators(cfg, pg_collection, tokenizer, data,
-                                                                 valid_batches_per_eval=per_eval)
-        clock.mark("loader")
-        if train.load:
-            restore_loader(train.load, start_step, iterator, pg_collection)
-            if trainer is not None:
-                trainer.load_state_dict(load_trainer_state(train.load, start_step))
-            logger.info("resumed from %s at step %d", train.load, start_step)
-            if start_step >= train.train_iters:  # Megatron's rule: nothing to train, not an error
-                logger.warning("train.train_iters %d is not above the checkpoint's step %d: no step to run (raise "
-                               "train.train_iters to continue training)", train.train_iters, start_step)
-            clock.mark("resume")
-    except Exception as exc:  # agree across ranks before raising, so no rank waits forever in a collective
-        error = exc
-    try:
-        agree(error, "while building/restoring the loader")
-    except BaseException:
-        for opened in (loader, valid_loader):
-            if opened is not None:
-                opened.close()
-        raise
-    clock.mark("waiting for the other ranks")
-    slowest = torch.tensor([clock.total()], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the world's slowest start-up: what the first step waited for
-    startup_s = clock.report(float(slowest.item()))
+    (iterator, loader, valid, valid_loader), start_step, data = _open_streams(
+        cfg, pg_collection, tokenizer, data, trainer, clock, per_eval)
+    startup_s = _report_startup(clock)
     if rank == 0:
-        logger.info("%s", clock.line(startup_s["slowest_rank"]))
-        if valid is not None:
-            logger.info("validation: every %d steps, %d step(s) x %d micro-batch(es) per rank from data.valid (the same "
-                        "batches at every evaluation)", train.eval_interval, train.eval_iters, num_micro)
-        elif cfg.data.valid is not None:
-            logger.info("validation is off: data.valid is set but this run evaluates nothing (train.eval_interval %d, "
-                        "train.eval_iters %d, train.train_iters %d)", train.eval_interval, train.eval_iters,
-                        train.train_iters)
-        else:
-            logger.info("validation is off: data.valid is not set")
+        _announce_validation(cfg, valid is not None, num_micro)
     eval_results: list[dict[str, Any]] = []
 
     weights = {g.name: g.weight for g in data.group_configs}
@@ -313,33 +376,13 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     last_step, stopped = start_step, None
     try:
         for step in range(start_step + 1, train.train_iters + 1):
-            chunks = _chunk_iterators(iterator, vpp)
-            step_error: BaseException | None = None
             step_t0 = time.perf_counter()
             batches: list[dict[str, Any]] = []
             rows: list[dict[str, Any]] = []
+            step_error: BaseException | None = None
             try:
-                for micro in range(num_micro):
-                    t0 = time.perf_counter()
-                    batch = next(chunks[0])
-                    wait = time.perf_counter() - t0
-                    batches.append(batch)
-                    if any(next(view) is not batch for view in chunks[1:]):
-                        raise DataContractError(f"rank {rank} step {step}: model chunks saw different micro-batches")
-                    problems = check_batch(batch, max_num_tokens=packer_cfg.max_num_tokens,
-                                           use_flex=packer_cfg.use_flex, max_latent_size=packer_cfg.max_latent_size,
-                                           max_num_patch_per_side=packer_cfg.max_num_patch_per_side)
-                    if problems:
-                        raise DataContractError(f"rank {rank} step {step} micro-batch {micro}: " + "; ".join(problems))
-                    tele.record(account_batch(batch, max_num_tokens=packer_cfg.max_num_tokens), wait)
-                    straggler.record(step, batch)
-                    if digest_fh is not None:
-                        row = {**coords, "step": step, "micro": micro, "digest": batch_digest(batch)}
-                        reads = [[d["dataset_name"], d["position"], d["epoch"]]
-                                 for d in batch.get("batch_data_indexes", ()) if "position" in d]
-                        if reads:  # elastic order: the ledger's identity of every packed sample
-                            row["reads"] = reads
-                        rows.append(row)
+                _pull_step(step, _chunk_iterators(iterator, vpp), num_micro, packer_cfg, coords, tele, straggler,
+                           batches, rows if digest_fh is not None else None)
             except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
                 step_error = exc
             # Every rank learns of a failing rank's data error at the same step, so none waits in a collective.
