@@ -7,7 +7,8 @@ the readers keep their cursors, and over the epoch every read is packed, dropped
 once, identified by (group, selection position, epoch) (``tools.ledger.check_exactly_once``). Without the key the
 same restore is refused naming the budget and the key; a seed change, or a budget change under ``data.order:
 official``, stays refused with the key. Also: a budget change with a resize (2 -> 1), under ``packer.strategy:
-balanced``, and through the main job's restore (Bridge's ``maybe_load_dataloader_state``).
+balanced``, through the main job's restore (Bridge's ``maybe_load_dataloader_state``) and through ``bagel-data
+resize-state``.
 """
 
 from __future__ import annotations
@@ -199,3 +200,45 @@ def test_the_job_resumes_a_budget_change_through_bridge_restore(demo_setup, tmp_
     assert summary["pipeline"]["position"] == 3  # batch 2 of the same stream, then one more
     said = [r.getMessage() for r in caplog.records if "packer budgets changed at batch 2" in r.getMessage()]
     assert len(said) == 1 and "max_num_tokens 8192 -> 9216" in said[0], said
+
+
+def test_resize_state_cli_applies_a_budget_change_only_with_the_key(small, one_step, tmp_path, caplog) -> None:
+    """``bagel-data resize-state`` (DP 2 -> 1) on a checkpoint written under budget A, with the run's config at budget
+    B: refused in one line naming the key and nothing rewritten; with ``data.resume_budget_change=true`` it writes one
+    state file that resumes under budget B, and the epoch stays exactly once over the old world and the new."""
+    import torch
+    import yaml
+
+    from bridge.models.bagel.data.job.checkpoint import TRACKER, loader_state_files, read_loader_states
+    from bridge.models.bagel.data.tools.cli import main
+
+    cfg, tok = small
+    reads, saved = list(one_step[0]), one_step[1]
+    root = tmp_path / "ckpt"
+    step_dir = root / "energon" / "iter_0000001"
+    step_dir.mkdir(parents=True)
+    for r, state in enumerate(saved):  # what Bridge's maybe_save_dataloader_state writes per DP rank
+        torch.save({"dataloader_state_dict": state}, step_dir / f"train_dataloader_dprank{r:03d}.pt")
+    (root / TRACKER).write_text("1")
+    packer = {k: getattr(cfg.packer, k) for k in ("expected_num_tokens", "max_num_tokens", "max_num_tokens_per_sample",
+                                                  "prefer_buffer_before", "use_flex", "max_latent_size")}
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump({"data": {"groups": cfg.groups, "dataset_info": cfg.dataset_info, "order": "elastic",
+                                            "partitions": cfg.partitions, "seed": cfg.seed, "num_workers": 0,
+                                            "prefetch": 0, "packer": {**packer, **BIGGER}}}))
+    command = ["resize-state", str(root), "--dp-size", "1", "--config", str(job)]
+
+    with caplog.at_level(logging.ERROR):
+        assert main(command) == 2
+    refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(refusals) == 1 and "data.resume_budget_change=true" in refusals[0], refusals
+    assert len(loader_state_files(str(root), 1)) == 2  # nothing rewritten
+
+    assert main([*command, "data.resume_budget_change=true"]) == 0
+    new = read_loader_states(str(root), 1)
+    assert len(new) == 1 and (step_dir / "resized_from_dp2").is_dir()
+    batches, final = run_world(elastic_world(_budget(cfg, **BIGGER), tok, 1, new, resume_budget_change=True), 3,
+                               reads)
+    assert any(b["sequence_length"] > 8192 for b in batches[0])  # budget B is in force
+    report = check_exactly_once(reads, final)
+    assert report.ok, report.problems
