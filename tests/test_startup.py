@@ -41,10 +41,49 @@ def test_clock_books_the_time_between_marks_to_phases() -> None:
     assert list(phases) == ["imports", "tokenizer"]
     assert 2.0 <= phases["imports"] < 2.5 and 0.05 <= phases["tokenizer"] < 0.5
     assert clock.total() == pytest.approx(sum(phases.values()), abs=1e-6)
-    report = clock.report(9.87654)
-    assert report["slowest_rank"] == 9.88 and set(report["phases"]) == {"imports", "tokenizer"}
-    line = clock.line(9.87654)
-    assert line.startswith("start-up: 2.") and "(slowest rank 9.9 s)" in line and "tokenizer 0." in line
+    report = clock.report((3, 9.87654))
+    assert report["slowest_rank"] == {"rank": 3, "ready": 9.88} and set(report["phases"]) == {"imports", "tokenizer"}
+    line = clock.line((3, 9.87654))
+    assert line.startswith("start-up: 2.") and "(slowest: rank 3, ready at 9.9 s)" in line and "tokenizer 0." in line
+
+
+def _slow_rank_world(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a gloo world whose last rank works 1 s longer than the others before it is ready."""
+    import torch.distributed as dist
+
+    from bridge.models.bagel.data.job.startup import StartupClock, reduce_startup
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        clock = StartupClock(origin=time.time() - 1.0)  # every rank started 1 s ago
+        clock.mark("imports")
+        if rank == world - 1:
+            time.sleep(1.0)  # its loader takes 1 s: the others wait for it
+        clock.mark("loader")
+        who, ready = reduce_startup(clock)
+        Path(out, f"{rank}.json").write_text(json.dumps({"who": who, "ready": ready, "phases": clock.seconds()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reduce_startup_names_the_rank_that_was_ready_last(tmp_path: Path) -> None:
+    """A real 3-rank gloo world: every rank learns that rank 2 was ready last, and when: its own time, not the total
+    after the wait (which ends at about the same moment on every rank, so its maximum could name any rank); the
+    others book their wait for it to the wait phase."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_slow_rank_world, args=(3, port, str(tmp_path)), nprocs=3, start_method="spawn")
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert {r["who"] for r in results} == {2}
+    assert all(1.95 <= r["ready"] < 2.9 for r in results), results
+    for r in results[:2]:
+        assert r["phases"]["loader"] < 0.5 and r["phases"]["waiting for the other ranks"] >= 0.8, r  # waited for rank 2
+    assert results[2]["phases"]["loader"] >= 1.0 and results[2]["phases"]["waiting for the other ranks"] < 0.5
 
 
 def test_clock_origin_defaults_to_the_process_start() -> None:
@@ -57,8 +96,8 @@ def test_clock_origin_defaults_to_the_process_start() -> None:
 
 @pytest.mark.slow
 def test_data_commands_import_neither_bridge_nor_modelopt_nor_megatron_core(demo_setup, tmp_path: Path) -> None:
-    """``bagel-data stats`` / ``verify`` (fresh process) load none of the job's heavy imports; ``ledger`` does load
-    Megatron-Bridge (its restricted unpickler reads the state files)."""
+    """``bagel-data stats`` / ``verify`` (fresh process) load none of the job's heavy imports (``ledger`` and
+    ``resize-state`` do import Megatron-Bridge, for its restricted unpickler of the state files: not checked here)."""
     out = demo_setup[0]
     config = tmp_path / "job.yaml"
     config.write_text(f"data:\n  groups: {out}/groups.yaml\n  dataset_info: {out}/dataset_info.yaml\n"

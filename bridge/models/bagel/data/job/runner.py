@@ -34,7 +34,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
-import torch
 import torch.distributed as dist
 
 from .._bridge import import_bridge
@@ -44,10 +43,10 @@ from ..config import ValidatedData, validate_data
 from .batch_check import account_batch, check_batch
 from .checkpoint import check_resume_dp, load_trainer_state, read_step, restore_loader, save_checkpoint
 from .config import JobConfig, validate_job
-from .startup import StartupClock
+from .startup import StartupClock, reduce_startup
 from .straggler import StragglerMeter
 from .telemetry import Telemetry
-from .topology import agree, collective_device, rank_coords
+from .topology import agree, rank_coords
 from .world import completed_epochs, reduce_world
 
 __all__ = ["DataContractError", "JobIterators", "Trainer", "build_iterator", "build_iterators", "run_job"]
@@ -221,8 +220,8 @@ def _open_streams(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: Vali
                   ) -> tuple[JobIterators, int, ValidatedData]:
     """Build the training (and validation) streams and, with ``train.load``, restore the loader and the trainer:
     ``(JobIterators, start step, validated data)``. Collective: a failure on any rank is raised on every rank
-    (``agree``), after this rank closed what it opened. Marks the clock's ``Megatron-Bridge import``, ``loader``
-    and ``resume`` phases."""
+    (``agree``), after this rank closed what it opened. Marks the clock's ``config`` (when it validates),
+    ``resume`` (the checkpoint's checks and the restore), ``Megatron-Bridge import`` and ``loader`` phases."""
     train = cfg.train
     error: BaseException | None = None
     its = JobIterators(None, None)
@@ -230,10 +229,12 @@ def _open_streams(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: Vali
     try:
         if data is None:
             data = validate_job(cfg)  # the one validation pass of this job
+            clock.mark("config")
         if train.load:
             start_step = read_step(train.load)
             if not cfg.data.fresh_stream:  # a fresh data stream reads no loader state
                 check_resume_dp(train.load, start_step, pg_collection.dp.size(), cfg.data.order)
+            clock.mark("resume")  # with the restore below: one phase
         import_bridge()  # what the data path and its checkpoints need; timed apart (most of a CPU start-up)
         clock.mark("Megatron-Bridge import")
         its = build_iterators(cfg, pg_collection, tokenizer, data, valid_batches_per_eval=per_eval)
@@ -261,15 +262,12 @@ def _open_streams(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: Vali
 
 
 def _report_startup(clock: StartupClock) -> dict[str, Any]:
-    """Close the start-up (``waiting for the other ranks``), take the world's slowest total (one all-reduce MAX),
-    log the ``start-up:`` line on rank 0; returns ``StartupClock.report`` (the summary's ``startup_s``)."""
-    clock.mark("waiting for the other ranks")
-    slowest = torch.tensor([clock.total()], dtype=torch.float64, device=collective_device())
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the world's slowest start-up: what the first step waited for
-    report = clock.report(float(slowest.item()))
+    """Close the start-up: the world's slowest rank and when it was ready (``reduce_startup``; what the first step
+    waited for), the ``start-up:`` line on rank 0; returns ``StartupClock.report`` (the summary's ``startup_s``)."""
+    slowest = reduce_startup(clock)
     if dist.get_rank() == 0:
-        logger.info("%s", clock.line(report["slowest_rank"]))
-    return report
+        logger.info("%s", clock.line(slowest))
+    return clock.report(slowest)
 
 
 def _announce_validation(cfg: JobConfig, evaluating: bool, num_micro: int) -> None:
@@ -332,7 +330,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     the straggler figures; ``start_step``, ``steps`` run, ``stream_position`` (batches
     each rank's loader has handed out since its data stream began), ``layout``; ``stopped_at_epoch`` when
     ``train.stop_at_epoch`` ended the run early; ``startup_s``: this rank's seconds from its process's start to
-    the first step, per phase, and the slowest rank's total) and ``pipeline``, this rank's own ``loader.stats()``.
+    the first step, per phase, and the world's slowest rank with the time it was ready) and ``pipeline``, this rank's own ``loader.stats()``.
 
     ``startup``: the launcher's ``StartupClock`` with the phases before this call marked (imports, config, process
     groups, tokenizer, model); None books everything before this call to one phase, ``before run_job``. Rank 0 logs

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-__all__ = ["StartupClock", "process_start_time"]
+__all__ = ["StartupClock", "process_start_time", "reduce_startup"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,17 +63,42 @@ class StartupClock:
     def total(self) -> float:
         return self._last - self.origin
 
-    def report(self, slowest_rank_s: float | None = None) -> dict[str, Any]:
-        """``{"total", "slowest_rank" (when given), "phases": {phase: s}}``, rounded to 10 ms (the summary's
-        ``startup_s``)."""
+    def report(self, slowest: tuple[int, float] | None = None) -> dict[str, Any]:
+        """``{"total", "slowest_rank": {"rank", "ready"} (when given), "phases": {phase: s}}``, seconds rounded to
+        10 ms (the summary's ``startup_s``)."""
         out: dict[str, Any] = {"total": round(self.total(), 2)}
-        if slowest_rank_s is not None:
-            out["slowest_rank"] = round(slowest_rank_s, 2)
+        if slowest is not None:
+            out["slowest_rank"] = {"rank": slowest[0], "ready": round(slowest[1], 2)}
         out["phases"] = {k: round(v, 2) for k, v in self._phases.items()}
         return out
 
-    def line(self, slowest_rank_s: float | None = None) -> str:
-        """One log line: total, the slowest rank's total, then every phase (seconds, one decimal)."""
-        slowest = f" (slowest rank {slowest_rank_s:.1f} s)" if slowest_rank_s is not None else ""
+    def line(self, slowest: tuple[int, float] | None = None) -> str:
+        """One log line: total, the slowest rank and when it was ready, then every phase (seconds, one decimal)."""
+        note = f" (slowest: rank {slowest[0]}, ready at {slowest[1]:.1f} s)" if slowest is not None else ""
         parts = ", ".join(f"{k} {v:.1f}" for k, v in self._phases.items())
-        return f"start-up: {self.total():.1f} s from process start to the first step{slowest}: {parts} (s)"
+        return f"start-up: {self.total():.1f} s from process start to the first step{note}: {parts} (s)"
+
+
+def reduce_startup(clock: StartupClock, wait_phase: str = "waiting for the other ranks") -> tuple[int, float]:
+    """The world's slowest start-up: ``(rank, seconds)`` of the rank that was ready last, ready meaning its own
+    start-up so far (``clock.total()`` now, before it waits for the others) ; then books the wait that follows to
+    ``wait_phase`` once the caller's next collective returns (this function marks it at the end: its own two
+    all-reduces are that wait). Collective over the world (two all-reduces of one float64: the maximum, then the
+    lowest rank that holds it); without an initialized process group ``(0, own)``."""
+    import torch
+    import torch.distributed as dist
+
+    from .topology import collective_device
+
+    ready = clock.total()
+    if not (dist.is_available() and dist.is_initialized()):
+        clock.mark(wait_phase)
+        return 0, ready
+    device = collective_device()
+    slowest = torch.tensor([ready], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    mine = dist.get_rank() if ready == float(slowest.item()) else dist.get_world_size()
+    who = torch.tensor([float(mine)], dtype=torch.float64, device=device)
+    dist.all_reduce(who, op=dist.ReduceOp.MIN)
+    clock.mark(wait_phase)
+    return int(who.item()), float(slowest.item())
