@@ -39,7 +39,7 @@ TARGET_S = 2.0
 KEYS = ("imports_s", "tokenizer_s", "build_s", "first_batch_s", "after_imports_s")
 #: the import floor's script: what the job's path imports, then nothing (rank 0 prints when done)
 FLOOR = """
-import sys, time
+import sys
 sys.path.insert(0, {repo!r})
 import torch, megatron.core.parallel_state
 from transformers import Qwen2Tokenizer
@@ -61,17 +61,19 @@ def _time_until(cmd: list[str], marker: str, log: str) -> tuple[float, str]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     seen = None
+    lines: list[str] = []
     with open(log, "w", encoding="utf-8") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             fh.write(line)
+            lines.append(line)
             if seen is None and marker in line:
                 seen = time.perf_counter() - t0
         rc = proc.wait()
     if rc != 0 or seen is None:
         raise RuntimeError(f"{' '.join(cmd[-3:])}: exit {rc}, {marker!r} {'seen' if seen else 'never logged'}; "
                            f"see {log}")
-    return seen, open(log, encoding="utf-8").read()
+    return seen, "".join(lines)
 
 
 def _free_port() -> int:

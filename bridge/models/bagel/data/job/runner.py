@@ -330,7 +330,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     the straggler figures; ``start_step``, ``steps`` run, ``stream_position`` (batches
     each rank's loader has handed out since its data stream began), ``layout``; ``stopped_at_epoch`` when
     ``train.stop_at_epoch`` ended the run early; ``startup_s``: this rank's seconds from its process's start to
-    the first step, per phase, and the world's slowest rank with the time it was ready) and ``pipeline``, this rank's own ``loader.stats()``.
+    the first step, per phase, and the world's slowest rank with the time it was ready) and ``pipeline``, this
+    rank's own ``loader.stats()``.
 
     ``startup``: the launcher's ``StartupClock`` with the phases before this call marked (imports, config, process
     groups, tokenizer, model); None books everything before this call to one phase, ``before run_job``. Rank 0 logs

@@ -80,11 +80,11 @@ class StartupClock:
 
 
 def reduce_startup(clock: StartupClock, wait_phase: str = "waiting for the other ranks") -> tuple[int, float]:
-    """The world's slowest start-up: ``(rank, seconds)`` of the rank that was ready last, ready meaning its own
-    start-up so far (``clock.total()`` now, before it waits for the others) ; then books the wait that follows to
-    ``wait_phase`` once the caller's next collective returns (this function marks it at the end: its own two
-    all-reduces are that wait). Collective over the world (two all-reduces of one float64: the maximum, then the
-    lowest rank that holds it); without an initialized process group ``(0, own)``."""
+    """The world's slowest start-up: ``(rank, seconds)`` of the rank that was ready last, where a rank's ready time
+    is its start-up up to its last mark (``clock.total()``), before any wait for the others. Then marks
+    ``wait_phase``: the time since that last mark, spent waiting for the other ranks (in the caller's collective
+    before this call and in the two all-reduces here). Collective over the world: two all-reduces of one float64
+    (the maximum, then the lowest rank that holds it); without an initialized process group ``(0, own)``."""
     import torch
     import torch.distributed as dist
 
