@@ -38,7 +38,7 @@ import json
 import math
 import random
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -186,10 +186,6 @@ class ElasticPlan(Savable):
             slot[1] = cursor + 1
         self.turn = (self.turn + 1) % len(self._open)
         return _read((KEY_TAG, d, i, j, e, p))
-
-    def __iter__(self) -> Iterator[Read]:
-        while True:
-            yield self.next_read()
 
     def rng(self, read: Read) -> random.Random:
         """The read's own generator, seeded by (group, data seed, selection position, epoch)."""
