@@ -4,8 +4,9 @@ The official packer estimates a sample as ``num_tokens + 2 * len(sequence_plan)`
 plan item are bos/eos or start/end-of-image), where an image contributes ``H * W // stride**2`` tokens
 after the group's :class:`~.transforms.ImageTransform`. Everything here derives from that rule:
 
-* :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (used by the config
-  checks below and by ``bagel-data stats``, so both always agree with the packer); :func:`is_overlength`
+* :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (what a sample can become is
+  ``outcomes``, used by the config checks below and by ``bagel-data stats``, so both always agree with the
+  packer and the cookers); :func:`is_overlength`
   — the packer's per-sample drop rule on such an estimate (``estimate``, ``is_overlength`` and
   ``mandatory_tokens`` live in :mod:`.lengths`, shared with the packer, and are re-exported here);
 * :func:`transform_extremes` — the largest / smallest output a transform can produce (grid side in
@@ -36,17 +37,16 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .schema import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
 from .lengths import estimate, is_overlength, mandatory_tokens  # re-exported: the packer's own rules
+from .outcomes import Text, edit_outcomes, t2i_outcomes, vlm_outcome
 from ..transforms import ImageTransform
 
 __all__ = [
-    "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "ImageGrid", "TransformExtremes", "VAE_GROUPS",
-    "budget_issues", "log_warnings", "edit_outcomes", "estimate", "group_bounds", "image_grids",
-    "image_tokens", "is_overlength", "mandatory_tokens", "t2i_estimate", "table_side", "transform_extremes",
-    "vlm_estimate",
+    "BudgetIssue", "FLEX_BLOCK", "GroupBounds", "ImageGrid", "TransformExtremes", "VAE_GROUPS", "budget_issues",
+    "log_warnings", "estimate", "group_bounds", "image_grids", "image_tokens", "is_overlength", "mandatory_tokens",
+    "table_side", "transform_extremes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,73 +71,6 @@ def image_tokens(transform: ImageTransform, width: int, height: int, img_num: in
     """
     h, w = transform.target_size(width, height, img_num)
     return h * w // transform.stride ** 2
-
-
-def t2i_estimate(image_tokens: int, caption_tokens: int) -> int:
-    """t2i_pretrain: plan [text, vae_image] (2 items), ``num_tokens`` = latent tokens + caption tokens."""
-    return estimate(image_tokens + caption_tokens, 2)
-
-
-def vlm_estimate(image_tokens: Sequence[int], text_tokens: Sequence[int], image_items: int) -> int:
-    """vlm_sft: every image of the record counts (also those without a placeholder, quirk §13.14), every
-    non-empty text element is an item, ``image_items`` = placeholders that got an image."""
-    texts = [n for n in text_tokens if n > 0]
-    return estimate(sum(image_tokens) + sum(texts), len(texts) + image_items)
-
-
-@dataclass(frozen=True)
-class EditOutcome:
-    """One way the edit reader can cook a row: ``probability``, and the estimate's ``lo`` / ``hi`` / ``mean``
-    over the instruction alternatives."""
-
-    probability: float
-    lo: int
-    hi: int
-    mean: float
-
-
-def edit_outcomes(vae_tokens: Sequence[int], vit_tokens: Sequence[int],
-                  text_lens: Any, concat_lens: Any) -> list[EditOutcome]:
-    """Every (start, end, variant) the unified_edit reader can draw for a row of ``n`` images (spec §4.5).
-
-    ``vae_tokens[i]`` / ``vit_tokens[i]``: tokens of image ``i`` after the VAE / ViT transform.
-    ``text_lens(step)`` -> (min, max, mean) tokens of one alternative of ``instruction_list[step]``;
-    ``concat_lens(steps)`` -> (min, max, mean) tokens of the concatenated variant's text for those steps.
-    Start is uniform over ``[0, n-2]``, end uniform over ``[start+1, min(start+3, n)-1]``, the concatenated
-    variant has probability 0.5 when ``end - start > 1``. Raises ValueError for ``n < 2``.
-    """
-    n = len(vae_tokens)
-    if n < 2:
-        raise ValueError(f"an edit row needs at least 2 images, got {n}")
-    out: list[EditOutcome] = []
-    for s in range(n - 1):
-        ends = list(range(s + 1, min(s + 3, n)))
-        for e in ends:
-            p = 1.0 / (n - 1) / len(ends)
-            ctx_tokens, ctx_items = vae_tokens[s] + vit_tokens[s], 2
-            variants = [("step", p)] if e - s == 1 else [("concat", p / 2), ("step", p / 2)]
-            for kind, q in variants:
-                if kind == "concat":
-                    e2 = e - 1 if e == n - 1 else e
-                    lo, hi, mean = concat_lens(list(range(s, e2)))
-                    base, items = ctx_tokens + vae_tokens[e2], ctx_items + 2
-                    out.append(EditOutcome(q, estimate(base + lo, items), estimate(base + hi, items),
-                                           estimate(base, items) + mean))
-                    continue
-                base, items = ctx_tokens, ctx_items
-                lo = hi = 0
-                mean = 0.0
-                for i in range(s + 1, e + 1):
-                    tl, th, tm = text_lens(i - 1)
-                    lo, hi, mean = lo + tl, hi + th, mean + tm
-                    items += 1
-                    if i != e:
-                        base, items = base + 2 * vae_tokens[i] + vit_tokens[i], items + 3
-                    else:
-                        base, items = base + vae_tokens[i], items + 1
-                out.append(EditOutcome(q, estimate(base + lo, items), estimate(base + hi, items),
-                                       estimate(base, items) + mean))
-    return out
 
 
 @dataclass(frozen=True)
@@ -264,17 +197,17 @@ def group_bounds(group: GroupConfig) -> GroupBounds | None:
         return None
     ex = transform_extremes(t)
     if group.name == "t2i_pretrain":
-        return GroupBounds(t2i_estimate(ex.min_tokens, 0), t2i_estimate(ex.max_tokens, 0),
+        return GroupBounds(t2i_outcomes(ex.min_tokens, [0])[0].lo, t2i_outcomes(ex.max_tokens, [0])[0].lo,
                            f"largest image {ex.max_hw[1]}x{ex.max_hw[0]} px = {ex.max_tokens} latent tokens + 2 x 2")
     if group.name == "unified_edit":
         vt = group.vit_transform()
         vex = transform_extremes(vt) if vt is not None else None
         vmax, vmin = (vex.max_tokens, vex.min_tokens) if vex else (0, 0)
-        no_text = lambda *_: (0, 0, 0.0)  # noqa: E731 - an empty instruction (encodes to nothing)
+        no_text = lambda *_: Text(0, 0, 0.0)  # noqa: E731 - an empty instruction (encodes to nothing)
         small = edit_outcomes([ex.min_tokens] * 2, [vmin] * 2, no_text, no_text)[0].lo
         large = edit_outcomes([ex.max_tokens] * 2, [vmax] * 2, no_text, no_text)[0].lo
         return GroupBounds(small, large, f"largest edit step: 2 x {ex.max_tokens} latent + {vmax} ViT tokens + 4 x 2")
-    return GroupBounds(vlm_estimate([], [1], 0), vlm_estimate([ex.max_tokens], [1], 1),
+    return GroupBounds(vlm_outcome([("text", 1)], []).lo, vlm_outcome([("image", 0), ("text", 1)], [ex.max_tokens]).lo,
                        f"largest image {ex.max_hw[1]}x{ex.max_hw[0]} px = {ex.max_tokens} ViT tokens + a 1-token "
                        "answer + 2 x 2")
 
