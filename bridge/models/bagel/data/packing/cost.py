@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ..config.outcomes import Outcome, Text
-from ..config.schema import CostConfig
+from ..config.packer import CostConfig
 
 __all__ = ["CostModel", "Work", "batch_work", "expected_work", "layout_work", "sample_work", "split_pairs",
            "splits_of_plan", "straggler_ratio"]
