@@ -25,7 +25,8 @@ from .packer import (OFFICIAL_NON_PACKER_KEYS, PACKER_BUDGET_KEYS, STRATEGIES, B
 __all__ = ["DATA_PATH_KEYS", "DEFAULT_PARTITIONS", "ORDERS", "PREFETCH_STARTS", "REMOVED_ORDERS", "BagelDataConfig",
            "ValidDataConfig", "structured_merge", "to_config",
            # the packer's (``packer``), imported from here by the stages
-           "OFFICIAL_NON_PACKER_KEYS", "PACKER_BUDGET_KEYS", "STRATEGIES", "BalanceConfig", "CostConfig", "PackerConfig"]
+           "OFFICIAL_NON_PACKER_KEYS", "PACKER_BUDGET_KEYS", "STRATEGIES", "BalanceConfig", "CostConfig",
+           "PackerConfig"]
 
 logger = logging.getLogger(__name__)
 

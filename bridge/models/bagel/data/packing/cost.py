@@ -128,9 +128,9 @@ def splits_of_plan(plan: Sequence[Mapping[str, Any]], item_tokens: Sequence[int]
     """The split layout ``pack_sample`` gives a sample with no item CFG-dropped (spec §6.3).
 
     ``plan``: the ``sequence_plan`` items; ``item_tokens``: each item's tokens without its two special tokens
-    (text: its ids; images: patch or latent tokens; floats for expectations). Text is ``causal``, a ViT image ``full``, a VAE image
-    ``noise`` when it starts a split with ``loss == 1`` and no ``frame_delta``, else ``full``; ``split_start``
-    / ``split_end`` (default True) join consecutive items (video frames) into one split.
+    (text: its ids; images: patch or latent tokens; floats for expectations). Text is ``causal``, a ViT image
+    ``full``, a VAE image ``noise`` when it starts a split with ``loss == 1`` and no ``frame_delta``, else ``full``;
+    ``split_start`` / ``split_end`` (default True) join consecutive items (video frames) into one split.
     """
     lens: list[int] = []
     modes: list[str] = []

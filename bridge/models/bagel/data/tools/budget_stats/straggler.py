@@ -1,9 +1,9 @@
 """The length-level simulator, and the straggler prediction: data-parallel ranks packing on their own.
 
 :func:`simulate_ranks` (the one simulator of ``bagel-data stats``: the budget advisor,
-:func:`.simulate.simulate_packing`, is its DP 1) runs the packer's own loop for ``dp`` ranks (``packing.step.PackLoop`` for
-``packer.strategy: official``, ``packing.balance.BalancedLoop`` for ``balanced``), each rank on its own
-streams and its own group draws, where a sample is its estimate (tokens) and its cost (FLOPs,
+:func:`.simulate.simulate_packing`, is its DP 1) runs the packer's own loop for ``dp`` ranks
+(``packing.step.PackLoop`` for ``packer.strategy: official``, ``packing.balance.BalancedLoop`` for ``balanced``),
+each rank on its own streams and its own group draws, where a sample is its estimate (tokens) and its cost (FLOPs,
 ``packing.cost.CostModel.cost``); step ``s`` is pack ``s`` of every rank. It reports what a step loses to the
 slowest rank, tokens per pack, how long samples wait, the group mix against the draw and the loop's CPU time
 per pack. ``scripts/bench_balance.py`` calls it; ``bagel-data stats`` through :func:`predict` (both strategies
