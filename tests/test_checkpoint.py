@@ -112,3 +112,40 @@ def test_resize_state_on_a_damaged_file_is_one_line_without_megatrons_import_not
     assert len(errors) == 1 and "loader state file of DP rank 0 cannot be read" in errors[0], proc.stderr
     assert f"file: {bad}" in proc.stderr, proc.stderr
     assert "UserWarning" not in proc.stderr and " INFO megatron." not in proc.stderr, proc.stderr
+
+
+def test_load_on_an_empty_root_starts_fresh_and_a_foreign_root_is_refused(tmp_path, caplog):
+    """``train.load`` = ``train.save`` (requeue scripts, torchrun restarts): a missing or empty root, or one holding
+    only a first save killed before its tracker, starts from scratch with one line; a root holding anything else is
+    refused by the validation pass, naming what it holds; a root with a tracker resumes."""
+    import logging
+
+    from bridge.models.bagel.data.job.checkpoint import TRACKER, fresh_start_reason
+    from bridge.models.bagel.data.job.config import TrainConfig, resolve_load
+
+    assert "does not exist" in fresh_start_reason(str(tmp_path / "new"))
+    (tmp_path / "empty").mkdir()
+    train = TrainConfig(save=str(tmp_path / "empty"), load=str(tmp_path / "empty"))
+    with caplog.at_level(logging.INFO):
+        assert resolve_load(train) == [] and train.load is None
+    assert [r.getMessage() for r in caplog.records if "train.load" in r.getMessage()] == [
+        f"train.load: no checkpoint to resume ({tmp_path / 'empty'} is empty): starting from scratch"]
+    partial = tmp_path / "partial"
+    (partial / "energon" / "iter_0000002").mkdir(parents=True)
+    (partial / "iter_0000002").mkdir()
+    (partial / (TRACKER + ".tmp")).write_text("2")
+    assert "interrupted first save" in fresh_start_reason(str(partial))
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"x")
+    train = TrainConfig(load=str(foreign))
+    problems = resolve_load(train)
+    assert len(problems) == 1 and "model.safetensors" in problems[0] and "holds no checkpoint" in problems[0]
+    assert train.load == str(foreign)  # still set: the job refuses it, nothing starts from scratch
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="is a file"):
+        fresh_start_reason(str(tmp_path / "afile"))
+    (partial / TRACKER).write_text("2")
+    assert fresh_start_reason(str(partial)) is None
+    train = TrainConfig(load=str(partial))
+    assert resolve_load(train) == [] and train.load == str(partial)

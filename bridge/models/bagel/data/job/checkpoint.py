@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 
-__all__ = ["TRACKER", "check_resume_dp", "load_trainer_state", "loader_state_files", "rank_state_file",
+__all__ = ["TRACKER", "check_resume_dp", "fresh_start_reason", "load_trainer_state", "loader_state_files", "rank_state_file",
            "read_loader_states", "read_step", "resize_checkpoint", "restore_loader", "save_checkpoint",
            "trainer_state_file"]
 
@@ -60,6 +60,38 @@ def read_step(root: str) -> int:
     if not text.isdigit():
         raise ConfigError(f"train.load: {path} does not hold a step number (got {text[:40]!r})")
     return int(text)
+
+
+#: What ``save_checkpoint`` writes under a root before its first tracker exists (a save killed half-way).
+_SAVE_PARTS = re.compile(r"energon|iter_\d{7,}|" + re.escape(TRACKER) + r"\.tmp")
+
+
+def fresh_start_reason(root: str) -> str | None:
+    """Whether ``train.load`` = ``root`` starts the job from scratch, as Megatron's ``--load`` does on a directory
+    without a checkpoint (the same command starts and resumes a job: requeue scripts, torchrun restarts).
+
+    Returns None when ``root`` holds a checkpoint (its tracker ``latest_checkpointed_iteration.txt``: resume from
+    it), else the reason to start fresh: ``root`` does not exist, is empty, or holds only the parts of a first save
+    killed before its tracker was written (``energon/``, ``iter_NNNNNNN/``, the tracker's ``.tmp``; the next save
+    rewrites them). Raises ``ConfigError`` when ``root`` is a file or holds anything else (it is not a checkpoint
+    root: a wrong path must not silently train from scratch).
+    """
+    if os.path.isfile(os.path.join(root, TRACKER)):
+        return None
+    if not os.path.exists(root):
+        return f"{root} does not exist yet"
+    if not os.path.isdir(root):
+        raise ConfigError(f"train.load: {root} is a file, not a checkpoint root (a directory holding {TRACKER})")
+    names = sorted(os.listdir(root))
+    if not names:
+        return f"{root} is empty"
+    foreign = [n for n in names if not _SAVE_PARTS.fullmatch(n)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        raise ConfigError(f"train.load: {root} holds no checkpoint ({TRACKER} is missing) but is not empty either: "
+                          f"{shown}; point train.load at a checkpoint root (train.save of an earlier run) or at an "
+                          "empty or new directory to start from scratch")
+    return f"{root} holds only an interrupted first save (no {TRACKER})"
 
 
 def loader_state_files(root: str, step: int) -> list[str]:
