@@ -256,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=SyntaxWarning)
+    if rank != 0:  # once-per-job notices are rank 0's: the same text from every rank says nothing more
+        for category in (FutureWarning, DeprecationWarning):  # e.g. torch's deprecations, raised at import
+            warnings.filterwarnings("ignore", category=category)
+        logging.getLogger("bridge.models.bagel.data.parity").setLevel(logging.ERROR)  # the unproven-versions note
     try:
         code = _main(args, rank)
     except Exception as exc:  # one clear line per failing rank; --debug for the traceback
