@@ -42,7 +42,8 @@ from .schema import (STRATEGIES, BagelDataConfig, BalanceConfig, ConfigError, Co
 from .grouped_yaml import GroupConfig, is_int, is_number
 
 __all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "key_origin", "package_version", "path_problems",
-           "socket_path_problem", "strategy_problems", "unknown_key_problems", "validate_data"]
+           "socket_path_problem", "strategy_problems", "truncated_images_problems", "unknown_key_problems",
+           "validate_data"]
 
 PACKAGE_NAME = "bagel-megatron-data"
 
@@ -127,6 +128,7 @@ class ValidatedData:
                         "image_transform_args": r.group.image_transform_args,
                         "vit_image_transform_args": r.group.vit_image_transform_args} for r in self.groups],
             **({"partitions": config.partitions} if config.order == "elastic" else {}),
+            **({"truncated_images": "drop"} if getattr(config, "truncated_images", "keep") == "drop" else {}),
         }
 
 
@@ -277,6 +279,8 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
         problems.add(message)
     with problems.check():
         config.validate()
+    for message in truncated_images_problems(config):
+        problems.add(message)
     for message in strategy_problems(config.packer):
         problems.add(message)
     paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems.messages)
@@ -340,6 +344,13 @@ def _split_problems(config: BagelDataConfig, groups_value: Any, info_value: Any,
 # --------------------------------------------------------------------------------------------------
 # Launch-wide checks (``job.config``): unknown keys of every config part, and the config's file paths named
 # by the key and the config file that hold them. Separate from ``validate_data``, whose problems they join.
+
+
+def truncated_images_problems(config: BagelDataConfig) -> list[str]:
+    """``data.truncated_images`` must be ``keep`` (the official reader's ``LOAD_TRUNCATED_IMAGES = True``: cooked,
+    counted as ``truncated_image``) or ``drop`` (a ``truncated_image`` tombstone)."""
+    value = getattr(config, "truncated_images", "keep")
+    return [] if value in ("keep", "drop") else [f"truncated_images: must be 'keep' or 'drop', got {value!r}"]
 
 
 def _nested_schema(hint: Any) -> type | None:
