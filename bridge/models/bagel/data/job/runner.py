@@ -41,7 +41,8 @@ from ..config import ConfigError
 from ..packing import batch_digest
 from ..config import ValidatedData, validate_data
 from .batch_check import account_batch, check_batch
-from .checkpoint import check_resume_dp, load_trainer_state, read_step, restore_loader, save_checkpoint
+from .checkpoint import (PackedLedger, check_resume_dp, load_trainer_state, read_step, restore_loader,
+                         save_checkpoint)
 from .config import JobConfig, validate_job
 from .startup import StartupClock, reduce_startup
 from .straggler import StragglerMeter
@@ -357,6 +358,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     (iterator, loader, valid, valid_loader), start_step, data = _open_streams(
         cfg, pg_collection, tokenizer, data, trainer, clock, per_eval)
     startup_s = _report_startup(clock)
+    ledger = PackedLedger(None if cfg.data.fresh_stream else train.load, start_step)  # at every checkpoint
     if rank == 0:
         _announce_validation(cfg, valid is not None, num_micro)
     eval_results: list[dict[str, Any]] = []
@@ -384,6 +386,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
                            batches, rows if digest_fh is not None else None)
             except Exception as exc:  # noqa: BLE001 - agreed on below, then raised on every rank
                 step_error = exc
+            ledger.add(batches)
             # Every rank learns of a failing rank's data error at the same step, so none waits in a collective.
             agree(step_error, f"at step {step}", warn_s=cfg.data.stall_warn_s)
             if trainer is not None:
@@ -424,7 +427,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             if train.save and ((train.save_interval and step % train.save_interval == 0)
                                or step == train.train_iters or stopped):
                 save_checkpoint(train.save, step, iterator, pg_collection,
-                                trainer_state=trainer.state_dict() if trainer is not None else None)
+                                trainer_state=trainer.state_dict() if trainer is not None else None, ledger=ledger)
                 logger.info("saved checkpoint at step %d to %s", step, train.save)
             if bar is not None:
                 bar.update(1)
