@@ -39,7 +39,7 @@ from .budgets import BudgetIssue, budget_issues, log_warnings
 from .schema import (STRATEGIES, BagelDataConfig, BalanceConfig, ConfigError, CostConfig, DatasetInfoEntry,
                      PackerConfig, ResolvedGroup, load_dataset_info, load_grouped_yaml,
                      resolve_groups)
-from .grouped_yaml import GroupConfig, is_int, is_number
+from .grouped_yaml import GroupConfig, is_int, is_number, is_url
 
 __all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "package_version", "socket_path_problem",
            "strategy_problems", "validate_data"]
@@ -139,7 +139,7 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
         if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
             problems.add(f"{info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
                          "(bagel-data convert) and register the converted directory")
-        elif not os.path.isdir(entry.energon_path):
+        elif not is_url(entry.energon_path) and not os.path.isdir(entry.energon_path):  # a URL: the reader opens it
             problems.add(f"{info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
                          "fix energon_path (relative paths are relative to the registry file) or convert the "
                          "dataset there (bagel-data convert)")
