@@ -16,7 +16,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,9 @@ from _external_common import (assert_same, demo_config, elastic_world as _world,
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.errors import DataError
 from bridge.models.bagel.data.tools.verify import format_report, verify
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_remote import start_moto  # noqa: E402  (the bench's moto server on 127.0.0.1)
 
 BUCKET = "bagel-data"
 PROFILE = "bagel-s3"
@@ -62,32 +64,6 @@ def silent_port():
     sock.listen(64)
     yield sock.getsockname()[1]
     sock.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_moto(timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """moto's S3 server (``python -m moto.server``) on a free port of 127.0.0.1, answering: (process, endpoint)."""
-    import urllib.request
-
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2).read()
-            return proc, endpoint
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"moto's server did not start on {endpoint}") from None
-            time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

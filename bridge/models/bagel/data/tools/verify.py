@@ -7,7 +7,9 @@ find (``energon.layout.damage.check_shard``: a missing shard, one cut short, a c
 ``.tar.idx``), its size and sha256 against the manifest, and, when the sha256 differs, every sample's
 ``layout.sample_checksum`` against ``manifest.checksums.npy`` (the samples read as Energon reads them: the tar's
 regular members grouped by key, their bytes as stored). A shard whose sha256 differs while every sample matches
-differs only outside the samples' bytes (tar padding, unused header fields): harmless, listed as a note.
+differs only outside the samples' bytes (tar padding, unused header fields): harmless, listed as a note. A dataset
+may be an ``msc://`` URL (object storage, ``energon.layout.remote``): its files are read through MSC, each shard
+once, whole, into memory; the damage checks there only see whether each shard and index object exists.
 
 Exit codes: 0 every checked shard and sample matches; 1 damage found (the report names each damaged file and
 sample and the remedy); 2 the command could not run (no such dataset, an unreadable config); 3 nothing damaged
