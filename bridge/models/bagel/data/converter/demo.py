@@ -26,7 +26,8 @@ from ..energon.layout import EDIT, T2I, VLM
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCALES", "DEMO_NAMES", "generate_demo_raw", "make_demo_data"]
+__all__ = ["SCALES", "DEMO_NAMES", "clip_frames", "generate_demo_raw", "make_demo_data", "write_frame_folder",
+           "write_mp4"]
 
 DEMO_VERSION = 2  # 2: converted with checksums (an older demo_data/ is regenerated)
 STAMP = ".bagel_demo_stamp.json"
@@ -96,6 +97,45 @@ def _gen_edit(rng: np.random.Generator, d: str, info_path: str, n_files: int, n_
     with open(info_path, "w", encoding="utf-8") as fh:
         json.dump(info, fh, indent=1)
     return n_files * n_groups * rows
+
+
+def clip_frames(rng: np.random.Generator, n: int, width: int, height: int) -> list[np.ndarray]:
+    """``n`` procedural RGB frames ``(height, width, 3)`` uint8: a square sliding over a colour-cycling gradient."""
+    base = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    tint = rng.integers(0, 256, size=3).astype(np.float32)
+    side = max(4, min(width, height) // 4)
+    out = []
+    for k in range(n):
+        img = np.broadcast_to((base + tint + 8.0 * k) % 256, (height, width, 3)).astype(np.uint8).copy()
+        x = (k * max(1, (width - side) // max(1, n - 1))) % max(1, width - side)
+        y = (k * max(1, (height - side) // max(1, n - 1))) % max(1, height - side)
+        img[y:y + side, x:x + side] = (255, 255, 255) if k % 2 else (20, 20, 160)
+        out.append(img)
+    return out
+
+
+def write_mp4(path: str, frames: list[np.ndarray], fps: int = 8) -> None:
+    """An H.264 mp4 of ``frames`` (even width and height) written with PyAV (the ``video`` extra)."""
+    import av
+
+    with av.open(path, "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def write_frame_folder(path: str, frames: list[np.ndarray]) -> None:
+    """A frame folder as the official reader reads it: ``frame_1.jpg`` .. ``frame_<n>.jpg`` (numbered from 1)."""
+    from PIL import Image
+
+    os.makedirs(path, exist_ok=True)
+    for k, f in enumerate(frames, start=1):
+        Image.fromarray(f).save(os.path.join(path, f"frame_{k}.jpg"), quality=90)
 
 
 def _vlm_qa(rng: np.random.Generator, scene: ds.Scene) -> list[tuple[str, str]]:
