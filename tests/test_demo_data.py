@@ -100,7 +100,10 @@ def test_raw_content_is_varied_and_well_formed(demo):
     lines = (demo / "raw" / "vlm" / "demo_vlm.jsonl").read_text().splitlines()
     recs = [json.loads(x) for x in lines]
     n_imgs = [len(r["image"]) if isinstance(r.get("image"), list) else int("image" in r) for r in recs]
-    assert len(recs) == 48 and max(n_imgs) >= 2 and 0 in n_imgs
+    assert len(recs) == 54 and max(n_imgs) >= 2 and 0 in n_imgs
+    videos = [r["video"] for r in recs if "video" in r]  # the last 6 lines: frame folders and mp4s
+    assert len(videos) == 6 and all("video" in r for r in recs[48:])
+    assert any(v.endswith("/") for v in videos) and any(v.endswith(".mp4") for v in videos)
     assert any(len(r["conversations"]) >= 4 for r in recs)
     for r in recs:
         names = r.get("image", [])
@@ -114,7 +117,7 @@ def test_raw_content_is_varied_and_well_formed(demo):
 def test_converted_vlm_meta(demo):
     root = demo / "energon" / VLM / DEMO_NAMES[VLM]
     man = load_manifest(root)
-    assert (man["files"][0]["first_sample"], man["files"][0]["num_samples"]) == (0, 48) and man["image_dir"] == "vlm/images"
+    assert (man["files"][0]["first_sample"], man["files"][0]["num_samples"]) == (0, 54) and man["image_dir"] == "vlm/images"
     import tarfile
 
     with tarfile.open(root / man["shards"][0]["path"]) as tf:

@@ -111,3 +111,17 @@ def test_official_order_resumes_exactly_and_keeps_the_process_numpy_rng(video) -
     for a in full[3:]:
         assert_same(a, next(resumed))
     resumed.close()
+
+
+def test_a_video_dataset_without_decord_fails_at_build_in_one_line(video, monkeypatch) -> None:
+    import sys
+
+    from bridge.models.bagel.data.config import ConfigError
+
+    cfg, tok = video
+    monkeypatch.setitem(sys.modules, "decord", None)  # `import decord` raises ImportError: as if not installed
+    with pytest.raises(ConfigError) as err:
+        build_bagel_train_loader(cfg, tok, (0, 1), length=10)
+    line = str(err.value)
+    assert "\n" not in line.strip() and "group 'vlm_sft'" in line and "video files" in line, line
+    assert "the `video` extra" in line and "bagel-megatron-data[video]" in line, line

@@ -114,9 +114,11 @@ def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer
 
 
 def _check_video(group: str, datasets: GroupDatasets, ctx: Any, config: BagelDataConfig) -> None:
-    """A group whose datasets hold video lines needs decord (the ``video`` extra): one ConfigError line otherwise; one
-    warning when it has no ``frame_sampler_args`` (its video lines are dropped as ``no_frame_sampler``)."""
-    lines = sum(video_lines_of(p) for p in datasets.paths)
+    """A group whose datasets hold video files needs decord (the ``video`` extra; frame folders need PIL only): one
+    ConfigError line otherwise; one warning when it has video lines and no ``frame_sampler_args`` (they are dropped
+    as ``no_frame_sampler``)."""
+    counts = [video_lines_of(p) for p in datasets.paths]
+    lines, files = sum(c[0] for c in counts), sum(c[1] for c in counts)
     if not lines:
         return
     if ctx.frame_sampler is None:
@@ -124,7 +126,8 @@ def _check_video(group: str, datasets: GroupDatasets, ctx: Any, config: BagelDat
                        config.groups_source, group, lines)
         return
     try:
-        require_decord(f"{config.groups_source}: group {group!r} ({lines} video lines)")
+        if files:
+            require_decord(f"{config.groups_source}: group {group!r} ({files} video files)")
     except ModuleNotFoundError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -21,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, NUM_VIDEO_LINES, VLM
+from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, NUM_VIDEO_FILES, NUM_VIDEO_LINES, VLM
 
 logger = logging.getLogger(__name__)
 
@@ -359,24 +359,27 @@ class VlmReader:
         self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
         self.total = len(lines)
         log.manifest.update(files=[{"file": self.rel_file, "num_lines": len(lines)}], num_lines=len(lines),
-                            image_dir=self.rel_image_dir, **{NUM_VIDEO_LINES: _count_video_lines(lines)})
+                            image_dir=self.rel_image_dir, **_count_video_lines(lines))
         step = max(1, lines_per_unit)
         self.units = [SourceUnit(jsonl_path, self.rel_file, 0, (), a, min(step, len(lines) - a))
                       for a in range(0, len(lines), step)]
 
 
-def _count_video_lines(lines: list[str]) -> int:
-    """Lines whose record is a video record (a ``video`` key, no ``image`` key): the build requires decord when a
-    dataset has any. Only lines naming ``"video"`` are parsed."""
-    n = 0
+def _count_video_lines(lines: list[str]) -> dict[str, int]:
+    """The manifest's video counts: lines whose record is a video record (a ``video`` key, no ``image`` key), and
+    those naming a file rather than a frame folder (the build requires decord when a dataset has any). Only lines
+    naming ``"video"`` are parsed."""
+    n = files = 0
     for line in lines:
         if '"video"' in line:
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            n += isinstance(rec, dict) and "video" in rec and "image" not in rec
-    return n
+            if isinstance(rec, dict) and "video" in rec and "image" not in rec:
+                n += 1
+                files += not (isinstance(rec["video"], str) and rec["video"].endswith("/"))
+    return {NUM_VIDEO_LINES: n, NUM_VIDEO_FILES: files}
 
 
 def _first_relative_image(lines: list[str]) -> int | None:

@@ -17,7 +17,8 @@ Every draw goes through :class:`~.common.Draws` (recorded; replayed when a sampl
 are decoded: a folder's other frames have their header checked (``PIL.Image.open``), not their pixels (the official
 reader decodes all of them, so a frame whose header opens but whose pixels do not is dropped there, kept here).
 Parity is proven on decord 0.6.0 (``tests/test_video_golden.py``). decord is the optional ``video`` extra:
-:func:`require_decord` fails a build in one line when a dataset holds video lines and decord is missing.
+:func:`require_decord` fails a build in one line when a dataset holds video files and decord is missing (frame
+folders need PIL only).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ..layout import MANIFEST_NAME, NUM_VIDEO_LINES
+from ..layout import MANIFEST_NAME, NUM_VIDEO_FILES, NUM_VIDEO_LINES
 from .common import Draws, DropSample
 
 __all__ = ["FrameSampler", "VIDEO_TAG", "frame_indices", "require_decord", "sample_file_frames",
@@ -147,11 +148,13 @@ def _short(e: BaseException) -> str:
     return " ".join(str(e).split("\n")[0].split())[:300]
 
 
-def video_lines_of(path: str) -> int:
-    """How many lines of the converted dataset at ``path`` are video records (its manifest header's
-    ``num_video_lines``; 0 for a dataset converted before video was stored, or without a manifest)."""
+def video_lines_of(path: str) -> tuple[int, int]:
+    """``(video lines, video file lines)`` of the converted dataset at ``path`` (its manifest header's
+    ``num_video_lines`` / ``num_video_files``; zeros for a dataset converted before video was stored, or without a
+    manifest)."""
     try:
         with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
-            return int(json.load(f).get(NUM_VIDEO_LINES) or 0)
+            head = json.load(f)
+        return int(head.get(NUM_VIDEO_LINES) or 0), int(head.get(NUM_VIDEO_FILES) or 0)
     except (OSError, ValueError, AttributeError):
-        return 0
+        return 0, 0
