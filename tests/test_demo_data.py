@@ -132,3 +132,21 @@ def test_config_loaders_accept_demo_files(demo):
     resolved = resolve_groups(groups, load_dataset_info(str(demo / "dataset_info.yaml")))
     assert [r.group.name for r in resolved] == [T2I, EDIT, VLM]
     assert all(os.path.isdir(d.energon_path) for r in resolved for d in r.datasets)
+
+
+def test_demo_video_lines_cook_into_frames(demo, tokenizer):
+    """The demo's 6 video lines (frame folders and mp4s) are cooked: 2-4 frames each within the demo budgets."""
+    pytest.importorskip("decord", reason="the demo's mp4s are read with decord (the `video` extra)")
+    from bridge.models.bagel.data.energon.cooking import make_cook_context
+    from bridge.models.bagel.data.energon.readers import open_group_reader
+
+    g = yaml.safe_load((demo / "groups.yaml").read_text())[VLM]
+    ctx = make_cook_context(VLM, tokenizer, g["image_transform_args"], frame_sampler_args=g["frame_sampler_args"])
+    reader = open_group_reader("official", [str(demo / "energon" / VLM / DEMO_NAMES[VLM])], ctx,
+                               num_used_data=g["num_used_data"], seed=42, repeat=False)
+    try:
+        videos = {s.source["line"]: s for s in reader if s.source["line"] >= 48}
+    finally:
+        reader.close()
+    assert sorted(videos) == list(range(48, 54)) and reader.drops.counts == {}
+    assert all(2 <= len(s.image_tensor_list) <= 4 and s.num_tokens < 4096 for s in videos.values())
