@@ -134,14 +134,14 @@ BAGEL = dict(expected_num_tokens=32768, max_num_tokens=36864, max_num_tokens_per
     (dict(BAGEL, max_latent_size=64), [], []),
     (dict(BAGEL, max_latent_size=64, use_flex=True), [], []),
     (dict(expected_num_tokens=16384, max_num_tokens=20480, max_num_tokens_per_sample=10240, prefer_buffer_before=4096,
-          max_latent_size=64, use_flex=True), [], []),
+          max_latent_size=64, use_flex=True), [], ["max_num_tokens_per_sample"]),  # 12-frame videos: >= 10395
     (dict(BAGEL), ["max_latent_size", "max_latent_size"], []),                       # B4: official DataConfig default
     (dict(BAGEL, max_latent_size=32, interpolate_pos=True), [], []),
     (dict(BAGEL, max_latent_size=64, max_num_patch_per_side=64), ["max_num_patch_per_side"], []),
     (dict(expected_num_tokens=10240, max_num_tokens=11520, max_num_tokens_per_sample=10240, prefer_buffer_before=4096,
-          max_latent_size=64), ["max_num_tokens_per_sample"], []),                  # TRAIN.md fine-tune budgets: B6
+          max_latent_size=64), ["max_num_tokens_per_sample"], ["max_num_tokens_per_sample"]),  # TRAIN.md: B6, video
     (dict(REPORT_BUDGETS, max_latent_size=64), ["max_num_tokens_per_sample"],       # Bagel #157: B6 + B3
-     ["max_num_tokens_per_sample"] * 3),
+     ["max_num_tokens_per_sample"] * 4),
     (dict(BAGEL, max_num_tokens=36800, max_latent_size=64, use_flex=True), [], ["max_num_tokens"]),
     (dict(BAGEL, max_num_tokens=36800, max_latent_size=64), [], []),               # dense: no flex blocks
 ])

@@ -279,6 +279,24 @@ def group_bounds(group: GroupConfig) -> GroupBounds | None:
                        "answer + 2 x 2")
 
 
+def video_bounds(group: GroupConfig) -> tuple[int, str] | None:
+    """Video records (issue 40): the estimate of the largest video sample a vlm group's ``frame_sampler_args`` and
+    transform allow — ``n`` frames (``min_num_frames <= n <= max_num_frames``), each the largest frame the transform
+    produces at ``img_num = n``, and a 1-token answer — with its description; None without video settings."""
+    args, t = group.frame_sampler_args, group.transform()
+    if group.name != "vlm_sft" or not args or t is None:
+        return None
+    lo, hi = int(args.get("min_num_frames", 1)), int(args.get("max_num_frames", 0))
+    best = None
+    for n in range(max(1, lo), hi + 1):
+        ex = transform_extremes(t, img_num=n)
+        est = vlm_estimate([ex.max_tokens] * n, [1], n)
+        if best is None or est > best[0]:
+            best = (est, f"{n} frames of {ex.max_hw[1]}x{ex.max_hw[0]} px = {n} x {ex.max_tokens} ViT tokens + a "
+                         f"1-token answer + {n + 1} x 2")
+    return best
+
+
 # --------------------------------------------------------------------------------------------------
 # Config-time checks
 
@@ -364,6 +382,13 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
                 + f". Raise {pw}.max_num_tokens_per_sample to >= {b.largest_image + (1 if g.is_mandatory else 0)} "
                 f"(and max_num_tokens accordingly) or lower image_transform_args.max_image_size; "
                 f"`bagel-data stats` counts the affected samples")))
+        video = video_bounds(g)  # video records (issue 40): the largest frame count at its largest frames
+        if video is not None and too_big(video[0]):
+            issues.append(BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
+                f"{where}: a video record of {video[1]} is estimated at >= {video[0]} tokens, over "
+                f"{pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such samples are dropped. Raise "
+                f"{pw}.max_num_tokens_per_sample or lower frame_sampler_args.max_num_frames; `bagel-data stats` "
+                f"counts the affected samples")))
     mandatory = [g.name for g in gs if g.is_mandatory]
     worst = mandatory_tokens(len(mandatory), limit)
     if len(mandatory) > 1 and worst > p.max_num_tokens:
