@@ -36,10 +36,10 @@ from importlib import metadata
 from typing import Any
 
 from .budgets import BudgetIssue, budget_issues, log_warnings
-from .schema import (STRATEGIES, BagelDataConfig, BalanceConfig, ConfigError, CostConfig, DatasetInfoEntry,
-                     PackerConfig, ResolvedGroup, load_dataset_info, load_grouped_yaml,
-                     resolve_groups)
-from .grouped_yaml import GroupConfig, is_int, is_number
+from .grouped_yaml import ConfigError, GroupConfig, is_int, is_number, load_grouped_yaml
+from .packer import STRATEGIES, BalanceConfig, CostConfig, PackerConfig
+from .registry import DatasetInfoEntry, ResolvedGroup, load_dataset_info, resolve_groups
+from .schema import BagelDataConfig
 
 __all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "package_version", "socket_path_problem",
            "strategy_problems", "validate_data"]

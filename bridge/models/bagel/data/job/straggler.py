@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..config.schema import CostConfig
-from ..packing.cost import CostModel, batch_work
+from ..packing.cost import CostModel, batch_work, straggler_ratio
 from .topology import collective_device
 
 __all__ = ["StragglerMeter", "StragglerStats"]
@@ -37,15 +37,13 @@ class StragglerStats:
 
     @property
     def ratio(self) -> float:
-        """Mean over the steps of max / mean (1.0 = no rank waits)."""
-        rs = [m / a for m, a in zip(self.step_max, self.step_mean) if a > 0]
-        return sum(rs) / len(rs) if rs else 1.0
+        """Mean over the steps of max / mean (1.0 = no rank waits; ``packing.cost.straggler_ratio``)."""
+        return straggler_ratio(self.step_max, self.step_mean)[0]
 
     @property
     def lost(self) -> float:
         """Share of step time the ranks spend waiting for the slowest: ``sum(max - mean) / sum(max)``."""
-        total = sum(self.step_max)
-        return (total - sum(self.step_mean)) / total if total > 0 else 0.0
+        return straggler_ratio(self.step_max, self.step_mean)[1]
 
     def scalars(self) -> dict[str, float]:
         """``straggler_ratio``, ``straggler_lost`` and ``tflops_per_step`` (the mean rank's, TFLOPs) for the
@@ -66,8 +64,8 @@ class StragglerMeter:
         self.model = CostModel.of(cost)
         self.enabled = enabled
         self._steps: dict[int, float] = {}  # this rank's FLOPs per step of the current interval
-        self._sum_max = self._sum_mean = 0.0  # the run's sums over steps (FLOPs)
-        self._ratios: list[float] = []
+        self._max: list[float] = []  # the run's steps so far: the slowest and the mean rank's FLOPs
+        self._mean: list[float] = []
 
     def record(self, step: int, batch: Mapping[str, Any]) -> float:
         """Add one micro-batch of training step ``step`` (a packed batch, flex or dense); returns its FLOPs."""
@@ -98,9 +96,8 @@ class StragglerMeter:
         (empty for an interval without steps)."""
         if not stats.step_max:
             return {}
-        self._sum_max += sum(stats.step_max)
-        self._sum_mean += sum(stats.step_mean)
-        self._ratios += [m / a for m, a in zip(stats.step_max, stats.step_mean) if a > 0]
+        self._max += stats.step_max
+        self._mean += stats.step_mean
         out = stats.scalars()
         if self.enabled:
             logger.info("step %d | straggler: compute max/mean over %d DP ranks %.4f, %.1f%% of step time waiting "
@@ -110,5 +107,5 @@ class StragglerMeter:
 
     def summary(self) -> dict[str, float | None]:
         """The run's ``straggler_ratio`` (mean over its steps) and ``straggler_lost``; None before any interval."""
-        return {"straggler_ratio": sum(self._ratios) / len(self._ratios) if self._ratios else None,
-                "straggler_lost": (self._sum_max - self._sum_mean) / self._sum_max if self._sum_max > 0 else None}
+        ratio, lost = straggler_ratio(self._max, self._mean)
+        return {"straggler_ratio": ratio if self._max else None, "straggler_lost": lost if sum(self._max) > 0 else None}

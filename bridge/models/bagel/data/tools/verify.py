@@ -22,7 +22,6 @@ import hashlib
 import logging
 import multiprocessing
 import os
-import re
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..energon.layout import damage
+from ..energon.layout.shards import shard_samples
 from ..energon.layout import (CHECKSUMS_NAME, COLUMNS_NAME, GROUPS, MANIFEST_NAME, ManifestError, checksums_entry,
                               load_manifest, open_checksums, sample_checksum, sample_key)
 
@@ -39,11 +39,6 @@ __all__ = ["DatasetReport", "ShardResult", "VerifyError", "VerifyReport", "forma
 
 logger = logging.getLogger(__name__)
 
-#: Energon's split of a member name into sample key and part name, and the member names it skips
-#: (``megatron.energon.flavors.webdataset.config``): verify groups members exactly as the readers get them.
-_SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-_SKIP_META = re.compile(r"__[^/]*__($|/)")
-_CHUNK = 1 << 20
 #: Bad samples a shard's result lists (all are counted).
 _MAX_LISTED = 20
 
@@ -238,28 +233,6 @@ def _expected(root: str) -> np.ndarray | None:
     return _EXPECTED[root]
 
 
-def _samples(path: str) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """``(key, [(part, bytes), ...])`` of a shard's samples in tar order, grouped as Energon groups them (regular
-    members, ``__…__`` names skipped, split at the first dot of the base name). Raises tarfile / OS errors."""
-    with tarfile.open(path, "r:") as tf:
-        key, parts = None, []
-        for m in tf:
-            if not m.isfile() or _SKIP_META.match(m.name):
-                continue
-            hit = _SPLIT_NAME.match(m.name)
-            if not hit:
-                continue
-            base, ext = hit.groups()
-            if base != key and key is not None:
-                yield key, parts
-                parts = []
-            key = base
-            f = tf.extractfile(m)
-            parts.append((ext, f.read() if f is not None else b""))
-        if key is not None:
-            yield key, parts
-
-
 def _check_shard(task: _Task) -> ShardResult:
     """Check one shard (see the module docstring); never raises for damage, it reports it."""
     tar = os.path.join(task.root, task.path)
@@ -291,7 +264,7 @@ def _check_shard(task: _Task) -> ShardResult:
             res.bad_samples.append((key, what))
 
     try:
-        for key, parts in _samples(tar):
+        for key, parts in shard_samples(tar):
             index = int(key) if key.isdigit() else -1
             if not (task.first_sample <= index < task.first_sample + task.count and key == sample_key(index)):
                 bad(key, "a key that is no sample of this shard (a damaged tar header)")
