@@ -108,7 +108,8 @@ class ValidatedData:
     def fingerprint(self, special_tokens: Mapping[str, int], dp_rank: int, dp_size: int) -> dict[str, Any]:
         """The configuration's part of a loader's resume fingerprint (``state.fingerprint``): what changes the
         stream besides the stages' own identities (``frame_sampler_args`` does not: no videos), for DP rank
-        ``dp_rank`` of ``dp_size``."""
+        ``dp_rank`` of ``dp_size``. The packer's knobs are not here: the packer stage's identity is their one record
+        (``BagelPacker.identity``, ``PackerConfig.stream_identity``)."""
         config = self.config
         return {
             "package_version": package_version(),
@@ -118,7 +119,6 @@ class ValidatedData:
             "dp_rank": int(dp_rank),
             "dp_size": int(dp_size),
             "num_workers": config.num_workers,
-            "packer": config.packer.stream_identity(),
             "special_tokens": dict(special_tokens),
             "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
                         "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,
