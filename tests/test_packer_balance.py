@@ -30,6 +30,7 @@ from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.job.batch_check import check_batch
 from bridge.models.bagel.data.job.straggler import StragglerMeter, StragglerStats
 from bridge.models.bagel.data.job.telemetry import Telemetry
+from bridge.models.bagel.data.job.world import reduce_world
 from bridge.models.bagel.data.packing import ListGroupSource
 from bridge.models.bagel.data.packing.balanced_packer import BalancedPacker
 from bridge.models.bagel.data.packing.cost import CostModel, Work, batch_work, sample_work, split_pairs, straggler_ratio
@@ -386,9 +387,11 @@ def test_straggler_meter_reports_the_ratio_and_the_lost_share(caplog) -> None:
     batch = load_case(FLEX)["batches"][0]
     assert meter.record(1, batch) == CostModel.of().cost(batch_work(batch))
     meter.record(1, batch)
-    single = meter.reduce()  # no process group: this rank alone
+    world = reduce_world({}, {}, [], step_compute=meter.local())  # no process group: this rank alone
+    meter.book(world["step_compute_max"], world["step_compute_mean"], world["dp_size"])
+    single = meter.interval()
     assert single.step_max == (2 * CostModel.of().cost(batch_work(batch)),) and single.ratio == 1.0
-    assert meter.reduce().step_max == ()  # a new interval
+    assert meter.local() == [] and meter.interval().step_max == ()  # a new interval
     with caplog.at_level("INFO", logger="bridge.models.bagel.data.job.straggler"):
         out = meter.log(1, stats)
     assert out["straggler_ratio"] == stats.ratio and out["tflops_per_step"] == pytest.approx(3e-12)
