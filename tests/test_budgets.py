@@ -296,7 +296,8 @@ def test_simulate_packing_replays_the_official_loop() -> None:
 
 
 def test_stats_cli_on_a_job_config(demo_setup, tmp_path: Path, monkeypatch, capsys) -> None:
-    """``bagel-data stats --config JOB.yaml [overrides]``: report on stdout, PNG written, exit 3 when impossible."""
+    """``bagel-data stats --config JOB.yaml [overrides]``: report on stdout, PNG written, exit 3 when impossible, 1
+    when it reports an ERROR."""
     from bridge.models.bagel.data.tools import cli
     from bridge.models.bagel.data import tokenizer
 
@@ -320,3 +321,8 @@ def test_stats_cli_on_a_job_config(demo_setup, tmp_path: Path, monkeypatch, caps
     text = capsys.readouterr().out
     assert rc == 3 and "ERROR: mandatory group 't2i_pretrain': every one of its 64 samples" in text
     assert "histogram:" not in text
+    # an ERROR the job refuses at start, though batches could be packed: not exit 0 either
+    rc = cli.main(["stats", "--config", str(job), "--histogram", "", "--no-progress", "--max-samples", "5",
+                   "data.packer.max_latent_size=32"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "ERROR: " in text and "packer.max_latent_size is 32" in text, (rc, text[-2000:])

@@ -154,6 +154,8 @@ def test_vlm_every_line_once(converted):
     s = converted[VLM]
     assert s.samples == 25 and s.skipped == {}
     assert any("missing/none.png" in w for w in s.warnings)
+    # warnings number lines as editors do (1-based): the missing image is on line 18 of the jsonl
+    assert [w.split(": image")[0] for w in s.warnings if "missing/none.png" in w] == ["vlm/vlm_sft.jsonl line 18"]
     man = load_manifest(s.path)
     assert man["files"][0]["first_sample"] == 0 and man["files"][0]["num_samples"] == 25 and man["num_lines"] == 25
     lines = (RAW / "vlm" / "vlm_sft.jsonl").open(encoding="utf-8").readlines()

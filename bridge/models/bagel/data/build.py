@@ -100,7 +100,8 @@ def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer
     g = group.group
     try:
         ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args,
-                                verify_checksums=config.verify_checksums)
+                                verify_checksums=config.verify_checksums,
+                                truncated_images=config.truncated_images)
         return open_group_reader(order, datasets, ctx, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
                                  shuffle_seed=g.shuffle_seed, seed=config.effective_data_seed, dp_rank=dp_rank,
                                  dp_size=dp_size, partitions=config.partitions, stall_warn_s=config.stall_warn_s,

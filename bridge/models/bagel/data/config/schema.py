@@ -104,6 +104,7 @@ class BagelDataConfig:
     stall_warn_s: float = DEFAULT_STALL_WARN_S  # data watchdog: one warning line per rank after this long without a
     timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
     verify_checksums: bool = True       # check every sample's bytes against the checksums recorded at conversion
+    truncated_images: str = "keep"      # keep (trained on as the official reader does, counted) | drop
                                         # (a mismatch: dropped as checksum_mismatch; a damaged shard stops the job)
     valid: ValidDataConfig | None = None  # the validation split {groups, dataset_info}; null = no validation
 

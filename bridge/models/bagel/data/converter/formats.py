@@ -347,7 +347,7 @@ class VlmReader:
             line = _first_relative_image(lines)
             if line is not None:  # every such image would be an error, its sample dropped at read time
                 raise ConvertError(f"{image_dir}: image directory does not exist, and the jsonl names images below it "
-                                   f"(e.g. line {line}): check --image-dir / the entry's data_dir")
+                                   f"(e.g. line {line + 1}): check --image-dir / the entry's data_dir")
             log.warn(f"{image_dir}: image directory does not exist; no line names an image below it")
         self.image_dir, self.log = image_dir, log
         self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
@@ -360,7 +360,8 @@ class VlmReader:
 
 
 def _first_relative_image(lines: list[str]) -> int | None:
-    """The first line (0-based) whose record names an image by a relative path (read below the image dir)."""
+    """The first line (0-based index; messages add 1) whose record names an image by a relative path (read below
+    the image dir)."""
     for i, line in enumerate(lines):
         try:
             rec = json.loads(line)
@@ -400,7 +401,7 @@ def _iter_vlm(unit: SourceUnit, image_dir: str, rel_image_dir: str, warn: Callab
             except OSError as e:
                 errors[str(idx)] = _os_error_message(e, os.path.join(rel_image_dir, name))
         for idx, msg in errors.items():
-            warn(f"{unit.rel} line {i}: image {idx}: {msg}")
+            warn(f"{unit.rel} line {i + 1}: image {idx}: {msg}")  # 1-based, as editors number lines
         meta = {"group": VLM, "source": {"file": unit.rel, "line": i}, "raw_line": line,
                 "image_dir": rel_image_dir, "image_names": names, "image_errors": errors}
         if video is not None:

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from ..energon.layout import META_PART, SHARDS_DIR, image_part, sample_checksum, sample_key, shard_relpath
+from ..energon.layout import (META_PART, SHARDS_DIR, TRUNCATED_IMAGE, image_part, image_truncation, sample_checksum,
+                              sample_key, shard_relpath)
 from .formats import SourceUnit, dumps_json, iter_unit, record_problem
 
 __all__ = ["UnitJob", "UnitWriteError", "run_unit", "tar_header", "image_problem", "unit_record_path",
@@ -132,7 +133,8 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
 
 
 def image_problem(data: bytes, max_pixels: int) -> tuple[str, str] | None:
-    """``(reason, detail)`` when an encoded image is empty, has no readable header or exceeds ``max_pixels``.
+    """``(reason, detail)`` when an encoded image is empty, has no readable header, exceeds ``max_pixels`` or is cut
+    short (``TRUNCATED_IMAGE``: ``layout.image_truncation``, the format's end marker).
 
     Only the header is parsed (``PIL.Image.open`` does not decode pixels; a plain JPEG's header is read by
     :func:`_jpeg_size` with PIL's checks, PIL itself for anything else). None when the image looks fine.
@@ -157,7 +159,8 @@ def image_problem(data: bytes, max_pixels: int) -> tuple[str, str] | None:
             return IMAGE_UNREADABLE, f"{type(e).__name__}: {str(e).split(' <')[0]}"
     if w * h > max_pixels:
         return IMAGE_OVER_LIMIT, f"{w}x{h} = {w * h} pixels > {max_pixels}"
-    return None
+    cut = image_truncation(data)
+    return (TRUNCATED_IMAGE, cut) if cut else None
 
 
 class UnitWriteError(Exception):
@@ -338,7 +341,7 @@ def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict
 
     def where(s: Any) -> str:
         src = s.meta["source"]
-        return f"{src['file']} line {src['line']}" if "line" in src else \
+        return f"{src['file']} line {src['line'] + 1}" if "line" in src else \
             f"{src['file']} row group {src['row_group']} row {src['row']}"
 
     pending = 0

@@ -1,7 +1,8 @@
 """The main job's steps: ``JobLoop`` runs ``pull → agree → train → record`` per step, the interval work as a
 ``Schedule``.
 
-The loop owns the run's recorders: telemetry, straggler meter, digest file (``train.digest_log``), progress bar.
+The loop owns the run's recorders: telemetry, straggler meter, the packed ledger saved with every checkpoint
+(``checkpoint.PackedLedger``), digest file (``train.digest_log``), progress bar.
 **pull**: this rank's micro-batches, each timed, the same object for every model chunk, checked against the batch
 contract, accounted; **agree**: every rank learns of any rank's data error at the same step (``topology.agree``);
 **train**: the trainer's step (``Trainer``; none: data-only); **record**: the step's time and digest rows, then,
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..packing import batch_digest
 from .batch_check import account_batch, check_batch
-from .checkpoint import save_checkpoint
+from .checkpoint import PackedLedger, save_checkpoint
 from .config import JobConfig
 from .straggler import StragglerMeter
 from .telemetry import Telemetry
@@ -137,6 +138,7 @@ class JobLoop:
         self.tele = Telemetry(max_num_tokens=packer_cfg.max_num_tokens, group_weights=group_weights,
                               tensorboard_dir=train.tensorboard_dir if main else None, enabled=main)
         self.straggler = StragglerMeter(packer_cfg.cost, enabled=main)
+        self.ledger = PackedLedger(None if cfg.data.fresh_stream else train.load, start_step)  # in every checkpoint
         self.digest_fh = open(train.digest_log, "a", encoding="utf-8") if train.digest_log else None
         self.bar = None
         if main and train.progress:
@@ -177,6 +179,7 @@ class JobLoop:
         """pull → agree → train → record, then the scheduled interval work of ``step``."""
         step_t0 = time.perf_counter()
         batches, rows = self._agreed(f"at step {step}", lambda b, r: self._pull(step, b, r))
+        self.ledger.add(batches)
         loss = None
         if self.trainer is not None:
             metrics = dict(self.trainer.train_step(batches, step))
@@ -289,7 +292,8 @@ class JobLoop:
             os._exit(17)
         if schedule.saves(step, bool(self.stopped)):
             save_checkpoint(train.save, step, self.iterator, self.pg_collection,
-                            trainer_state=self.trainer.state_dict() if self.trainer is not None else None)
+                            trainer_state=self.trainer.state_dict() if self.trainer is not None else None,
+                            ledger=self.ledger)
             logger.info("saved checkpoint at step %d to %s", step, train.save)
         if self.bar is not None:
             self.bar.update(1)

@@ -212,10 +212,13 @@ def _add_ledger_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
     """``bagel-data ledger``: see ``tools.ledger``."""
     ldg = _add(sub, "ledger", help="check that an elastic-order run read every sample exactly once (exit 0: yes, "
                          "1: no, 2: bad input)")
-    ldg.add_argument("root", help="the checkpoint root of the run's last world (train.save: holds energon/iter_N/)")
-    ldg.add_argument("--digests", nargs="+", required=True, metavar="JSONL",
+    ldg.add_argument("root", nargs="?", help="the checkpoint root of the run's last world (train.save: holds "
+                     "energon/iter_N/), with --digests")
+    ldg.add_argument("--run", metavar="ROOT", help="the checkpoint root of the run's last world: the packed reads "
+                     "come from the ledger the job writes into every checkpoint (no digest logs needed)")
+    ldg.add_argument("--digests", nargs="+", metavar="JSONL",
                      help="every digest log of the run (train.digest_log / --digest-log of each launch, all "
-                          "restarts), in launch order")
+                          "restarts), in launch order (instead of --run)")
     ldg.add_argument("--step", type=int, help="the checkpoint step whose loader states end the run (default: "
                      "latest_checkpointed_iteration.txt); digest rows after it are left out")
 
@@ -243,7 +246,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _stats(args: argparse.Namespace) -> int:
-    """``bagel-data stats``: print the report; exit 3 when the configured budgets can never yield a batch."""
+    """``bagel-data stats``: print the report; exit 3 when the configured budgets can never yield a batch, 1 when
+    it reports an ERROR (a budget problem the job refuses at start), 2 when the config cannot be read, else 0."""
     from .budget_stats import job_stats
     from ..config import ConfigError
 
@@ -254,7 +258,9 @@ def _stats(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     print(report.format())
-    return 3 if report.impossible else 0
+    if report.impossible:
+        return 3
+    return 1 if any(f.level == "error" for f in report.findings) else 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -287,19 +293,27 @@ def _ledger(args: argparse.Namespace) -> int:
     """``bagel-data ledger``: ``ledger.check_exactly_once`` over a run's digest logs and its last checkpoint's loader
     states; exit 0 when exactly once holds, 1 when it does not (problems printed), 2 for unusable input."""
     from ..config import ConfigError
-    from ..job.checkpoint import read_loader_states, read_step
+    from ..job.checkpoint import read_loader_states, read_run_reads, read_step
     from .ledger import check_exactly_once, format_report, read_digest_reads
 
+    root = args.run or args.root
     try:
-        step = args.step if args.step is not None else read_step(args.root)
-        states = read_loader_states(args.root, step)
+        if (args.run is None) == (args.digests is None) or (args.run and args.root):
+            raise ConfigError("ledger: give either --run ROOT (the job's own ledger) or ROOT --digests JSONL ...")
+        step = args.step if args.step is not None else read_step(root)
+        states = read_loader_states(root, step)
         if not states:
-            raise ConfigError(f"{args.root}: no loader state files at step {step}")
-        report = check_exactly_once(read_digest_reads(args.digests, up_to_step=step), states)
+            raise ConfigError(f"{root}: no loader state files at step {step}")
+        if args.run:
+            reads, chain = read_run_reads(root, step)
+            source = f"{len(chain)} checkpoints' packed-reads ledgers ({' <- '.join(chain)})"
+        else:
+            reads, source = read_digest_reads(args.digests, up_to_step=step), f"{len(args.digests)} digest logs"
+        report = check_exactly_once(reads, states)
     except (ConfigError, ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
-    print(f"{args.root} step {step}: {len(states)} DP ranks, {len(args.digests)} digest logs")
+    print(f"{root} step {step}: {len(states)} DP ranks, {source}")
     print(format_report(report))
     return 0 if report.ok else 1
 

@@ -21,7 +21,7 @@ from megatron.energon.task_encoder.cooking import basic_sample_keys
 from PIL import Image
 
 from ...transforms import ImageTransform, configure_pil, pil_img2rgb
-from ..layout import META_PART, VLM, image_part
+from ..layout import META_PART, TRUNCATED_IMAGE, VLM, image_index, image_part, image_truncation
 from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
 from .sample import BagelSample
 
@@ -47,10 +47,14 @@ DROP_REASONS: tuple[str, ...] = (
     "video_unsupported",   # vlm: a video record (the official frame sampler needs decord)
     "no_loss_item",        # vlm: no plan item carries a loss ("No loss defined, skipped.")
     "checksum_mismatch",   # the sample's bytes differ from the checksum recorded at conversion (layout.checksums)
+    TRUNCATED_IMAGE,       # an image cut short (layout.image_truncation), dropped under data.truncated_images: drop
 )
 
 #: Every reason a kept record has parts the official readers ignore too (``BagelSample.unused``; ``vlm.ignored_parts``).
-UNUSED_REASONS: tuple[str, ...] = ("image_without_placeholder", "placeholder_without_image", "turn_of_other_role")
+#: ``truncated_image``: a kept sample's image is cut short; it is cooked as the official reader does
+#: (``LOAD_TRUNCATED_IMAGES = True``: PIL fills the missing rows), counted here (``data.truncated_images: keep``).
+UNUSED_REASONS: tuple[str, ...] = ("image_without_placeholder", "placeholder_without_image", "turn_of_other_role",
+                                   TRUNCATED_IMAGE)
 
 
 class ReplayError(RuntimeError):
@@ -132,6 +136,9 @@ class CookContext:
     #: ``data.verify_checksums``: the reader checks every crude sample against its dataset's recorded checksums
     #: (``cook_with(..., checksums=...)``) before cooking
     verify_checksums: bool = True
+    #: ``data.truncated_images``: ``"keep"`` (cook them as the official reader does, counted as ``unused``
+    #: ``truncated_image``) or ``"drop"`` (a ``truncated_image`` tombstone)
+    truncated_images: str = "keep"
 
     def __post_init__(self) -> None:
         configure_pil()  # official import-time PIL globals (2e8 pixels, truncated images load)
@@ -215,7 +222,12 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
             coord = source_coordinate(ctx.group, source)
         except KeyError as e:
             raise DropSample("bad_meta", f"sample {crude.get('__key__')!r}: source lacks {e}") from None
+        truncated = _truncated_images(crude)
+        if truncated and ctx.truncated_images == "drop":
+            raise DropSample(TRUNCATED_IMAGE, "; ".join(truncated))
         fields = core(crude, meta, ctx, draws)
+        if truncated:
+            fields["unused"] = {**(fields.get("unused") or {}), TRUNCATED_IMAGE: len(truncated)}
     except DropSample as d:
         data_indexes = {"data_indexes": coord, "worker_id": worker_id, "dataset_name": ctx.group}
         return BagelSample(**basic, sequence_plan=[], text_ids_list=[], image_tensor_list=[], num_tokens=0,
@@ -226,6 +238,18 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
                               f"{type(exc).__name__}: {exc}") from exc
     data_indexes = {"data_indexes": coord, "worker_id": worker_id, "dataset_name": ctx.group}
     return BagelSample(**basic, **fields, data_indexes=data_indexes, source=source, rng_choices=draws.finish())
+
+
+def _truncated_images(crude: Mapping[str, Any]) -> list[str]:
+    """``"image I: why"`` for every image part of ``crude`` that is cut short (``layout.image_truncation``)."""
+    out = []
+    for part, data in crude.items():
+        i = image_index(part) if isinstance(part, str) else None
+        if i is not None and isinstance(data, (bytes, bytearray)):
+            cut = image_truncation(bytes(data))
+            if cut:
+                out.append(f"image {i}: {cut}")
+    return out
 
 
 class SampleCookError(RuntimeError):

@@ -28,9 +28,10 @@ CORES: dict[str, Callable[..., dict]] = {T2I: cook_t2i_core, EDIT: cook_edit_cor
 
 def make_cook_context(group: str, tokenizer: Any, image_transform_args: Mapping[str, Any],
                       vit_image_transform_args: Mapping[str, Any] | None = None, *,
-                      verify_checksums: bool = True) -> CookContext:
+                      verify_checksums: bool = True, truncated_images: str = "keep") -> CookContext:
     """Build a group's context from the official YAML ``image_transform_args`` / ``vit_image_transform_args``;
-    ``verify_checksums``: ``data.verify_checksums`` (``CookContext.verify_checksums``).
+    ``verify_checksums``: ``data.verify_checksums`` (``CookContext.verify_checksums``); ``truncated_images``:
+    ``data.truncated_images`` (``CookContext.truncated_images``).
 
     Raises ValueError for an unknown group or an edit group without its ViT transform (``config.validate_data``
     reports both first for a configured job)."""
@@ -40,4 +41,4 @@ def make_cook_context(group: str, tokenizer: Any, image_transform_args: Mapping[
         raise ValueError(f"group {group!r} needs vit_image_transform_args (its ViT transform)")
     vit = ImageTransform(**vit_image_transform_args) if vit_image_transform_args is not None else None
     return CookContext(group=group, tokenizer=tokenizer, transform=ImageTransform(**image_transform_args),
-                       vit_transform=vit, verify_checksums=verify_checksums)
+                       vit_transform=vit, verify_checksums=verify_checksums, truncated_images=truncated_images)

@@ -51,7 +51,7 @@ __all__ = [
     "GROUPS", "T2I", "EDIT", "VLM", "MANIFEST_FORMAT", "MANIFEST_NAME", "SHARDS_DIR", "META_PART",
     "SUBFLAVOR_KEY", "DEFAULT_SAMPLES_PER_SHARD", "SKIP_NOT_IN_PARQUET_INFO", "SKIP_ROW_GROUP_BEYOND_INFO",
     "VIDEO_ERROR_KEY", "VIDEO_UNSUPPORTED",
-    "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
+    "TRUNCATED_IMAGE", "image_truncation", "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
     "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "file_sample_range",
     "stored_row_groups", "sample_of", "aggregate_skipped", "file_ranges", "READ_FORMATS", "COLUMNS_NAME",
     "ManifestIndex", "load_manifest_index", "encode_manifest", "write_manifest",
@@ -112,6 +112,26 @@ def image_index(part: str) -> int | None:
     """Inverse of :func:`image_part`; None when ``part`` is not an image part."""
     if part.startswith(_IMG_PREFIX) and part[len(_IMG_PREFIX):].isdigit():
         return int(part[len(_IMG_PREFIX):])
+    return None
+
+
+#: The reason a truncated image is counted under (converter summary and manifest, reader telemetry and stats).
+TRUNCATED_IMAGE = "truncated_image"
+
+
+def image_truncation(data: bytes) -> str | None:
+    """Why the encoded image ``data`` is cut short, or None: a JPEG without its end-of-image marker ``FF D9``, or a
+    PNG without its final ``IEND`` chunk, after any trailing NUL / whitespace padding. Other formats: None.
+
+    Such bytes open and decode under the official ``ImageFile.LOAD_TRUNCATED_IMAGES = True``: PIL fills the missing
+    rows (grey), silently. Bytes only (O(1), no pixel decode): the converter checks every stored image with it, the
+    readers every image they cook.
+    """
+    tail = data[-4096:].rstrip(b"\0 \t\r\n")  # the end is all that is read: no copy of the image
+    if data[:3] == b"\xff\xd8\xff":
+        return None if tail.endswith(b"\xff\xd9") else f"JPEG of {len(data)} bytes without its end marker FF D9"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return None if tail[-8:-4] == b"IEND" else f"PNG of {len(data)} bytes without its IEND chunk"
     return None
 
 
