@@ -36,7 +36,7 @@ from importlib import metadata
 from typing import Any
 
 from .budgets import BudgetIssue, budget_issues, log_warnings
-from .grouped_yaml import ConfigError, GroupConfig, is_int, is_number, load_grouped_yaml
+from .grouped_yaml import ConfigError, GroupConfig, is_int, is_number, is_url, load_grouped_yaml
 from .packer import STRATEGIES, BalanceConfig, CostConfig, PackerConfig
 from .registry import DatasetInfoEntry, ResolvedGroup, load_dataset_info, resolve_groups
 from .schema import BagelDataConfig
@@ -141,7 +141,7 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
         if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
             problems.add(f"{info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
                          "(bagel-data convert) and register the converted directory")
-        elif not os.path.isdir(entry.energon_path):
+        elif not is_url(entry.energon_path) and not os.path.isdir(entry.energon_path):  # a URL: the reader opens it
             problems.add(f"{info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
                          "fix energon_path (relative paths are relative to the registry file) or convert the "
                          "dataset there (bagel-data convert)")

@@ -72,6 +72,8 @@ from typing import Any
 
 import numpy as np
 
+from . import remote
+
 __all__ = ["COLUMNS_NAME", "TABLES", "ColumnsError", "dumps_canonical", "split_manifest", "join_manifest",
            "read_file_ranges", "read_columns"]
 
@@ -249,10 +251,9 @@ def join_manifest(header: Mapping[str, Any], ds_root: str | os.PathLike) -> dict
         both = [t for t in tables if t in header]
         if both:
             raise ColumnsError(f"{both[0]!r} is both in the header and in {COLUMNS_NAME}")
-        path = os.path.join(os.fspath(ds_root), COLUMNS_NAME)
+        path = remote.join(ds_root, COLUMNS_NAME)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = remote.read_bytes(path)
         except FileNotFoundError:
             raise ColumnsError(f"{COLUMNS_NAME}: no such file") from None
         except OSError as e:
@@ -295,11 +296,11 @@ def read_file_ranges(header: Mapping[str, Any], ds_root: str | os.PathLike) -> t
         raise ColumnsError("header 'columns' holds no files table")
     n = tables["files"]
     where = {(k, p): o for t, k, p, o in arrays if t == "files" and k in ("first_sample", "num_samples")}
-    path = os.path.join(os.fspath(ds_root), COLUMNS_NAME)
+    path = remote.join(ds_root, COLUMNS_NAME)
     out = []
     try:
-        with open(path, "rb") as f:
-            actual = os.fstat(f.fileno()).st_size
+        with remote.open_binary(path) as f:  # a remote sidecar: read once into memory
+            actual = remote.file_size(f)
             if actual != size:
                 raise ColumnsError(f"{COLUMNS_NAME}: {actual} bytes, the header says {size}")
             for key in ("first_sample", "num_samples"):
@@ -327,11 +328,11 @@ def read_columns(header: Mapping[str, Any], ds_root: str | os.PathLike, table: s
         raise ColumnsError(f"header 'columns' holds no {table} table")
     n = tables[table]
     where = {(k, p): o for t, k, p, o in arrays if t == table}
-    path = os.path.join(os.fspath(ds_root), COLUMNS_NAME)
+    path = remote.join(ds_root, COLUMNS_NAME)
     out = []
     try:
-        with open(path, "rb") as f:
-            actual = os.fstat(f.fileno()).st_size
+        with remote.open_binary(path) as f:  # a remote sidecar: read once into memory
+            actual = remote.file_size(f)
             if actual != size:
                 raise ColumnsError(f"{COLUMNS_NAME}: {actual} bytes, the header says {size}")
             for key, part in wanted:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from . import remote
 from .columns import (
     COLUMNS_NAME, ColumnsError, dumps_canonical, join_manifest, read_file_ranges, split_manifest,
 )
@@ -317,8 +318,7 @@ def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
 def _read_header(path: str) -> Any:
     """The parsed JSON of ``manifest.json`` (any format), or ManifestError (missing, not JSON, other format)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            man = json.load(f)
+        man = json.loads(remote.read_bytes(path).decode("utf-8"))
     except FileNotFoundError:
         raise _manifest_error(path, "no such file") from None
     except json.JSONDecodeError as e:
@@ -335,7 +335,7 @@ def manifest_header(ds_root: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``manifest.json`` of a converted dataset as it is on disk (format 3: the small header, its
     tables in the sidecar), unchecked beyond being a JSON object of a format this version reads. Raises
     ManifestError (one line)."""
-    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
+    path = remote.join(ds_root, MANIFEST_NAME)
     head = _read_header(path)
     if not isinstance(head, dict):
         raise _manifest_error(path, f"a JSON {type(head).__name__}, not an object")
@@ -358,7 +358,7 @@ def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
     naming the file, the dataset, the cause and ``bagel-data convert ...`` as remedy) when the file or its
     sidecar is missing or damaged, lacks keys or has another format.
     """
-    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
+    path = remote.join(ds_root, MANIFEST_NAME)
     man = _manifest_of(path, _read_header(path))
     _check_checksums_file(path, man)
     return man
@@ -442,8 +442,8 @@ def load_manifest_index(ds_root: str | os.PathLike) -> ManifestIndex:
     short, of another dtype or inconsistent, or its checksums file (when it records one) missing or of another
     size.
     """
-    root = os.fspath(ds_root)
-    path = os.path.join(root, MANIFEST_NAME)
+    root = remote.absolute(ds_root) if remote.is_remote(ds_root) else os.fspath(ds_root)
+    path = remote.join(root, MANIFEST_NAME)
     head = _read_header(path)
     if not (isinstance(head, dict) and head.get("format") == 3 and "columns" in head and "files" not in head):
         man = _manifest_of(path, head)
@@ -533,7 +533,7 @@ def _check_checksums_file(path: str, man: Mapping[str, Any]) -> None:
         if entry is None:
             return
         try:
-            size = os.path.getsize(os.path.join(os.path.dirname(path), CHECKSUMS_NAME))
+            size = remote.size(remote.join(os.path.dirname(path), CHECKSUMS_NAME))
         except FileNotFoundError:
             raise ColumnsError(f"{CHECKSUMS_NAME}: no such file") from None
         except OSError as e:
@@ -553,7 +553,7 @@ def open_checksums(ds_root: str | os.PathLike, man: Mapping[str, Any] | None = N
     unless ``mmap`` is False), or None when its manifest records none. ``man``: its manifest header or dict
     (read from ``ds_root`` when None). Raises ManifestError (file missing, of another size, shape or dtype)."""
     root = os.fspath(ds_root)
-    path = os.path.join(root, MANIFEST_NAME)
+    path = remote.join(root, MANIFEST_NAME)
     if man is None:
         man = _read_header(path)
         if not isinstance(man, dict):
@@ -563,14 +563,13 @@ def open_checksums(ds_root: str | os.PathLike, man: Mapping[str, Any] | None = N
     if entry is None:
         return None
     try:
-        a = np.load(os.path.join(root, CHECKSUMS_NAME), mmap_mode="r" if mmap else None, allow_pickle=False)
+        a = remote.load_npy(remote.join(root, CHECKSUMS_NAME), mmap=mmap)
     except (ValueError, OSError, EOFError) as e:
         raise _manifest_error(path, f"{CHECKSUMS_NAME}: {type(e).__name__}: {e}", man.get("group")) from None
     if a.dtype != _SUM_DTYPE or a.shape != (entry["samples"],):
         raise _manifest_error(path, f"{CHECKSUMS_NAME}: {a.dtype.str} {list(a.shape)}, expected {_SUM_DTYPE.str} "
                               f"[{entry['samples']}]", man.get("group"))
-    if not mmap:
-        a.flags.writeable = False
+    a.flags.writeable = False
     return a
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import tarfile
 from collections.abc import Iterator
+from typing import IO
 
 __all__ = ["shard_samples", "split_member"]
 
@@ -27,10 +28,10 @@ def split_member(name: str) -> tuple[str, str] | None:
     return (hit.group(1), hit.group(2)) if hit else None
 
 
-def shard_samples(path: str) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """``(key, [(part, bytes), ...])`` of the shard at ``path`` in tar order (a sample's parts are consecutive
+def shard_samples(path: str | IO[bytes]) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
+    """``(key, [(part, bytes), ...])`` of the shard at ``path`` (or in an open binary file) in tar order (a sample's parts are consecutive
     members, their bytes as stored). Raises tarfile / OS errors (``layout.damage.diagnose`` names the cause)."""
-    with tarfile.open(path, "r:") as tf:
+    with (tarfile.open(path, "r:") if isinstance(path, str) else tarfile.open(fileobj=path, mode="r:")) as tf:
         key, parts = None, []
         for m in tf:
             split = split_member(m.name) if m.isfile() else None

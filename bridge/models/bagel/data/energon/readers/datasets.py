@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from ..layout import MANIFEST_NAME, ManifestIndex, damage, load_manifest_index
+from ..layout import MANIFEST_NAME, ManifestIndex, damage, load_manifest_index, remote
 from ..layout.checksums import ChecksumTable
 from .access import DatasetAccess
 from .selection import manifest_runs
@@ -22,14 +22,13 @@ __all__ = ["GroupDatasets", "dataset_num_samples"]
 
 def dataset_num_samples(path: str) -> tuple[str, int]:
     """``(group, sample count)`` of a converted dataset, from its manifest (or ``.nv-meta/.info.json``)."""
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+    if remote.isfile(remote.join(path, MANIFEST_NAME)):
         index = load_manifest_index(path)
         return index.group, index.num_samples
-    info = os.path.join(path, ".nv-meta", ".info.json")
-    if not os.path.isfile(info):
+    info = remote.join(path, ".nv-meta", ".info.json")
+    if not remote.isfile(info):
         raise ValueError(f"{path}: not a converted BAGEL dataset (no {MANIFEST_NAME} and no .nv-meta/.info.json)")
-    with open(info, encoding="utf-8") as f:
-        counts = json.load(f).get("shard_counts", {})
+    counts = json.loads(remote.read_bytes(info)).get("shard_counts", {})
     return "", int(sum(counts.values()))
 
 
@@ -45,7 +44,7 @@ class GroupDatasets:
     """
 
     def __init__(self, paths: str | Sequence[str], group: str | None = None, *, patched: bool | None = None) -> None:
-        self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike))
+        self.paths = [remote.absolute(p) for p in ([paths] if isinstance(paths, (str, os.PathLike))
                                                                else paths)]
         if not self.paths:
             raise ValueError("a group reader needs at least one dataset path")
@@ -56,7 +55,7 @@ class GroupDatasets:
         self.manifests: list[ManifestIndex | None] = []
         self.checksums: list[ChecksumTable | None] = []
         for p in self.paths:  # the manifests' O(1) view (format 3: no per-file Python object)
-            man = load_manifest_index(p) if os.path.isfile(os.path.join(p, MANIFEST_NAME)) else None
+            man = load_manifest_index(p) if remote.isfile(remote.join(p, MANIFEST_NAME)) else None
             self.manifests.append(man)
             self.checksums.append(ChecksumTable.open(p) if man is not None else None)
             g, n = (man.group, man.num_samples) if man is not None else dataset_num_samples(p)
