@@ -301,7 +301,9 @@ def test_vlm_more_images_than_placeholders_and_none(tok):
     ([1, 2], None, None, {}, "bad_record"),
     ({"image": "a.png"}, None, None, {0: None}, "bad_record"),
     ({"image": [3], "conversations": []}, None, {"0": "TypeError: expected str"}, {}, "bad_record"),
-    ({"video": "v.mp4", "conversations": []}, None, {"video": "video unsupported"}, {}, "video_unsupported"),
+    ({"video": "v.mp4", "conversations": []}, None, {"video": "FileNotFoundError: [Errno 2] No such file"}, {},
+     "missing_video"),
+    ({"video": "v.mp4", "conversations": []}, None, None, {0: b"\0"}, "no_frame_sampler"),  # no frame_sampler_args
     ({"image": ["a.png", "b.png"], "conversations": []}, None,
      {"1": "FileNotFoundError: [Errno 2] No such file or directory: 'img/b.png'"}, {0: None}, "missing_image"),
     ({"image": "a.png", "conversations": []}, None, None, {0: b""}, "image_decode_error"),

@@ -217,6 +217,24 @@ def group_bounds(group: GroupConfig) -> GroupBounds | None:
                        "answer + 2 x 2")
 
 
+def video_bounds(group: GroupConfig) -> tuple[int, str] | None:
+    """Video records (issue 40): the estimate of the largest video sample a vlm group's ``frame_sampler_args`` and
+    transform allow — ``n`` frames (``min_num_frames <= n <= max_num_frames``), each the largest frame the transform
+    produces at ``img_num = n``, and a 1-token answer — with its description; None without video settings."""
+    args, t = group.frame_sampler_args, group.transform()
+    if group.name != "vlm_sft" or not args or t is None:
+        return None
+    lo, hi = int(args.get("min_num_frames", 1)), int(args.get("max_num_frames", 0))
+    best = None
+    for n in range(max(1, lo), hi + 1):
+        ex = transform_extremes(t, img_num=n)
+        est = vlm_estimate([ex.max_tokens] * n, [1], n)
+        if best is None or est > best[0]:
+            best = (est, f"{n} frames of {ex.max_hw[1]}x{ex.max_hw[0]} px = {n} x {ex.max_tokens} ViT tokens + a "
+                         f"1-token answer + {n + 1} x 2")
+    return best
+
+
 # --------------------------------------------------------------------------------------------------
 # Config-time checks
 
@@ -362,7 +380,23 @@ def _flex_block_rule(c: _Check) -> list[BudgetIssue]:
 #: The budget rules, in message order: per group, then for the whole packer. ``budget_issues`` (config validation,
 #: ``bagel-data stats``' findings and advice) runs them all; the simulators of ``bagel-data stats`` refuse budgets
 #: by the same :func:`mandatory_overflow` / :func:`loop_refuses_overflow`.
-GROUP_RULES = (_grid_rule, _sample_limit_rule)
+def _video_rule(c: _Check, g: GroupConfig) -> list[BudgetIssue]:
+    """A video record of ``g`` (issue 40: its largest frame count at its largest frames) over
+    ``max_num_tokens_per_sample`` (warning: such samples are dropped)."""
+    video = video_bounds(g)
+    if video is None or not is_overlength(video[0], limit=c.packer.max_num_tokens_per_sample,
+                                          mandatory=g.is_mandatory):
+        return []
+    pw, limit = c.pw, c.packer.max_num_tokens_per_sample
+    bound = f"< {limit}" if g.is_mandatory else f"<= {limit}"
+    return [BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
+        f"{c.source}: group {g.name!r}: a video record of {video[1]} is estimated at >= {video[0]} tokens, over "
+        f"{pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such samples are dropped. Raise "
+        f"{pw}.max_num_tokens_per_sample or lower frame_sampler_args.max_num_frames; `bagel-data stats` "
+        f"counts the affected samples"))]
+
+
+GROUP_RULES = (_grid_rule, _sample_limit_rule, _video_rule)
 PACKER_RULES = (_mandatory_overflow_rule, _flex_block_rule)
 
 

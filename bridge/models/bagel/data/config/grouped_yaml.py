@@ -68,8 +68,8 @@ class GroupConfig:
     ``num_used_data`` is the official per-dataset selection (t2i / edit: that many parquet files, the
     listing repeated when larger than the file count; vlm: the first n lines after the optional
     ``shuffle_lines`` shuffle with ``random.Random(shuffle_seed)``); None = every converted sample once.
-    ``frame_sampler_args`` only concerns video records, which are not cooked (dropped as
-    ``video_unsupported``). ``resume_data_status`` must be true (every group resumes exactly).
+    ``frame_sampler_args`` (``max_num_frames`` / ``min_num_frames``) samples the frames of vlm ``video`` records
+    (``energon.cooking.video``). ``resume_data_status`` must be true (every group resumes exactly).
     """
 
     name: str

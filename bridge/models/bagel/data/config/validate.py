@@ -108,9 +108,9 @@ class ValidatedData:
 
     def fingerprint(self, special_tokens: Mapping[str, int], dp_rank: int, dp_size: int) -> dict[str, Any]:
         """The configuration's part of a loader's resume fingerprint (``state.fingerprint``): what changes the
-        stream besides the stages' own identities (``frame_sampler_args`` does not: no videos), for DP rank
-        ``dp_rank`` of ``dp_size``. The packer's knobs are not here: the packer stage's identity is their one record
-        (``BagelPacker.identity``, ``PackerConfig.stream_identity``)."""
+        stream besides the stages' own identities (``frame_sampler_args`` when set: video records draw their frames
+        with it), for DP rank ``dp_rank`` of ``dp_size``. The packer's knobs are not here: the packer stage's identity
+        is their one record (``BagelPacker.identity``, ``PackerConfig.stream_identity``)."""
         config = self.config
         return {
             "package_version": package_version(),
@@ -126,7 +126,9 @@ class ValidatedData:
                         "shuffle_lines": r.group.shuffle_lines,
                         "shuffle_seed": r.group.shuffle_seed if r.group.shuffle_lines else None,
                         "image_transform_args": r.group.image_transform_args,
-                        "vit_image_transform_args": r.group.vit_image_transform_args} for r in self.groups],
+                        "vit_image_transform_args": r.group.vit_image_transform_args,
+                        **({"frame_sampler_args": r.group.frame_sampler_args} if r.group.frame_sampler_args else {})}
+                       for r in self.groups],
             **({"partitions": config.partitions} if config.order == "elastic" else {}),
             **({"truncated_images": "drop"} if getattr(config, "truncated_images", "keep") == "drop" else {}),
         }

@@ -354,7 +354,10 @@ def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict
             reason = problem.split(" (")[0]
             problems[reason] += 1
             examples.setdefault(reason, f"{s.meta.get('source')}: {problem}")
+        video = s.meta.get("video")
         for i, b in s.images:
+            if isinstance(video, dict) and not video.get("folder"):
+                continue  # a video file's bytes, not an image (decoded by the reader: cooking.video)
             bad = image_problem(b, job.max_image_pixels)
             if bad is not None:
                 images[bad[0]] += 1

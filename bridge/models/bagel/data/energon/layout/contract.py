@@ -51,8 +51,8 @@ from .columns import (
 __all__ = [
     "GROUPS", "T2I", "EDIT", "VLM", "MANIFEST_FORMAT", "MANIFEST_NAME", "SHARDS_DIR", "META_PART",
     "SUBFLAVOR_KEY", "DEFAULT_SAMPLES_PER_SHARD", "SKIP_NOT_IN_PARQUET_INFO", "SKIP_ROW_GROUP_BEYOND_INFO",
-    "VIDEO_ERROR_KEY", "VIDEO_UNSUPPORTED",
-    "TRUNCATED_IMAGE", "image_truncation", "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
+    "VIDEO_ERROR_KEY", "NUM_VIDEO_LINES", "NUM_VIDEO_FILES", "TRUNCATED_IMAGE", "image_truncation",
+    "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
     "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "file_sample_range",
     "stored_row_groups", "sample_of", "aggregate_skipped", "file_ranges", "READ_FORMATS", "COLUMNS_NAME",
     "ManifestIndex", "load_manifest_index", "encode_manifest", "write_manifest",
@@ -84,9 +84,12 @@ DEFAULT_SAMPLES_PER_SHARD = 1000
 SKIP_NOT_IN_PARQUET_INFO = "file not in parquet_info"
 SKIP_ROW_GROUP_BEYOND_INFO = "row group beyond parquet_info"
 
-#: vlm_sft: ``meta["image_errors"]`` key and message for a ``video`` record (not decoded).
+#: vlm_sft: ``meta["image_errors"]`` key of a ``video`` record's conversion error (missing / empty / not a path).
 VIDEO_ERROR_KEY = "video"
-VIDEO_UNSUPPORTED = "video unsupported"
+#: vlm_sft manifest header keys: how many lines are video records, and how many of them name a video file (decoded
+#: with decord; the others are frame folders) (absent in datasets converted before video was stored).
+NUM_VIDEO_LINES = "num_video_lines"
+NUM_VIDEO_FILES = "num_video_files"
 
 _IMG_PREFIX = "img"
 

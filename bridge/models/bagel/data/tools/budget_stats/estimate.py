@@ -137,7 +137,7 @@ def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
     if not isinstance(rec, dict):
         raise _Unusable("bad_record")
     if "image" not in rec and "video" in rec:
-        raise _Unusable("video_unsupported")
+        return _video(rec, meta, parts, g, enc)
     if meta.get("image_errors"):  # recorded by the converter: missing file, wrong type, unreadable
         raise _Unusable("missing_image")
     names = meta.get("image_names") or []
@@ -152,6 +152,67 @@ def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
         raise _Unusable("no_loss_item")
     side = max((_side(t, w, h, len(sizes))[0] for w, h in sizes), default=0)
     return _estimate([vlm_outcome([(kind, n) for kind, n, _ in lens], toks)], vit_side=side)
+
+
+def _video_frames(meta: dict, parts: dict[str, bytes]) -> tuple[int, int, int, bool]:
+    """``(frames, width, height, folder)`` of a video record from its stored parts: a folder's first frame header,
+    a file's stream through decord (one frame decoded for its size)."""
+    info = meta.get("video") if isinstance(meta.get("video"), dict) else {}
+    if info.get("folder"):
+        n = int(info.get("num_frames", 0))
+        if n == 0:
+            raise _Unusable("missing_video")
+        (w, h), = _sizes(parts, [0])
+        return n, w, h, True
+    from ...energon.cooking.video import require_decord
+
+    decord = require_decord("bagel-data stats")
+    try:
+        reader = decord.VideoReader(io.BytesIO(parts["img0"]), num_threads=1)
+        h, w = reader[0].shape[:2]
+        return len(reader), w, h, False
+    except Exception:  # noqa: BLE001 - the cooker drops what decord cannot read
+        raise _Unusable("video_decode_error") from None
+
+
+def _video(rec: dict, meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
+    """A video record: ``t`` uniform in ``[min_num_frames, max_num_frames]`` (a folder of ``vlen <= t`` frames keeps
+    its ``vlen``), every frame of the input size resized with ``img_num`` = the frame count (``cooking.video``)."""
+    from ...energon.cooking.common import DropSample
+    from ...energon.cooking.video import VIDEO_TAG, FrameSampler
+    from ...energon.cooking.vlm import IMAGE_TOKEN, conversation_elements
+
+    if (meta.get("image_errors") or {}).get("video") is not None:
+        raise _Unusable("missing_video")
+    sampler = FrameSampler.of(g.frame_sampler_args)
+    if sampler is None:
+        raise _Unusable("no_frame_sampler")
+    vlen, w, h, folder = _video_frames(meta, parts)
+    turns = rec.get("conversations")
+    if isinstance(turns, list) and turns and isinstance(turns[0], dict) and isinstance(turns[0].get("value"), str):
+        if VIDEO_TAG not in turns[0]["value"]:
+            raise _Unusable("video_tag_missing")
+    t = g.transform()
+    ests, works, side = [], [], 0
+    for drawn in range(sampler.min_num_frames, sampler.max_num_frames + 1):
+        n = min(drawn, vlen) if folder else drawn
+        conv = [dict(x) for x in turns] if isinstance(turns, list) else turns
+        if conv:
+            conv[0]["value"] = conv[0]["value"].replace(VIDEO_TAG, IMAGE_TOKEN * n)
+        try:
+            elements = conversation_elements(conv, n)
+        except DropSample as d:
+            raise _Unusable(d.reason) from None
+        tok = image_tokens(t, w, h, n)
+        texts = [enc(text) for kind, text, _ in elements if kind == "text"]
+        if not any(has_loss and enc(text) for kind, text, has_loss in elements if kind == "text"):
+            raise _Unusable("no_loss_item")
+        items = [("causal", enc(text)) if kind == "text" else ("full", tok, "vit") for kind, text, _ in elements
+                 if kind != "text" or enc(text)]
+        ests.append(vlm_estimate([tok] * n, texts, n))
+        works.append((1 / (sampler.max_num_frames - sampler.min_num_frames + 1), layout_work(items)))
+        side = max(side, _side(t, w, h, n)[0])
+    return SampleEstimate(min(ests), max(ests), sum(ests) / len(ests), vit_side=side, work=_mean_work(works))
 
 
 def _edit(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
