@@ -118,7 +118,8 @@ def test_three_mistakes_of_one_launch_are_one_error_before_the_heavy_imports(dem
     launch = time.monotonic() - start
     assert proc.returncode != 0
     errors = [chunk for chunk in proc.stderr.split("error [rank ")[1:]]
-    assert len(errors) == 2, proc.stderr[-3000:]  # one per rank
+    # one per rank that got to print it: torchrun stops the other rank (SIGTERM) as soon as the first one fails
+    assert 1 <= len(errors) <= 2, proc.stderr[-3000:]
     for error in errors:
         assert "'data.packer.max_buffer_sise' is not a config key (did you mean 'max_buffer_size'" in error
         assert error.count("dataset_info_typo.yaml") == 1, error  # once: not again for the validation split

@@ -228,7 +228,7 @@ def video_bounds(group: GroupConfig) -> tuple[int, str] | None:
     best = None
     for n in range(max(1, lo), hi + 1):
         ex = transform_extremes(t, img_num=n)
-        est = vlm_estimate([ex.max_tokens] * n, [1], n)
+        est = vlm_outcome([("image", 0)] * n + [("text", 1)], [ex.max_tokens] * n).lo
         if best is None or est > best[0]:
             best = (est, f"{n} frames of {ex.max_hw[1]}x{ex.max_hw[0]} px = {n} x {ex.max_tokens} ViT tokens + a "
                          f"1-token answer + {n + 1} x 2")

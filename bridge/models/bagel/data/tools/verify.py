@@ -8,7 +8,7 @@ find (``energon.layout.damage.check_shard``: a missing shard, one cut short, a c
 ``layout.sample_checksum`` against ``manifest.checksums.npy`` (the samples read as Energon reads them: the tar's
 regular members grouped by key, their bytes as stored). A shard whose sha256 differs while every sample matches
 differs only outside the samples' bytes (tar padding, unused header fields): harmless, listed as a note. A dataset
-may be an ``msc://`` URL (object storage, ``energon.layout.remote``): its files are read through MSC, each shard
+may be an ``msc://`` URL (object storage, ``energon.remote``): its files are read through MSC, each shard
 once, whole, into memory; the damage checks there only see whether each shard and index object exists.
 
 Exit codes: 0 every checked shard and sample matches; 1 damage found (the report names each damaged file and
@@ -32,7 +32,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from ..energon.layout import damage, remote
+from ..energon import remote
+from ..energon.layout import damage
 from ..energon.layout.shards import shard_samples
 from ..energon.layout import (CHECKSUMS_NAME, COLUMNS_NAME, GROUPS, MANIFEST_NAME, ManifestError, checksums_entry,
                               load_manifest, open_checksums, sample_checksum, sample_key)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import remote
+from .. import remote
 from .columns import ColumnsError, read_columns
 from .contract import (CHECKSUM_ALGORITHM, MANIFEST_NAME, ManifestError, checksums_entry, manifest_error,
                        manifest_header, open_checksums, sample_checksum, sample_key)

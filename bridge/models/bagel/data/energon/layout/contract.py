@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from . import remote
+from .. import remote
 from .columns import (
     COLUMNS_NAME, ColumnsError, dumps_canonical, join_manifest, read_file_ranges, split_manifest,
 )

@@ -24,7 +24,7 @@ import tarfile
 import time
 from collections.abc import Sequence
 
-from . import remote
+from .. import remote
 
 __all__ = ["check_prepared", "check_shard", "diagnose", "shard_files"]
 

@@ -46,7 +46,7 @@ from megatron.energon.metadataset.loader_interface import DatasetBlendMode, Load
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.map_dataset import MapDataset
 
-from ..layout import remote
+from .. import remote
 from . import sharding
 
 __all__ = ["CompactCrudeWebdataset", "ShardTable", "TableITarReader", "expand_braces", "open_dataset",

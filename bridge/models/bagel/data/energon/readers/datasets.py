@@ -12,7 +12,8 @@ import json
 import os
 from collections.abc import Sequence
 
-from ..layout import MANIFEST_NAME, ManifestIndex, damage, load_manifest_index, remote
+from .. import remote
+from ..layout import MANIFEST_NAME, ManifestIndex, damage, load_manifest_index
 from ..layout.checksums import ChecksumTable
 from .access import DatasetAccess
 from .selection import manifest_runs

@@ -193,7 +193,8 @@ def _video(rec: dict, meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: 
         if VIDEO_TAG not in turns[0]["value"]:
             raise _Unusable("video_tag_missing")
     t = g.transform()
-    ests, works, side = [], [], 0
+    outcomes, side = [], 0
+    p = 1 / (sampler.max_num_frames - sampler.min_num_frames + 1)  # the frame count: uniform over [min, max]
     for drawn in range(sampler.min_num_frames, sampler.max_num_frames + 1):
         n = min(drawn, vlen) if folder else drawn
         conv = [dict(x) for x in turns] if isinstance(turns, list) else turns
@@ -203,16 +204,13 @@ def _video(rec: dict, meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: 
             elements = conversation_elements(conv, n)
         except DropSample as d:
             raise _Unusable(d.reason) from None
-        tok = image_tokens(t, w, h, n)
-        texts = [enc(text) for kind, text, _ in elements if kind == "text"]
-        if not any(has_loss and enc(text) for kind, text, has_loss in elements if kind == "text"):
+        lens = [(kind, enc(text) if kind == "text" else 0, has_loss) for kind, text, has_loss in elements]
+        if not any(has_loss and k for kind, k, has_loss in lens if kind == "text"):
             raise _Unusable("no_loss_item")
-        items = [("causal", enc(text)) if kind == "text" else ("full", tok, "vit") for kind, text, _ in elements
-                 if kind != "text" or enc(text)]
-        ests.append(vlm_estimate([tok] * n, texts, n))
-        works.append((1 / (sampler.max_num_frames - sampler.min_num_frames + 1), layout_work(items)))
+        frames = [image_tokens(t, w, h, n)] * n
+        outcomes.append(vlm_outcome([(kind, k) for kind, k, _ in lens], frames)._replace(probability=p))
         side = max(side, _side(t, w, h, n)[0])
-    return SampleEstimate(min(ests), max(ests), sum(ests) / len(ests), vit_side=side, work=_mean_work(works))
+    return _estimate(outcomes, vit_side=side)
 
 
 def _edit(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:

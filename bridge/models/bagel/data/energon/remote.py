@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import io
 import os
+import pathlib
 from collections.abc import Callable
 from typing import IO, Any, TypeVar
 
 import numpy as np
 
-from ...errors import DataReadError
+from ..errors import DataReadError
 
-__all__ = ["MSC_PREFIX", "S3_EXTRA", "RemoteStorageError", "absolute", "check_client", "describe", "epath",
+__all__ = ["MSC_PREFIX", "S3_EXTRA", "RemoteStorageError", "absolute", "describe", "epath",
            "is_remote", "isdir", "isfile", "join", "load_npy", "open_binary", "read_bytes", "remote_call", "size"]
 
 #: The URL scheme of Energon's Multi-Storage Client paths.
@@ -108,47 +109,31 @@ def epath(url: str) -> Any:
     return remote_call(url, lambda: EPath(url))
 
 
-def check_client(url: str) -> str | None:
-    """None when ``url``'s profile resolves and its client is installed, else one line naming the URL and the remedy
-    (no request is made: what ``config.validate`` asks at build)."""
-    try:
-        epath(url)
-    except RemoteStorageError as exc:
-        return str(exc)
-    return None
+def _through(path: str, local: Callable[[str], _T], method: str) -> _T:
+    """``local(path)`` for a local path; for a URL, its ``EPath``'s ``method()`` through :func:`remote_call`."""
+    if not is_remote(path):
+        return local(path)
+    return remote_call(path, getattr(epath(path), method))
 
 
 def isfile(path: str) -> bool:
     """Whether the file (object) ``path`` exists."""
-    if not is_remote(path):
-        return os.path.isfile(path)
-    p = epath(path)
-    return remote_call(path, p.is_file)
+    return _through(path, os.path.isfile, "is_file")
 
 
 def isdir(path: str) -> bool:
     """Whether the directory (object prefix) ``path`` exists."""
-    if not is_remote(path):
-        return os.path.isdir(path)
-    p = epath(path)
-    return remote_call(path, p.is_dir)
+    return _through(path, os.path.isdir, "is_dir")
 
 
 def size(path: str) -> int:
     """The size of file ``path`` in bytes (FileNotFoundError / OSError locally)."""
-    if not is_remote(path):
-        return os.path.getsize(path)
-    p = epath(path)
-    return remote_call(path, p.size)
+    return _through(path, os.path.getsize, "size")
 
 
 def read_bytes(path: str) -> bytes:
     """The whole file ``path`` (one read). Locally: what ``open(path, "rb").read()`` raises."""
-    if not is_remote(path):
-        with open(path, "rb") as f:
-            return f.read()
-    p = epath(path)
-    return remote_call(path, p.read_bytes)
+    return _through(path, lambda p: pathlib.Path(p).read_bytes(), "read_bytes")
 
 
 def open_binary(path: str) -> IO[bytes]:
