@@ -69,7 +69,7 @@ def main() -> int:
         floors_file.write_text("\n".join(floors) + "\n")
         dev_file = Path(tmp) / "dev.in"
         dev_file.write_text("\n".join(_dev_pins()) + "\n")
-        cmd = [args.uv, "pip", "compile", "pyproject.toml", str(dev_file), "--extra", "bridge", "-c", str(floors_file), "--overrides", str(OVERRIDES.relative_to(REPO)),
+        cmd = [args.uv, "pip", "compile", "pyproject.toml", str(dev_file), "--extra", "bridge", "--extra", "video", "-c", str(floors_file), "--overrides", str(OVERRIDES.relative_to(REPO)),
                "--python", args.python, "--python-platform", "x86_64-manylinux_2_28", "--no-header",
                "--no-annotate", "-q", "-o", str(Path(tmp) / "out.txt")]
         env = dict(os.environ, UV_PYTHON_DOWNLOADS="never")

@@ -28,7 +28,7 @@ BENCHES = sorted(p.name for p in SCRIPTS.glob("bench_*.py"))
 #: the option through which a bench takes an existing demo dataset directory (instead of generating its own)
 DATA_OPTION = {"bench_balance.py": "--data", "bench_pipeline.py": "--data", "bench_train.py": "--data",
                "bench_watchdog.py": "--data", "bench_elastic.py": "--data", "bench_startup.py": "--demo-dir",
-               "bench_state.py": "--demo-dir",
+               "bench_state.py": "--demo-dir", "bench_remote.py": "--data",
                "gpu_check.py": "--data"}
 #: bench_packer's default comparison: our packer at this git revision (``git archive``)
 PACKER_BASELINE = re.search(r'^BASELINE_REV = "([^"]+)"', (SCRIPTS / "bench_packer.py").read_text(), re.M)

@@ -13,6 +13,7 @@ resize-state``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from collections import Counter
@@ -140,6 +141,23 @@ def test_without_the_key_a_budget_change_is_refused_and_the_key_allows_budgets_o
     assert "loader.seed: saved=42 current=7" in text and "lets only the packer budgets change" in text, text
     text = _refusal(dataclasses.replace(_budget(cfg, lossless=True), resume_budget_change=True), tok, (0, 2), saved[0])
     assert "packer.lossless: saved=False current=True" in text, text  # not a budget: it changes what the loop drops
+
+
+def test_a_state_that_also_records_the_knobs_under_loader_packer_still_resumes(small, one_step) -> None:
+    """States saved before the packer stage's identity became the one record of the packer knobs (issue 39) carry
+    them twice, also under ``loader.packer``: they restore, and a budget change is named once."""
+    cfg, tok = small
+    saved = copy.deepcopy(one_step[1][0])
+    saved["fingerprint"]["loader"]["packer"] = cfg.packer.stream_identity()  # as those versions wrote it
+    loader = build_bagel_train_loader(cfg, tok, (0, 2), length=10)
+    try:
+        loader.restore_state(saved)
+        assert isinstance(next(iter(loader)), dict)
+    finally:
+        loader.close()
+    text = _refusal(_budget(cfg, max_num_tokens=12288), tok, (0, 2), saved)
+    assert text.count("max_num_tokens: saved=8192 current=12288") == 1, text
+    assert "data.packer.max_num_tokens: saved=8192 current=12288" in text, text
 
 
 def test_under_the_official_order_a_budget_change_stays_refused(small) -> None:

@@ -10,6 +10,7 @@ import json
 import pickle
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +26,7 @@ from megatron.energon.epathlib import EPath
 
 from bridge.models.bagel.data.converter.convert import convert_t2i
 from bridge.models.bagel.data.energon import patches
+from bridge.models.bagel.data.energon.layout import load_manifest
 from bridge.models.bagel.data.energon.patches import compact, sharding
 from bridge.models.bagel.data.energon.readers.access import DatasetAccess, _CrudeEncoder
 
@@ -160,6 +162,47 @@ def test_public_path_and_patches_read_the_same_crude_samples(t2i):
     patched, public = DatasetAccess(str(t2i), patched=True), DatasetAccess(str(t2i), patched=False)
     for i in range(N_ROWS):
         _same_crude(patched.crude(i), public.crude(i))
+
+
+def test_the_index_written_by_the_patches_is_energons_own(t2i, tmp_path):
+    """``patches.index.write_index`` (the converter's index, from its own records) writes what Energon's public
+    ``prepare_dataset`` writes for the same shards: the same ``.info.json``, ``split.yaml`` and sample rows (the public
+    path's output on an untested Energon)."""
+    import sqlite3
+
+    from bridge.models.bagel.data.energon.patches.index import write_index
+
+    t2i, public = Path(t2i), tmp_path / "public"
+    shutil.copytree(t2i, public)
+    shutil.rmtree(public / ".nv-meta")
+    shards = [{"path": sh["path"], "count": sh["count"]} for sh in load_manifest(str(t2i))["shards"]]
+    with patches.forced(False):
+        write_index(str(public), shards, [])
+
+    def rows(root):
+        db = sqlite3.connect(root / ".nv-meta" / "index.sqlite")
+        try:
+            return db.execute("SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size FROM samples "
+                              "ORDER BY rowid").fetchall()
+        finally:
+            db.close()
+
+    for name in (".info.json", "split.yaml"):
+        assert (public / ".nv-meta" / name).read_bytes() == (t2i / ".nv-meta" / name).read_bytes(), name
+    assert rows(public) == rows(t2i) and len(rows(t2i)) == N_ROWS
+
+
+def test_the_watchdog_names_an_energon_shard_only_through_the_patches(t2i):
+    """``patches.shard_in_frame`` reads an Energon tar reader's ``tar_filepaths`` / ``tar_file_id`` (Energon 7.4's
+    names) on a tested Energon only; elsewhere the watchdog names no shard."""
+    shard = EPath(t2i) / "shards" / "shard-000000.tar"
+    reader = type("ITarReaderLike", (), {"tar_filepaths": [shard], "base_path": EPath(t2i)})()
+    pointer = type("Pointer", (), {"tar_file_id": 0})()
+    assert patches.shard_in_frame({"self": reader, "tar_file_id": 0}) == (str(shard), str(EPath(t2i)))
+    assert patches.shard_in_frame({"self": reader, "sample_pointer": pointer}) == (str(shard), str(EPath(t2i)))
+    assert patches.shard_in_frame({"self": reader, "tar_file_id": 3}) is None
+    with patches.forced(False):
+        assert patches.shard_in_frame({"self": reader, "tar_file_id": 0}) is None
 
 
 def test_an_untested_energon_version_selects_the_public_path(monkeypatch, caplog):

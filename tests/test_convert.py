@@ -154,6 +154,8 @@ def test_vlm_every_line_once(converted):
     s = converted[VLM]
     assert s.samples == 25 and s.skipped == {}
     assert any("missing/none.png" in w for w in s.warnings)
+    # warnings number lines as editors do (1-based): the missing image is on line 18 of the jsonl
+    assert [w.split(": image")[0] for w in s.warnings if "missing/none.png" in w] == ["vlm/vlm_sft.jsonl line 18"]
     man = load_manifest(s.path)
     assert man["files"][0]["first_sample"] == 0 and man["files"][0]["num_samples"] == 25 and man["num_lines"] == 25
     lines = (RAW / "vlm" / "vlm_sft.jsonl").open(encoding="utf-8").readlines()
@@ -375,7 +377,8 @@ def test_vlm_edge_records(tmp_path):
     metas = [json.loads(p[META_PART]) for p in read_tars(s.path).values()]
     assert s.samples == 4 and [m["source"]["line"] for m in metas] == [0, 1, 2, 3]
     assert all(m["raw_line"].endswith("\n") and "\r" not in m["raw_line"] for m in metas)
-    assert metas[0]["video"] == "clip.mp4" and metas[0]["image_errors"] == {"video": "video unsupported"}
+    assert metas[0]["video"] == {"name": "clip.mp4", "folder": False, "num_frames": 0}  # missing: counted, no member
+    assert metas[0]["image_errors"] == {"video": "FileNotFoundError: [Errno 2] No such file or directory: 'imgs/clip.mp4'"}
     assert metas[1]["image_names"] == ["a.png", 7, "sub"]
     assert metas[1]["image_errors"] == {
         "1": "TypeError: expected str, bytes or os.PathLike object, not int",

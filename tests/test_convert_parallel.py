@@ -30,6 +30,7 @@ import pytest
 from bridge.models.bagel.data.converter.convert import (
     ConvertError, ConvertWriteError, convert_edit, convert_t2i, convert_vlm, merge_all, part_units,
 )
+from bridge.models.bagel.data.converter import units
 from bridge.models.bagel.data.converter.units import IMAGE_EMPTY, IMAGE_OVER_LIMIT, IMAGE_UNREADABLE, tar_header
 from bridge.models.bagel.data.energon.layout import EDIT, META_PART, T2I, VLM, load_manifest
 
@@ -107,6 +108,37 @@ def test_tar_header_is_what_tarfile_writes():
         ti = tarfile.TarInfo(name)
         ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
         assert tar_header(name, size) == ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape"), name
+
+
+def test_jpeg_header_fast_path_agrees_with_pil(monkeypatch):
+    """The converter's own JPEG header walk (``units._jpeg_size``) gives PIL's verdict on every JPEG: PIL-written ones
+    of every kind (baseline, progressive, grey, CMYK, Exif, ICC, comment, restart markers) and the same headers with
+    1-3 bytes overwritten at random (it answers, or hands the image to PIL)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    kinds = [("RGB", {}), ("RGB", {"progressive": True}), ("L", {}), ("CMYK", {}), ("RGB", {"exif": Image.Exif()}),
+             ("RGB", {"icc_profile": b"x" * 200}), ("RGB", {"comment": b"hi", "dpi": (300, 300)}),
+             ("RGB", {"restart_marker_blocks": 2, "subsampling": 0})]
+    cases = []
+    for mode, kw in kinds:
+        px = rng.integers(0, 255, (37, 53, {"L": 1, "CMYK": 4}.get(mode, 3)), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(px[..., 0] if mode == "L" else px, mode).save(buf, "JPEG", **kw)
+        data = buf.getvalue()
+        cases += [data, data[:2], data[:200], data[:600]]
+        for _ in range(120):
+            bad = bytearray(data[:700])
+            for _ in range(int(rng.integers(1, 4))):
+                bad[int(rng.integers(0, len(bad)))] = int(rng.integers(0, 256))
+            cases.append(bytes(bad))
+    fast = [units._jpeg_size(c) is not None for c in cases]
+    got = [(units.image_problem(c, 10 ** 9), units.image_problem(c, 1000)) for c in cases]
+    monkeypatch.setattr(units, "_jpeg_size", lambda data: None)  # PIL alone
+    want = [(units.image_problem(c, 10 ** 9), units.image_problem(c, 1000)) for c in cases]
+    assert got == want
+    assert sum(fast) > len(cases) // 2 and all(fast[i * 124] for i in range(len(kinds)) if i != 4)  # Exif: PIL's
 
 
 def test_energon_index_is_what_prepare_dataset_writes(tmp_path):

@@ -201,6 +201,39 @@ def test_edit_draw_order_matches_global_random(tok):
         assert s.drop_reason is None and len(s.rng_choices) in (len(exp) + end - start, len(exp) + end - start - 1)
 
 
+def _replay_of(n, start, end, concat, steps):
+    """The recorded draws of an edit outcome: start, end index, [u], one alternative index per instruction."""
+    u = [0.2 if concat else 0.7] if end - start > 1 else []
+    return (start, end - start - 1, *u, *[0] * steps)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_edit_outcomes_are_the_cookers_layouts(tok, n):
+    """Every (start, end, variant) ``config.outcomes.edit_draws`` lists, cooked with those draws, gives the layout
+    ``edit_outcomes`` predicts: the same plan item types and losses, image tokens and estimate (same draws => same
+    layout); the probabilities are the official draw's."""
+    from bridge.models.bagel.data.config.outcomes import Text, edit_draws, edit_outcomes
+
+    instr = [["go", "turn it blue now"], ["zoom out"], ["rotate the thing"]][:n - 1]
+    imgs = edit_images(n)
+    vae = [expected_tensor(imgs[i]).shape[1] * expected_tensor(imgs[i]).shape[2] // 16 ** 2 for i in range(n)]
+    vit = [expected_tensor(imgs[i], VIT).shape[1] * expected_tensor(imgs[i], VIT).shape[2] // 14 ** 2
+           for i in range(n)]
+    draws = edit_draws(n)
+    assert sum(p for p, *_ in draws) == pytest.approx(1.0)
+    first = lambda st: Text(*[len(tok.encode(instr[st][0]))] * 3)  # noqa: E731 - alternative 0 is replayed
+    joined = lambda steps: Text(*[len(tok.encode("".join(instr[st][0] + ". " for st in steps).rstrip()))] * 3)  # noqa: E731
+    for (p, start, end, concat), out in zip(draws, edit_outcomes(vae, vit, first, joined)):
+        steps = end - (end == n - 1) - start if concat else end - start  # instructions drawn (pull-back)
+        s = cook("unified_edit", tok, crude(edit_meta(n, instr), imgs), replay=_replay_of(n, start, end, concat, steps))
+        assert s.drop_reason is None and out.probability == p
+        assert [(t["type"], t["loss"]) for t in s.sequence_plan] == [(i.type, i.loss) for i in out.items]
+        images = [i.tokens for i in out.items if i.type != "text"]
+        assert [x.shape[1] * x.shape[2] // (14 if t["type"] == "vit_image" else 16) ** 2
+                for x, t in zip(s.image_tensor_list, [t for t in s.sequence_plan if t["type"] != "text"])] == images
+        assert out.lo == out.hi == s.num_tokens + 2 * len(s.sequence_plan)
+
+
 @pytest.mark.parametrize("n,instr,broken,null,replay,reason,choices", [
     (1, [], (), (), None, "too_few_images", ()),
     (2, None, (), (), (0, 0), "bad_instructions", (0, 0)),
@@ -268,7 +301,9 @@ def test_vlm_more_images_than_placeholders_and_none(tok):
     ([1, 2], None, None, {}, "bad_record"),
     ({"image": "a.png"}, None, None, {0: None}, "bad_record"),
     ({"image": [3], "conversations": []}, None, {"0": "TypeError: expected str"}, {}, "bad_record"),
-    ({"video": "v.mp4", "conversations": []}, None, {"video": "video unsupported"}, {}, "video_unsupported"),
+    ({"video": "v.mp4", "conversations": []}, None, {"video": "FileNotFoundError: [Errno 2] No such file"}, {},
+     "missing_video"),
+    ({"video": "v.mp4", "conversations": []}, None, None, {0: b"\0"}, "no_frame_sampler"),  # no frame_sampler_args
     ({"image": ["a.png", "b.png"], "conversations": []}, None,
      {"1": "FileNotFoundError: [Errno 2] No such file or directory: 'img/b.png'"}, {0: None}, "missing_image"),
     ({"image": "a.png", "conversations": []}, None, None, {0: b""}, "image_decode_error"),

@@ -100,7 +100,13 @@ def test_raw_content_is_varied_and_well_formed(demo):
     lines = (demo / "raw" / "vlm" / "demo_vlm.jsonl").read_text().splitlines()
     recs = [json.loads(x) for x in lines]
     n_imgs = [len(r["image"]) if isinstance(r.get("image"), list) else int("image" in r) for r in recs]
-    assert len(recs) == 48 and max(n_imgs) >= 2 and 0 in n_imgs
+    assert len(recs) == 54 and max(n_imgs) >= 2 and 0 in n_imgs
+    videos = [r["video"] for r in recs if "video" in r]  # the last 6 lines: frame folders and mp4s
+    assert len(videos) == 6 and all("video" in r for r in recs[48:])
+    import importlib.util
+
+    with_mp4 = all(importlib.util.find_spec(m) for m in ("av", "decord"))  # the `video` extra: mp4s, else folders
+    assert any(v.endswith("/") for v in videos) and any(v.endswith(".mp4") for v in videos) == with_mp4
     assert any(len(r["conversations"]) >= 4 for r in recs)
     for r in recs:
         names = r.get("image", [])
@@ -114,7 +120,7 @@ def test_raw_content_is_varied_and_well_formed(demo):
 def test_converted_vlm_meta(demo):
     root = demo / "energon" / VLM / DEMO_NAMES[VLM]
     man = load_manifest(root)
-    assert (man["files"][0]["first_sample"], man["files"][0]["num_samples"]) == (0, 48) and man["image_dir"] == "vlm/images"
+    assert (man["files"][0]["first_sample"], man["files"][0]["num_samples"]) == (0, 54) and man["image_dir"] == "vlm/images"
     import tarfile
 
     with tarfile.open(root / man["shards"][0]["path"]) as tf:
@@ -129,3 +135,21 @@ def test_config_loaders_accept_demo_files(demo):
     resolved = resolve_groups(groups, load_dataset_info(str(demo / "dataset_info.yaml")))
     assert [r.group.name for r in resolved] == [T2I, EDIT, VLM]
     assert all(os.path.isdir(d.energon_path) for r in resolved for d in r.datasets)
+
+
+def test_demo_video_lines_cook_into_frames(demo, tokenizer):
+    """The demo's 6 video lines (frame folders and mp4s) are cooked: 1-2 frames each within the demo budgets."""
+    pytest.importorskip("decord", reason="the demo's mp4s are read with decord (the `video` extra)")
+    from bridge.models.bagel.data.energon.cooking import make_cook_context
+    from bridge.models.bagel.data.energon.readers import open_group_reader
+
+    g = yaml.safe_load((demo / "groups.yaml").read_text())[VLM]
+    ctx = make_cook_context(VLM, tokenizer, g["image_transform_args"], frame_sampler_args=g["frame_sampler_args"])
+    reader = open_group_reader("official", [str(demo / "energon" / VLM / DEMO_NAMES[VLM])], ctx,
+                               num_used_data=g["num_used_data"], seed=42, repeat=False)
+    try:
+        videos = {s.source["line"]: s for s in reader if s.source["line"] >= 48}
+    finally:
+        reader.close()
+    assert sorted(videos) == list(range(48, 54)) and reader.drops.counts == {}
+    assert all(1 <= len(s.image_tensor_list) <= 2 and s.num_tokens < 4096 for s in videos.values())

@@ -2,7 +2,9 @@
 checkpointed and restarted on another number of ranks six times, DP 2 -> 3 -> 1 -> 4 -> 2 -> 4 -> 3 (every resize
 of the issue's list: 2->3, 3->1, 1->4, 4->2 and the double resize 2->4->3), with workers 2 and 0 and the prefetch
 process on and off across the phases. The ledger over every batch of every rank of every phase and the last
-checkpoint's states proves exactly once (``tools.ledger``); a changed config is still refused on a resize.
+checkpoint's states proves exactly once (``tools.ledger``); a changed config is still refused on a resize. The first
+two phases (DP 2 -> 3) are launched without digest logs: their reads come from the packed-reads ledger the job
+writes into every checkpoint (``bagel-data ledger --run``), the later phases' from their digest logs as well.
 Data: the demo dataset with a smaller selection (16 t2i, 8 edit, 12 vlm reads per epoch, 4 partitions), so the
 run covers several epochs of every group in 38 packed batches.
 """
@@ -21,10 +23,12 @@ import yaml
 
 from _external_common import assert_same
 
-from bridge.models.bagel.data.job.checkpoint import loader_state_files, read_loader_states
+from bridge.models.bagel.data.job.checkpoint import loader_state_files, read_loader_states, read_run_reads
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
 
 REPO = Path(__file__).resolve().parents[1]
+#: Phases launched without a digest log (their reads: the job's packed-reads ledger in the checkpoints)
+NO_DIGEST_LOG = (0, 1)
 #: (DP size = world, steps in the phase, Energon-side workers, prefetch depth)
 PHASES = [(2, 2, 2, 2), (3, 2, 0, 0), (1, 3, 2, 0), (4, 2, 0, 2), (2, 2, 0, 0), (4, 1, 0, 0), (3, 3, 2, 0)]
 
@@ -69,15 +73,20 @@ class Chain:
             step += steps
             save = root / f"ckpt{k}"
             args = [*self.common, f"train.train_iters={step}", f"train.global_batch_size={world}",
-                    f"data.num_workers={workers}", f"data.prefetch={prefetch}", f"train.save={save}",
-                    f"train.digest_log={root}/phase{k}.jsonl"] + ([f"train.load={load}"] if load else [])
+                    f"data.num_workers={workers}", f"data.prefetch={prefetch}", f"train.save={save}"]
+            args += [] if k in NO_DIGEST_LOG else [f"train.digest_log={root}/phase{k}.jsonl"]
+            args += [f"train.load={load}"] if load else []
             log = root / f"phase{k}.log"
             proc = _torchrun(world, args, log)
             assert proc.returncode == 0, f"phase {k} (DP {world}) failed:\n{proc.stderr[-4000:]}"
             self.logs.append(log)
-            rows = [json.loads(x) for x in (root / f"phase{k}.jsonl").read_text().splitlines()]
-            assert {r["dp_size"] for r in rows} == {world} and len(rows) == world * steps
-            self.reads += [{"dataset_name": g, "position": j, "epoch": e} for r in rows for g, j, e in r["reads"]]
+            if k == NO_DIGEST_LOG[-1]:  # the phases without digest logs: what the job's own ledger says they packed
+                self.reads += read_run_reads(str(save), step)[0]
+                self.no_digest = (save, step)
+            elif k not in NO_DIGEST_LOG:
+                rows = [json.loads(x) for x in (root / f"phase{k}.jsonl").read_text().splitlines()]
+                assert {r["dp_size"] for r in rows} == {world} and len(rows) == world * steps
+                self.reads += [{"dataset_name": g, "position": j, "epoch": e} for r in rows for g, j, e in r["reads"]]
             assert len(loader_state_files(str(save), step)) == world
             load = save
         self.final = read_loader_states(str(load), step)
@@ -145,18 +154,36 @@ def test_resize_state_cli_gives_bridge_pretrain_its_files(chain: Chain, demo_set
 
 @pytest.mark.slow
 def test_ledger_cli_exit_code(chain: Chain, capsys) -> None:
-    """``bagel-data ledger CKPT --digests …`` on the job's own digest logs: exit 0 and the per-group table when
-    exactly once holds; 1 and the problem when a launch's log is left out (its reads are unaccounted for); 2 for a
-    file that is not a digest log."""
+    """``bagel-data ledger --run CKPT``: the job's own packed-reads ledgers, chained back through every launch's
+    start checkpoint, prove exactly once without a digest log, over the DP 2 -> 3 run launched without any, and over
+    the whole chain (where they agree with the later phases' digest logs, read for read); ``CKPT --digests …``:
+    1 and the problem when the launches without a log are missing (their reads are unaccounted for); 2 for a file
+    that is not a digest log, or a root whose checkpoint has no ledger."""
+    from collections import Counter
+
     from bridge.models.bagel.data.tools.cli import main
 
-    logs = sorted(chain.root.glob("phase*.jsonl"), key=lambda p: int(p.stem[len("phase"):]))
-    assert main(["ledger", str(chain.last), "--digests", *map(str, logs)]) == 0
+    first, first_step = chain.no_digest
+    assert main(["ledger", "--run", str(first)]) == 0  # DP 2 -> 3, launched without digest logs
     out = capsys.readouterr().out
-    assert "exactly once: yes" in out and "t2i_pretrain" in out, out
-    assert main(["ledger", str(chain.last), "--digests", *map(str, logs[1:])]) == 1
+    assert "exactly once: yes" in out and "t2i_pretrain" in out and "2 checkpoints' packed-reads ledgers" in out, out
+    assert main(["ledger", "--run", str(chain.last)]) == 0
+    out = capsys.readouterr().out
+    assert "exactly once: yes" in out and f"{len(PHASES)} checkpoints' packed-reads ledgers" in out, out
+    key = lambda r: (r["dataset_name"], r["position"], r["epoch"])  # noqa: E731
+    assert Counter(map(key, read_run_reads(str(chain.last), chain.step)[0])) == Counter(map(key, chain.reads))
+    logs = sorted(chain.root.glob("phase*.jsonl"), key=lambda p: int(p.stem[len("phase"):]))
+    assert len(logs) == len(PHASES) - len(NO_DIGEST_LOG)
+    assert main(["ledger", str(chain.last), "--digests", *map(str, logs)]) == 1
     out = capsys.readouterr().out
     assert "exactly once: NO" in out and "unaccounted" in out, out
     not_a_log = chain.root / "not_a_log.jsonl"
     not_a_log.write_text('{"hello": 1}\n')
     assert main(["ledger", str(chain.last), "--digests", str(not_a_log)]) == 2
+    bare = chain.root / "bare"
+    (bare / "energon" / f"iter_{first_step:07d}").mkdir(parents=True)
+    for name in loader_state_files(str(first), first_step):
+        (bare / "energon" / f"iter_{first_step:07d}" / name).write_bytes(
+            (first / "energon" / f"iter_{first_step:07d}" / name).read_bytes())
+    (bare / "latest_checkpointed_iteration.txt").write_text(str(first_step))
+    assert main(["ledger", "--run", str(bare)]) == 2

@@ -31,8 +31,9 @@ LAYERS: dict[str, int] = {
     # 1: configuration (grouped YAML, registry, packer knobs, budget rules, the one validation pass); its length
     # rules are a leaf the packer shares
     "config": 1, "config.lengths": 0,
-    # 2: Energon readers and cookers
-    "energon": 2,
+    # 2: Energon readers and cookers. ``energon.patches`` (Energon internals, version-guarded) is a leaf the state
+    # protocol, the watchdog and the converter share, under a package ``__init__`` that imports nothing.
+    "energon": 0, "energon.layout": 2, "energon.cooking": 2, "energon.readers": 2, "energon.patches": 0,
     # 3: the pack loop
     "packing": 3,
     # 4: pipeline stages after the packer (RNG, official workers, prefetch, the loader)
@@ -45,8 +46,9 @@ LAYERS: dict[str, int] = {
 #: Side wings: never imported by the runtime (layers 0-6).
 CONVERTER = ("converter",)
 TOOLS = ("tools",)
-#: What the converter may import of the runtime: the on-disk layout contract, and the one-line YAML error leaf.
-CONVERTER_MAY_IMPORT = ("energon.layout", "yaml_errors")
+#: What the converter may import of the runtime: the on-disk layout contract, Energon's index as the patches write it,
+#: and the one-line YAML error leaf.
+CONVERTER_MAY_IMPORT = ("energon.layout", "energon.patches.index", "yaml_errors")
 
 
 def _modules() -> dict[str, Path]:

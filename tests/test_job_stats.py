@@ -20,6 +20,7 @@ from PIL import Image
 
 from _external_common import single_process_pg_collection
 from bridge.models.bagel.data.converter.convert import convert_t2i
+from bridge.models.bagel.data.energon.layout import load_manifest
 from bridge.models.bagel.data.job.config import load_job_config
 from bridge.models.bagel.data.job.runner import run_job
 
@@ -27,6 +28,18 @@ pytestmark = [pytest.mark.filterwarnings("ignore:This process .* is multi-thread
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 STEPS = 4
+
+
+def _truncated_jpeg(i: int) -> bytes:
+    """A JPEG of noise cut short (its last third and end marker gone): its header opens, and it decodes grey where
+    the data ends."""
+    import random
+
+    size = (64, 64 + 16 * (i % 3))
+    buf = io.BytesIO()
+    Image.frombytes("RGB", size, random.Random(i).randbytes(size[0] * size[1] * 3)).save(buf, "JPEG")
+    data = buf.getvalue()
+    return data[:len(data) * 2 // 3]
 
 
 def _png(i: int) -> bytes:
@@ -37,15 +50,21 @@ def _png(i: int) -> bytes:
 
 @pytest.fixture(scope="module")
 def job_files(demo_setup, tmp_path_factory):
-    """The demo groups, with a t2i dataset whose every other row has no image (dropped by the reader)."""
+    """The demo groups, with a t2i dataset whose every other row has no image (dropped by the reader) and two rows
+    with a truncated JPEG (rows 2 and 6: counted by the converter, trained on and counted by the reader)."""
     out, _ = demo_setup
     root = tmp_path_factory.mktemp("job_stats")
     raw = root / "raw" / "broken_t2i"
     raw.mkdir(parents=True)
-    rows = [{"image": None if i % 2 else _png(i), "captions": json.dumps({"c": f"picture {i}"})} for i in range(8)]
+    rows = [{"image": None if i % 2 else _truncated_jpeg(i) if i % 4 == 2 else _png(i),
+             "captions": json.dumps({"c": f"picture {i}"})} for i in range(8)]
     pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([("image", pa.binary()), ("captions", pa.string())])),
                    raw / "part-0000.parquet")
-    broken = convert_t2i(str(raw), root / "converted", progress=False).path
+    converted = convert_t2i(str(raw), root / "converted", progress=False)
+    assert converted.bad_images == {"truncated_image": 2}, converted  # found at conversion, by reason
+    manifest = load_manifest(converted.path)
+    assert manifest["image_checks"]["problems"] == {"truncated_image": 2}, manifest.get("image_checks")
+    broken = converted.path
     groups = yaml.safe_load((out / "groups.yaml").read_text())
     info = yaml.safe_load((out / "dataset_info.yaml").read_text())
     groups["t2i_pretrain"]["dataset_names"] = ["broken_t2i"]
@@ -93,6 +112,19 @@ def test_summary_and_telemetry_equal_with_and_without_prefetch(job_files, caplog
 
     assert [drops_part(x) for x in sync_lines] == [drops_part(x) for x in ahead_lines]
     assert "missing_image" in drops_part(sync_lines[-1])
+    # the truncated JPEGs: trained on (not dropped), counted by reason in the loader's stats, the summary, telemetry
+    kept = sync["pipeline"]["unused"].get("truncated_image", 0)
+    assert kept > 0 and "truncated_image" not in sync["pipeline"]["drops"], sync["pipeline"]
+    assert ahead["pipeline"]["unused"]["truncated_image"] == kept
+    assert f"'truncated_image': {kept}" in sync_lines[-1], sync_lines[-1]
+
+
+def test_truncated_images_drop_drops_them(job_files, caplog):
+    """``data.truncated_images: drop``: every truncated JPEG read is a ``truncated_image`` drop instead."""
+    summary, lines = _run(job_files, 0, caplog, "data.truncated_images=drop")
+    dropped = summary["pipeline"]["drops"].get("truncated_image", 0)
+    assert dropped > 0 and "truncated_image" not in summary["pipeline"]["unused"], summary["pipeline"]
+    assert "truncated_image" in re.sub(r".*\| drops ", "", lines[-1]), lines[-1]
 
 
 def test_a_resume_at_or_past_train_iters_runs_no_step_and_says_so(job_files, tmp_path, caplog):

@@ -90,3 +90,44 @@ def test_cli_refuses_a_recipe_mismatch_in_one_line():
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error")]
     assert lines == ["error [rank 0]: ConfigError: --recipe: train.global_batch_size=8 but the recipe has 1: the "
                      "recipe owns these keys; drop the override or change the recipe"], proc.stderr[-3000:]
+
+
+def test_three_mistakes_of_one_launch_are_one_error_before_the_heavy_imports(demo_setup, tmp_path):
+    """A typo'd key, a wrong ``dataset_info`` path and a global batch size DP 2 does not divide, in one 2-rank
+    ``torchrun`` launch: one error per rank naming all three (the path by its key and the config file that set it,
+    once), over before Megatron-Core / Megatron-Bridge are imported (wall time well under what importing them alone
+    takes, measured here on the same machine)."""
+    import time
+
+    import yaml
+
+    out = demo_setup[0]
+    job = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    job["demo_data"] = None
+    job["data"].update(groups=str(out / "groups.yaml"), dataset_info=str(out / "dataset_info_typo.yaml"),
+                       prefetch=0)
+    job["data"]["packer"]["max_buffer_sise"] = 50
+    job["train"]["global_batch_size"] = 3
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(job))
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "bridge.models.bagel.launch", "--config", str(config)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    launch = time.monotonic() - start
+    assert proc.returncode != 0
+    errors = [chunk for chunk in proc.stderr.split("error [rank ")[1:]]
+    # one per rank that got to print it: torchrun stops the other rank (SIGTERM) as soon as the first one fails
+    assert 1 <= len(errors) <= 2, proc.stderr[-3000:]
+    for error in errors:
+        assert "'data.packer.max_buffer_sise' is not a config key (did you mean 'max_buffer_size'" in error
+        assert error.count("dataset_info_typo.yaml") == 1, error  # once: not again for the validation split
+        assert f"data.dataset_info (set in {config}): {out / 'dataset_info_typo.yaml'} does not exist" in error
+        assert "train.global_batch_size 3 is not divisible by micro_batch_size 1 x data-parallel size 2" in error
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import megatron.core.parallel_state; from bridge.models.bagel.data._bridge "
+                    "import import_bridge; import_bridge()"], cwd=REPO, check=True, capture_output=True, timeout=600,
+                   env=env)
+    heavy = time.monotonic() - start
+    assert launch < heavy, (launch, heavy)  # torchrun + 2 ranks' whole launch vs. one process's imports

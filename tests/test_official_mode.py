@@ -155,14 +155,16 @@ def test_official_order_with_prefetch_process(converted, tokenizer, tmp_path):
     assert ce.compare_batches(case, got, allow_prefix=True) is None
 
 
-def test_fingerprint_covers_num_used_data_not_frame_sampler(converted, tokenizer, tmp_path):
+def test_fingerprint_covers_num_used_data_and_frame_sampler(converted, tokenizer, tmp_path):
     case = _load("d01_flex_extrap_edit_first")
     with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as loader:
         next(loader)
         state = loader.save_state()
     case["config"]["grouped_datasets"]["vlm_sft"]["frame_sampler_args"] = {"max_num_frames": 4, "min_num_frames": 2}
-    with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as same_stream:
-        same_stream.restore_state(state)       # frame_sampler_args cannot change the stream (no videos are cooked)
+    with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as other_frames:
+        with pytest.raises(ResumeMismatchError, match="frame_sampler_args"):  # video records draw frames with it
+            other_frames.restore_state(state)
+    del case["config"]["grouped_datasets"]["vlm_sft"]["frame_sampler_args"]
     case["config"]["grouped_datasets"]["t2i_pretrain"]["num_used_data"] = [5]
     with build_bagel_train_loader(_config(case, converted, tmp_path), tokenizer, (0, 1)) as other:
         with pytest.raises(ResumeMismatchError, match="num_used_data"):

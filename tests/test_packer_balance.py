@@ -30,12 +30,13 @@ from bridge.models.bagel.data.external import ResumeMismatchError
 from bridge.models.bagel.data.job.batch_check import check_batch
 from bridge.models.bagel.data.job.straggler import StragglerMeter, StragglerStats
 from bridge.models.bagel.data.job.telemetry import Telemetry
+from bridge.models.bagel.data.job.world import reduce_world
 from bridge.models.bagel.data.packing import ListGroupSource
 from bridge.models.bagel.data.packing.balanced_packer import BalancedPacker
-from bridge.models.bagel.data.packing.cost import CostModel, Work, batch_work, sample_work, split_pairs
+from bridge.models.bagel.data.packing.cost import CostModel, Work, batch_work, sample_work, split_pairs, straggler_ratio
 from bridge.models.bagel.data.packing.packer import ledger_errors
 from bridge.models.bagel.data.state import ResizeContext, StateError
-from bridge.models.bagel.data.tools.budget_stats.straggler import simulate_ranks, straggler_ratio
+from bridge.models.bagel.data.tools.budget_stats.straggler import simulate_ranks
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
 from packer_golden import load_case
 
@@ -223,7 +224,8 @@ def test_straggler_ratio_at_dp64_official_vs_balanced() -> None:
     bal = simulate_ranks(make, weights, mandatory, PackerConfig(strategy="balanced"), dp=64, packs=6, warmup=10,
                          seed=2)
     assert off.ratio > 1.05 and bal.ratio < 1.03, (off.ratio, bal.ratio)
-    assert straggler_ratio([[1.0, 2.0], [3.0, 2.0]]) == (pytest.approx((1.5 + 1.0) / 2), pytest.approx(1 / 5))
+    # ranks' costs [[1, 2], [3, 2]]: per step max (3, 2), mean (2, 2)
+    assert straggler_ratio([3.0, 2.0], [2.0, 2.0]) == (pytest.approx((1.5 + 1.0) / 2), pytest.approx(1 / 5))
 
 
 # -- configuration ----------------------------------------------------------------------------------------------
@@ -292,7 +294,7 @@ def test_real_loader_batches_and_exact_resume(demo_setup, use_flex: bool) -> Non
         assert_same(next(again), expected)
     again.close()
     official = build_bagel_train_loader(demo_config(out, 0, use_flex), tok, (0, 1), length=20)
-    with pytest.raises(ResumeMismatchError, match=r"loader\.packer\.strategy\.\w+"):
+    with pytest.raises(ResumeMismatchError, match=r"data\.packer\.(balance|cost|strategy)\.\w+"):
         official.restore_state(state)
     official.close()
 
@@ -385,9 +387,11 @@ def test_straggler_meter_reports_the_ratio_and_the_lost_share(caplog) -> None:
     batch = load_case(FLEX)["batches"][0]
     assert meter.record(1, batch) == CostModel.of().cost(batch_work(batch))
     meter.record(1, batch)
-    single = meter.reduce()  # no process group: this rank alone
+    world = reduce_world({}, {}, [], step_compute=meter.local())  # no process group: this rank alone
+    meter.book(world["step_compute_max"], world["step_compute_mean"], world["dp_size"])
+    single = meter.interval()
     assert single.step_max == (2 * CostModel.of().cost(batch_work(batch)),) and single.ratio == 1.0
-    assert meter.reduce().step_max == ()  # a new interval
+    assert meter.local() == [] and meter.interval().step_max == ()  # a new interval
     with caplog.at_level("INFO", logger="bridge.models.bagel.data.job.straggler"):
         out = meter.log(1, stats)
     assert out["straggler_ratio"] == stats.ratio and out["tflops_per_step"] == pytest.approx(3e-12)

@@ -89,9 +89,9 @@ def test_epoch_covers_exactly_the_official_selection(dp_size, converted, tokeniz
                                        partitions=4, **kw)
             plan = reader.source.copy()  # what the reader will read, item by item (cooking aside)
             for _ in range(3 * sum(expected.values())):
-                item = plan.next_item()
-                if item[4] == 0:  # ("read", dataset, index, position, epoch, partition)
-                    got[(os.path.basename(reader.datasets.paths[item[1]]), item[2])] += 1
+                read = plan.next_read()
+                if read.data_indexes["epoch"] == 0:
+                    got[(os.path.basename(reader.datasets.paths[read.dataset]), read.index)] += 1
             reader.close()
         assert got == expected, group  # nothing lost, nothing extra, repeats as official
 

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["RECIPE_KEYS", "RECIPE_VALIDATION_KEYS", "main", "model_config", "reconcile_recipe"]
+__all__ = ["RECIPE_KEYS", "RECIPE_VALIDATION_KEYS", "attempt_store", "main", "model_config", "reconcile_recipe"]
 
 logger = logging.getLogger("bagel.launch")
 
@@ -129,8 +129,26 @@ def _init_distributed(train: Any) -> Any:
     if "RANK" not in os.environ:  # plain `python -m bridge.models.bagel.launch`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, store=attempt_store(), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
     return init_model_parallel(train)
+
+
+def attempt_store() -> Any:
+    """The process-group store of this torchrun attempt: the ``env://`` rendezvous store (under torchrun, the
+    agent's own TCP store, which lives across the attempts of ``--max-restarts``) behind a ``PrefixStore`` keyed by
+    ``TORCHELASTIC_RESTART_COUNT``.
+
+    Without the prefix a restarted attempt finds the previous attempt's keys (gloo's per-rank addresses, the
+    barrier counters) in the shared store and connects to ranks that are gone: ``init_process_group`` fails with
+    "Gloo connectFullMesh failed ... Connection refused" (pytorch issues #135712, #167288). Each attempt's keys
+    live under their own prefix, so attempt N never reads attempt N-1's. Outside torchrun the count is 0: one
+    prefix, nothing changes.
+    """
+    import torch.distributed as dist
+
+    store, _, _ = next(dist.rendezvous("env://", int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])))
+    return dist.PrefixStore(f"bagel_attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/default_pg", store)
 
 
 def _exit_together_if_all_ranks_failed(exc: BaseException) -> None:
@@ -238,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
 
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=SyntaxWarning)
+    if rank != 0:  # once-per-job notices are rank 0's: the same text from every rank says nothing more
+        for category in (FutureWarning, DeprecationWarning):  # e.g. torch's deprecations, raised at import
+            warnings.filterwarnings("ignore", category=category)
+        logging.getLogger("bridge.models.bagel.data.parity").setLevel(logging.ERROR)  # the unproven-versions note
     try:
         code = _main(args, rank)
     except Exception as exc:  # one clear line per failing rank; --debug for the traceback
@@ -263,29 +285,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, rank: int) -> int:
-    from .data.job.config import load_job_config, validate_job
-    from .data.job.runner import run_job
+    from .data.job.config import validate_job  # torch, the config schema: no Megatron yet
     from .data.job.startup import StartupClock
-    from .data.tokenizer import add_special_tokens, load_tokenizer
 
     clock = StartupClock()  # from this process's start: the imports above are its first phase
     clock.mark("imports")
     overrides = list(args.overrides) + ([f"train.digest_log={args.digest_log}"] if args.digest_log else [])
-    cfg = load_job_config(args.config, overrides)
-    model_cfg = model_config(cfg.model, f"{args.config}: model")
-    container = None
-    if args.recipe:
-        container = _load_symbol(args.recipe)()
-        changed = reconcile_recipe(container, cfg.train, _explicit_train_keys(overrides),
-                                   has_valid=cfg.data.valid is not None)
-        if changed and rank == 0:
-            logger.info("--recipe: train.%s taken from the recipe (the config file's values are not used)",
-                        ", train.".join(changed))
-    # The one validation pass, every problem at once, before any process group exists (demo data: after rank 0
-    # generated it).
-    data = None if cfg.demo_data else validate_job(cfg)
+    cfg, model_cfg, container, data = _configure(args, overrides, rank)
     clock.mark("config")
     import megatron.core.parallel_state  # noqa: F401  (timed apart from the process groups it then builds)
+
+    from .data.job.runner import run_job
+    from .data.tokenizer import add_special_tokens, load_tokenizer
 
     clock.mark("Megatron-Core import")
     pg_collection = _init_distributed(cfg.train)
@@ -321,6 +332,50 @@ def _main(args: argparse.Namespace, rank: int) -> int:
     if rank == 0:  # the world's numbers; rank 0's own pipeline counters only in the debug log
         logger.info("summary: %s", json.dumps({k: v for k, v in summary.items() if k != "pipeline"}, default=str))
     return 0
+
+
+def _configure(args: argparse.Namespace, overrides: list[str], rank: int) -> tuple[Any, Any, Any, Any]:
+    """The launch's one validation pass, before Megatron-Core or Megatron-Bridge is imported (seconds, not the
+    heavy imports' tens of seconds): the config's keys (typos), the model section, the recipe, the files the config
+    names (by key and the file that set it), the parallel layout for ``WORLD_SIZE`` and the data checks
+    (``validate_job``), every problem in one ``ConfigError``. Returns ``(JobConfig, model config, the recipe's
+    ConfigContainer or None, ValidatedData or None)``: the data None with ``demo_data``, whose files exist only
+    once rank 0 generated them (validated then)."""
+    from .data.config import ConfigError
+    from .data.job.config import load_job_config, validate_job
+
+    cfg = load_job_config(args.config, overrides, defer_key_problems=True)
+    model_cfg = None
+    try:
+        model_cfg = model_config(cfg.model, f"{args.config}: model")
+    except ConfigError as exc:
+        cfg.__dict__["_key_problems"] += exc.problems
+    container = None
+    if args.recipe and model_cfg is not None:
+        container = _load_symbol(args.recipe)()
+        changed = reconcile_recipe(container, cfg.train, _explicit_train_keys(overrides),
+                                   has_valid=cfg.data.valid is not None)
+        if changed and rank == 0:
+            logger.info("--recipe: train.%s taken from the recipe (the config file's values are not used)",
+                        ", train.".join(changed))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.demo_data:  # the data's files come later; keys, model and layout now
+        found = [*cfg.__dict__["_key_problems"], *cfg.train.problems()]
+        found += [] if cfg.train.problems() else _layout_problem(cfg.train, world_size)
+        if found:
+            raise ConfigError.of(found, header=f"{args.config}: {len(found)} problem(s) in this launch")
+        return cfg, model_cfg, container, None
+    return cfg, model_cfg, container, validate_job(cfg, world_size=world_size)
+
+
+def _layout_problem(train: Any, world_size: int) -> list[str]:
+    from .data.config import ConfigError
+
+    try:
+        train.parallel_layout(world_size)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
 
 def _end_process(code: int) -> NoReturn:

@@ -23,6 +23,7 @@ from typing import Any
 
 from .config import BagelDataConfig, ConfigError, ResolvedGroup, ValidatedData, validate_data
 from .energon.cooking import make_cook_context
+from .energon.cooking.video import require_decord, video_lines_of
 from .energon.layout import ManifestError
 from .energon.readers import GroupDatasets, ReadPool, open_group_reader
 from .packing import BagelPacker, BalancedPacker
@@ -100,7 +101,9 @@ def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer
     g = group.group
     try:
         ctx = make_cook_context(g.name, tokenizer, g.image_transform_args, g.vit_image_transform_args,
-                                verify_checksums=config.verify_checksums)
+                                verify_checksums=config.verify_checksums,
+                                truncated_images=config.truncated_images, frame_sampler_args=g.frame_sampler_args)
+        _check_video(g.name, datasets, ctx, config)
         return open_group_reader(order, datasets, ctx, num_used_data=g.num_used_data, shuffle_lines=g.shuffle_lines,
                                  shuffle_seed=g.shuffle_seed, seed=config.effective_data_seed, dp_rank=dp_rank,
                                  dp_size=dp_size, partitions=config.partitions, stall_warn_s=config.stall_warn_s,
@@ -109,6 +112,25 @@ def _reader(order: str, group: ResolvedGroup, datasets: GroupDatasets, tokenizer
         raise
     except ValueError as exc:
         raise ConfigError(f"{config.groups_source}: group {g.name!r}: {exc}") from exc
+
+
+def _check_video(group: str, datasets: GroupDatasets, ctx: Any, config: BagelDataConfig) -> None:
+    """A group whose datasets hold video files needs decord (the ``video`` extra; frame folders need PIL only): one
+    ConfigError line otherwise; one warning when it has video lines and no ``frame_sampler_args`` (they are dropped
+    as ``no_frame_sampler``)."""
+    counts = [video_lines_of(p) for p in datasets.paths]
+    lines, files = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    if not lines:
+        return
+    if ctx.frame_sampler is None:
+        logger.warning("%s: group %r: %d video lines and no frame_sampler_args: they are dropped (no_frame_sampler)",
+                       config.groups_source, group, lines)
+        return
+    try:
+        if files:
+            require_decord(f"{config.groups_source}: group {group!r} ({files} video files)")
+    except ModuleNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _packer(groups: list[ResolvedGroup], special: dict[str, int], config: BagelDataConfig,

@@ -4,17 +4,19 @@ The official packer estimates a sample as ``num_tokens + 2 * len(sequence_plan)`
 plan item are bos/eos or start/end-of-image), where an image contributes ``H * W // stride**2`` tokens
 after the group's :class:`~.transforms.ImageTransform`. Everything here derives from that rule:
 
-* :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (used by the config
-  checks below and by ``bagel-data stats``, so both always agree with the packer); :func:`is_overlength`
-  — the packer's per-sample drop rule on such an estimate (``estimate``, ``is_overlength`` and
-  ``mandatory_tokens`` live in :mod:`.lengths`, shared with the packer, and are re-exported here);
+* :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (which items a sample lays out
+  is :mod:`.outcomes`, shared with the cookers and ``bagel-data stats``); :func:`is_overlength` — the packer's
+  per-sample drop rule on such an estimate (``estimate``, ``is_overlength`` and ``mandatory_tokens`` live in
+  :mod:`.lengths`, shared with the packer, and are re-exported here); :func:`group_bounds` — a group's
+  smallest and largest-image estimates from its transforms;
 * :func:`transform_extremes` — the largest / smallest output a transform can produce (grid side in
   patches, tokens), found by evaluating the exact resize rule over a grid of input sizes;
   :func:`image_grids` / :func:`table_side` — which position table each of a group's transforms indexes
   and how large that table must be;
-* :func:`budget_issues` — what cannot work (an error: ``validate.validate_data`` raises it with the other config
-  problems) and what may drop much (a warning, logged once by :func:`log_warnings`), for a ``PackerConfig`` and the
-  grouped YAML:
+* :func:`budget_issues` — the rules :data:`GROUP_RULES` and :data:`PACKER_RULES`, one list read by config
+  validation and ``bagel-data stats``: what cannot work (an error: ``validate.validate_data`` raises it with the
+  other config problems) and what may drop much (a warning, logged once by :func:`log_warnings`), for a
+  ``PackerConfig`` and the grouped YAML:
 
   - latent grid side > ``max_latent_size`` (VAE images of t2i/edit, extrapolated position ids index past
     the ``max_latent_size**2`` table: case B4), ViT grid side > ``max_num_patch_per_side`` (vlm and the
@@ -22,8 +24,9 @@ after the group's :class:`~.transforms.ImageTransform`. Everything here derives 
   - every sample a group can produce over ``max_num_tokens_per_sample`` (error), or its largest image
     over it (warning: case B3, a mandatory group whose data are all large never yields a batch);
   - ``mandatory groups x (max_num_tokens_per_sample - 1) > max_num_tokens``: mandatory samples are never
-    checked against ``max_num_tokens`` (official quirk), so one pack can exceed it (case B6; an error also
-    in the official order when ``packer.lossless`` is on);
+    checked against ``max_num_tokens`` (official quirk), so one pack can exceed it (case B6,
+    :func:`mandatory_overflow`; an error also in the official order when the loop refuses it,
+    :func:`loop_refuses_overflow`: the simulators of ``bagel-data stats`` apply the same rule);
   - ``max_num_tokens`` not a multiple of 128 with flex attention (warning).
 
 Units: "tokens" are packed sequence positions; sides are in pixels (``*_px``) or patches/latents.
@@ -36,17 +39,19 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from .schema import ConfigError, GroupConfig, PackerConfig, ResolvedGroup
+from .grouped_yaml import GroupConfig
+from .packer import PackerConfig
+from .registry import ResolvedGroup
 from .lengths import estimate, is_overlength, mandatory_tokens  # re-exported: the packer's own rules
+from .outcomes import Text, edit_outcomes, t2i_outcomes, vlm_outcome
 from ..transforms import ImageTransform
 
 __all__ = [
-    "BudgetIssue", "EditOutcome", "FLEX_BLOCK", "GroupBounds", "ImageGrid", "TransformExtremes", "VAE_GROUPS",
-    "budget_issues", "log_warnings", "edit_outcomes", "estimate", "group_bounds", "image_grids",
-    "image_tokens", "is_overlength", "mandatory_tokens", "t2i_estimate", "table_side", "transform_extremes",
-    "vlm_estimate",
+    "BudgetIssue", "FLEX_BLOCK", "GROUP_RULES", "GroupBounds", "ImageGrid", "PACKER_RULES", "TransformExtremes",
+    "VAE_GROUPS", "budget_issues", "estimate", "group_bounds", "image_grids", "image_tokens", "is_overlength",
+    "log_warnings", "loop_refuses_overflow", "mandatory_overflow", "mandatory_tokens", "table_side",
+    "transform_extremes",
 ]
 
 logger = logging.getLogger(__name__)
@@ -71,73 +76,6 @@ def image_tokens(transform: ImageTransform, width: int, height: int, img_num: in
     """
     h, w = transform.target_size(width, height, img_num)
     return h * w // transform.stride ** 2
-
-
-def t2i_estimate(image_tokens: int, caption_tokens: int) -> int:
-    """t2i_pretrain: plan [text, vae_image] (2 items), ``num_tokens`` = latent tokens + caption tokens."""
-    return estimate(image_tokens + caption_tokens, 2)
-
-
-def vlm_estimate(image_tokens: Sequence[int], text_tokens: Sequence[int], image_items: int) -> int:
-    """vlm_sft: every image of the record counts (also those without a placeholder, quirk §13.14), every
-    non-empty text element is an item, ``image_items`` = placeholders that got an image."""
-    texts = [n for n in text_tokens if n > 0]
-    return estimate(sum(image_tokens) + sum(texts), len(texts) + image_items)
-
-
-@dataclass(frozen=True)
-class EditOutcome:
-    """One way the edit reader can cook a row: ``probability``, and the estimate's ``lo`` / ``hi`` / ``mean``
-    over the instruction alternatives."""
-
-    probability: float
-    lo: int
-    hi: int
-    mean: float
-
-
-def edit_outcomes(vae_tokens: Sequence[int], vit_tokens: Sequence[int],
-                  text_lens: Any, concat_lens: Any) -> list[EditOutcome]:
-    """Every (start, end, variant) the unified_edit reader can draw for a row of ``n`` images (spec §4.5).
-
-    ``vae_tokens[i]`` / ``vit_tokens[i]``: tokens of image ``i`` after the VAE / ViT transform.
-    ``text_lens(step)`` -> (min, max, mean) tokens of one alternative of ``instruction_list[step]``;
-    ``concat_lens(steps)`` -> (min, max, mean) tokens of the concatenated variant's text for those steps.
-    Start is uniform over ``[0, n-2]``, end uniform over ``[start+1, min(start+3, n)-1]``, the concatenated
-    variant has probability 0.5 when ``end - start > 1``. Raises ValueError for ``n < 2``.
-    """
-    n = len(vae_tokens)
-    if n < 2:
-        raise ValueError(f"an edit row needs at least 2 images, got {n}")
-    out: list[EditOutcome] = []
-    for s in range(n - 1):
-        ends = list(range(s + 1, min(s + 3, n)))
-        for e in ends:
-            p = 1.0 / (n - 1) / len(ends)
-            ctx_tokens, ctx_items = vae_tokens[s] + vit_tokens[s], 2
-            variants = [("step", p)] if e - s == 1 else [("concat", p / 2), ("step", p / 2)]
-            for kind, q in variants:
-                if kind == "concat":
-                    e2 = e - 1 if e == n - 1 else e
-                    lo, hi, mean = concat_lens(list(range(s, e2)))
-                    base, items = ctx_tokens + vae_tokens[e2], ctx_items + 2
-                    out.append(EditOutcome(q, estimate(base + lo, items), estimate(base + hi, items),
-                                           estimate(base, items) + mean))
-                    continue
-                base, items = ctx_tokens, ctx_items
-                lo = hi = 0
-                mean = 0.0
-                for i in range(s + 1, e + 1):
-                    tl, th, tm = text_lens(i - 1)
-                    lo, hi, mean = lo + tl, hi + th, mean + tm
-                    items += 1
-                    if i != e:
-                        base, items = base + 2 * vae_tokens[i] + vit_tokens[i], items + 3
-                    else:
-                        base, items = base + vae_tokens[i], items + 1
-                out.append(EditOutcome(q, estimate(base + lo, items), estimate(base + hi, items),
-                                       estimate(base, items) + mean))
-    return out
 
 
 @dataclass(frozen=True)
@@ -264,19 +202,37 @@ def group_bounds(group: GroupConfig) -> GroupBounds | None:
         return None
     ex = transform_extremes(t)
     if group.name == "t2i_pretrain":
-        return GroupBounds(t2i_estimate(ex.min_tokens, 0), t2i_estimate(ex.max_tokens, 0),
+        return GroupBounds(t2i_outcomes(ex.min_tokens, [0])[0].lo, t2i_outcomes(ex.max_tokens, [0])[0].lo,
                            f"largest image {ex.max_hw[1]}x{ex.max_hw[0]} px = {ex.max_tokens} latent tokens + 2 x 2")
     if group.name == "unified_edit":
         vt = group.vit_transform()
         vex = transform_extremes(vt) if vt is not None else None
         vmax, vmin = (vex.max_tokens, vex.min_tokens) if vex else (0, 0)
-        no_text = lambda *_: (0, 0, 0.0)  # noqa: E731 - an empty instruction (encodes to nothing)
+        no_text = lambda *_: Text(0, 0, 0.0)  # noqa: E731 - an empty instruction (encodes to nothing)
         small = edit_outcomes([ex.min_tokens] * 2, [vmin] * 2, no_text, no_text)[0].lo
         large = edit_outcomes([ex.max_tokens] * 2, [vmax] * 2, no_text, no_text)[0].lo
         return GroupBounds(small, large, f"largest edit step: 2 x {ex.max_tokens} latent + {vmax} ViT tokens + 4 x 2")
-    return GroupBounds(vlm_estimate([], [1], 0), vlm_estimate([ex.max_tokens], [1], 1),
+    return GroupBounds(vlm_outcome([("text", 1)], []).lo, vlm_outcome([("image", 0), ("text", 1)], [ex.max_tokens]).lo,
                        f"largest image {ex.max_hw[1]}x{ex.max_hw[0]} px = {ex.max_tokens} ViT tokens + a 1-token "
                        "answer + 2 x 2")
+
+
+def video_bounds(group: GroupConfig) -> tuple[int, str] | None:
+    """Video records (issue 40): the estimate of the largest video sample a vlm group's ``frame_sampler_args`` and
+    transform allow — ``n`` frames (``min_num_frames <= n <= max_num_frames``), each the largest frame the transform
+    produces at ``img_num = n``, and a 1-token answer — with its description; None without video settings."""
+    args, t = group.frame_sampler_args, group.transform()
+    if group.name != "vlm_sft" or not args or t is None:
+        return None
+    lo, hi = int(args.get("min_num_frames", 1)), int(args.get("max_num_frames", 0))
+    best = None
+    for n in range(max(1, lo), hi + 1):
+        ex = transform_extremes(t, img_num=n)
+        est = vlm_outcome([("image", 0)] * n + [("text", 1)], [ex.max_tokens] * n).lo
+        if best is None or est > best[0]:
+            best = (est, f"{n} frames of {ex.max_hw[1]}x{ex.max_hw[0]} px = {n} x {ex.max_tokens} ViT tokens + a "
+                         f"1-token answer + {n + 1} x 2")
+    return best
 
 
 # --------------------------------------------------------------------------------------------------
@@ -294,10 +250,6 @@ class BudgetIssue:
 
     def __str__(self) -> str:
         return f"{self.level}: {self.message}"
-
-
-def _groups(groups: Sequence[GroupConfig | ResolvedGroup]) -> list[GroupConfig]:
-    return [g.group if isinstance(g, ResolvedGroup) else g for g in groups]
 
 
 def _grid_issue(issues: list[BudgetIssue], grid: ImageGrid, packer: PackerConfig, *, where: str, pw: str) -> None:
@@ -325,6 +277,129 @@ def _grid_issue(issues: list[BudgetIssue], grid: ImageGrid, packer: PackerConfig
             f"max_image_size <= {table * patch}, or interpolate_pos: true")))
 
 
+def _groups(groups: Sequence[GroupConfig | ResolvedGroup]) -> list[GroupConfig]:
+    return [g.group if isinstance(g, ResolvedGroup) else g for g in groups]
+
+
+def mandatory_overflow(packer: PackerConfig, mandatory_groups: int) -> int:
+    """The tokens ``mandatory_groups`` mandatory samples alone can put into one pack (``lengths.mandatory_tokens``)
+    when that exceeds ``packer.max_num_tokens`` (case B6), else 0."""
+    worst = mandatory_tokens(mandatory_groups, packer.max_num_tokens_per_sample)
+    return worst if worst > packer.max_num_tokens else 0
+
+
+def loop_refuses_overflow(packer: PackerConfig) -> bool:
+    """Whether ``packer``'s loop refuses budgets with a :func:`mandatory_overflow` (``packer.lossless`` and
+    ``packer.strategy: balanced`` promise that every pack obeys ``max_num_tokens``; the official loop does not)."""
+    return packer.lossless or packer.strategy == "balanced"
+
+
+@dataclass(frozen=True)
+class _Check:
+    """What a rule reads: the packer, the groups, where messages point (``source``: the grouped YAML, ``pw``: the
+    packer's key prefix) and whether the order is ``official``."""
+
+    packer: PackerConfig
+    groups: list[GroupConfig]
+    source: str
+    pw: str
+    official: bool
+
+
+def _grid_rule(c: _Check, g: GroupConfig) -> list[BudgetIssue]:
+    """Each transform of ``g`` against the position table it indexes (case B4)."""
+    issues: list[BudgetIssue] = []
+    for grid in image_grids(g):
+        _grid_issue(issues, grid, c.packer, where=f"{c.source}: group {g.name!r}", pw=c.pw)
+    return issues
+
+
+def _sample_limit_rule(c: _Check, g: GroupConfig) -> list[BudgetIssue]:
+    """``g``'s smallest sample over ``max_num_tokens_per_sample`` (error) or its largest image (warning, B3)."""
+    b = group_bounds(g)
+    if b is None:
+        return []
+    pw, limit, where = c.pw, c.packer.max_num_tokens_per_sample, f"{c.source}: group {g.name!r}"
+    too_big = functools.partial(is_overlength, limit=limit, mandatory=g.is_mandatory)
+    bound = f"< {limit}" if g.is_mandatory else f"<= {limit}"
+    kind = "mandatory group" if g.is_mandatory else "group"
+    if too_big(b.smallest):
+        return [BudgetIssue("error", f"{pw}.max_num_tokens_per_sample", (
+            f"{where}: even the smallest sample this {kind} can produce is estimated at {b.smallest} tokens, "
+            f"but {pw}.max_num_tokens_per_sample {limit} keeps only estimates {bound}: every sample is "
+            f"dropped{' and the packer never yields a batch' if g.is_mandatory else ''}. Raise "
+            f"{pw}.max_num_tokens_per_sample above {b.smallest} or lower image_transform_args.min_image_size"))]
+    if not too_big(b.largest_image):
+        return []
+    side = transform_extremes(g.transform()).max_side_px
+    return [BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
+        f"{where}: a sample with the largest image this transform produces ({b.detail}) is estimated at "
+        f">= {b.largest_image} tokens, over {pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such "
+        f"samples are dropped"
+        + (" - if most images of this mandatory group are that large (e.g. all at least "
+           f"{side}x{side} px), the packer drops them one after another and never yields a batch"
+           if g.is_mandatory else "")
+        + f". Raise {pw}.max_num_tokens_per_sample to >= {b.largest_image + (1 if g.is_mandatory else 0)} "
+        f"(and max_num_tokens accordingly) or lower image_transform_args.max_image_size; "
+        f"`bagel-data stats` counts the affected samples"))]
+
+
+def _mandatory_overflow_rule(c: _Check) -> list[BudgetIssue]:
+    """Mandatory samples alone overflowing ``max_num_tokens`` (case B6): an error where the loop refuses it or the
+    order is elastic; a warning for ``data.order: official`` with the official loop, which reproduces the
+    official stream, whose configs may carry this risk (it only bites when large mandatory samples meet)."""
+    p, pw, limit = c.packer, c.pw, c.packer.max_num_tokens_per_sample
+    mandatory = [g.name for g in c.groups if g.is_mandatory]
+    worst = mandatory_overflow(p, len(mandatory))
+    if not worst:
+        return []
+    fit = p.max_num_tokens // len(mandatory) + 1
+    return [BudgetIssue("warning" if c.official and not loop_refuses_overflow(p) else "error",
+                        f"{pw}.max_num_tokens_per_sample", (
+        f"{c.source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
+        f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "
+        f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "
+        f"{worst} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job's "
+        f"batch-contract check stops the run at the first such pack). Set {pw}.max_num_tokens_per_sample "
+        f"<= {fit}, or {pw}.max_num_tokens >= {worst}, or make fewer groups "
+        "is_mandatory"))]
+
+
+def _flex_block_rule(c: _Check) -> list[BudgetIssue]:
+    """``max_num_tokens`` not a multiple of the FlexAttention block (warning)."""
+    p, pw = c.packer, c.pw
+    if not p.use_flex or not p.max_num_tokens % FLEX_BLOCK:
+        return []
+    up = -(-p.max_num_tokens // FLEX_BLOCK) * FLEX_BLOCK
+    return [BudgetIssue("warning", f"{pw}.max_num_tokens", (
+        f"{pw}.max_num_tokens {p.max_num_tokens} is not a multiple of {FLEX_BLOCK} with use_flex: every pack is "
+        f"padded to it and FlexAttention works in {FLEX_BLOCK}-token blocks; use {up} or "
+        f"{up - FLEX_BLOCK}"))]
+
+
+#: The budget rules, in message order: per group, then for the whole packer. ``budget_issues`` (config validation,
+#: ``bagel-data stats``' findings and advice) runs them all; the simulators of ``bagel-data stats`` refuse budgets
+#: by the same :func:`mandatory_overflow` / :func:`loop_refuses_overflow`.
+def _video_rule(c: _Check, g: GroupConfig) -> list[BudgetIssue]:
+    """A video record of ``g`` (issue 40: its largest frame count at its largest frames) over
+    ``max_num_tokens_per_sample`` (warning: such samples are dropped)."""
+    video = video_bounds(g)
+    if video is None or not is_overlength(video[0], limit=c.packer.max_num_tokens_per_sample,
+                                          mandatory=g.is_mandatory):
+        return []
+    pw, limit = c.pw, c.packer.max_num_tokens_per_sample
+    bound = f"< {limit}" if g.is_mandatory else f"<= {limit}"
+    return [BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
+        f"{c.source}: group {g.name!r}: a video record of {video[1]} is estimated at >= {video[0]} tokens, over "
+        f"{pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such samples are dropped. Raise "
+        f"{pw}.max_num_tokens_per_sample or lower frame_sampler_args.max_num_frames; `bagel-data stats` "
+        f"counts the affected samples"))]
+
+
+GROUP_RULES = (_grid_rule, _sample_limit_rule, _video_rule)
+PACKER_RULES = (_mandatory_overflow_rule, _flex_block_rule)
+
+
 def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedGroup], *,
                   source: str = "groups", packer_where: str = "packer", official: bool = False) -> list[BudgetIssue]:
     """Every budget finding for ``packer`` and ``groups`` (errors first), without logging or raising.
@@ -332,61 +407,9 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
     ``source`` names the grouped YAML in messages, ``packer_where`` the packer's key prefix (``packer`` in a
     data config, ``data.packer`` in a job config). ``packer`` is assumed valid (``PackerConfig.validate``).
     """
-    p, pw = packer, packer_where
-    gs = _groups(groups)
-    issues: list[BudgetIssue] = []
-    limit = p.max_num_tokens_per_sample
-    for g in gs:
-        where = f"{source}: group {g.name!r}"
-        for grid in image_grids(g):
-            _grid_issue(issues, grid, p, where=where, pw=pw)
-        b = group_bounds(g)
-        if b is None:
-            continue
-        too_big = functools.partial(is_overlength, limit=limit, mandatory=g.is_mandatory)
-        bound = f"< {limit}" if g.is_mandatory else f"<= {limit}"
-        kind = "mandatory group" if g.is_mandatory else "group"
-        if too_big(b.smallest):
-            issues.append(BudgetIssue("error", f"{pw}.max_num_tokens_per_sample", (
-                f"{where}: even the smallest sample this {kind} can produce is estimated at {b.smallest} tokens, "
-                f"but {pw}.max_num_tokens_per_sample {limit} keeps only estimates {bound}: every sample is "
-                f"dropped{' and the packer never yields a batch' if g.is_mandatory else ''}. Raise "
-                f"{pw}.max_num_tokens_per_sample above {b.smallest} or lower image_transform_args.min_image_size")))
-        elif too_big(b.largest_image):
-            side = transform_extremes(g.transform()).max_side_px
-            issues.append(BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
-                f"{where}: a sample with the largest image this transform produces ({b.detail}) is estimated at "
-                f">= {b.largest_image} tokens, over {pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such "
-                f"samples are dropped"
-                + (" - if most images of this mandatory group are that large (e.g. all at least "
-                   f"{side}x{side} px), the packer drops them one after another and never yields a batch"
-                   if g.is_mandatory else "")
-                + f". Raise {pw}.max_num_tokens_per_sample to >= {b.largest_image + (1 if g.is_mandatory else 0)} "
-                f"(and max_num_tokens accordingly) or lower image_transform_args.max_image_size; "
-                f"`bagel-data stats` counts the affected samples")))
-    mandatory = [g.name for g in gs if g.is_mandatory]
-    worst = mandatory_tokens(len(mandatory), limit)
-    if len(mandatory) > 1 and worst > p.max_num_tokens:
-        fit = p.max_num_tokens // len(mandatory) + 1
-        # data.order: official reproduces the official stream, whose configs may carry this risk (it only bites
-        # when large mandatory samples meet): a warning there, an error for the default order, with
-        # packer.lossless and with packer.strategy: balanced (which promise that every pack obeys max_num_tokens).
-        risk_allowed = official and not p.lossless and p.strategy == "official"
-        issues.append(BudgetIssue("warning" if risk_allowed else "error",
-                                  f"{pw}.max_num_tokens_per_sample", (
-            f"{source}: {len(mandatory)} mandatory groups {mandatory} each put one sample of up to "
-            f"{pw}.max_num_tokens_per_sample - 1 = {limit - 1} tokens into every pack, and mandatory samples are "
-            f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "
-            f"{worst} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job's "
-            f"batch-contract check stops the run at the first such pack). Set {pw}.max_num_tokens_per_sample "
-            f"<= {fit}, or {pw}.max_num_tokens >= {worst}, or make fewer groups "
-            "is_mandatory")))
-    if p.use_flex and p.max_num_tokens % FLEX_BLOCK:
-        up = -(-p.max_num_tokens // FLEX_BLOCK) * FLEX_BLOCK
-        issues.append(BudgetIssue("warning", f"{pw}.max_num_tokens", (
-            f"{pw}.max_num_tokens {p.max_num_tokens} is not a multiple of {FLEX_BLOCK} with use_flex: every pack is "
-            f"padded to it and FlexAttention works in {FLEX_BLOCK}-token blocks; use {up} or "
-            f"{up - FLEX_BLOCK}")))
+    c = _Check(packer, _groups(groups), source, packer_where, official)
+    issues = [i for g in c.groups for rule in GROUP_RULES for i in rule(c, g)]
+    issues += [i for rule in PACKER_RULES for i in rule(c)]
     issues.sort(key=lambda i: i.level != "error")
     return issues
 

@@ -20,7 +20,7 @@ from ..transforms import ImageTransform
 from ..yaml_errors import yaml_problem
 
 __all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "is_int", "is_number", "load_grouped_yaml",
-           "read_mapping", "resolve_path"]
+           "is_url", "read_mapping", "resolve_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,8 @@ class GroupConfig:
     ``num_used_data`` is the official per-dataset selection (t2i / edit: that many parquet files, the
     listing repeated when larger than the file count; vlm: the first n lines after the optional
     ``shuffle_lines`` shuffle with ``random.Random(shuffle_seed)``); None = every converted sample once.
-    ``frame_sampler_args`` only concerns video records, which are not cooked (dropped as
-    ``video_unsupported``). ``resume_data_status`` must be true (every group resumes exactly).
+    ``frame_sampler_args`` (``max_num_frames`` / ``min_num_frames``) samples the frames of vlm ``video`` records
+    (``energon.cooking.video``). ``resume_data_status`` must be true (every group resumes exactly).
     """
 
     name: str
@@ -118,15 +118,21 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+def is_url(value: Any) -> bool:
+    """Whether ``value`` is a URL (``scheme://...``, e.g. an object-storage ``msc://PROFILE/path``), not a path."""
+    return isinstance(value, str) and "://" in value and value.split("://", 1)[0].isalpha()
+
+
 def resolve_path(value: Any, base_dir: str | os.PathLike | None) -> Any:
     """``value`` resolved against ``base_dir`` when it is a relative path string (``~`` expanded); anything
-    else (an absolute path, None, a mapping, an OmegaConf ``???`` / ``${...}``) as it is.
+    else (an absolute path, a URL, None, a mapping, an OmegaConf ``???`` / ``${...}``) as it is.
 
     The rule of every path a config file holds: relative to the directory of the file that holds it, so a
     job behaves the same from any working directory (Slurm, ``torchrun`` launched elsewhere). Paths typed on
     the command line (``key=value`` overrides) stay relative to the working directory, as a shell user expects.
     """
-    if base_dir is None or not isinstance(value, str) or not value or value == "???" or "${" in value:
+    if base_dir is None or not isinstance(value, str) or not value or value == "???" or "${" in value \
+            or is_url(value):
         return value
     value = os.path.expanduser(value)
     if os.path.isabs(value):

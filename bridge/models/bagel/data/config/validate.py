@@ -36,13 +36,14 @@ from importlib import metadata
 from typing import Any
 
 from .budgets import BudgetIssue, budget_issues, log_warnings
-from .schema import (STRATEGIES, BagelDataConfig, BalanceConfig, ConfigError, CostConfig, DatasetInfoEntry,
-                     PackerConfig, ResolvedGroup, load_dataset_info, load_grouped_yaml,
-                     resolve_groups)
-from .grouped_yaml import GroupConfig, is_int, is_number
+from .grouped_yaml import ConfigError, GroupConfig, is_int, is_number, is_url, load_grouped_yaml
+from .packer import STRATEGIES, BalanceConfig, CostConfig, PackerConfig
+from .registry import DatasetInfoEntry, ResolvedGroup, load_dataset_info, resolve_groups
+from .schema import BagelDataConfig
 
-__all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "package_version", "socket_path_problem",
-           "strategy_problems", "validate_data"]
+__all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "key_origin", "package_version", "path_problems",
+           "socket_path_problem", "strategy_problems", "truncated_images_problems", "unknown_key_problems",
+           "validate_data"]
 
 PACKAGE_NAME = "bagel-megatron-data"
 
@@ -107,8 +108,9 @@ class ValidatedData:
 
     def fingerprint(self, special_tokens: Mapping[str, int], dp_rank: int, dp_size: int) -> dict[str, Any]:
         """The configuration's part of a loader's resume fingerprint (``state.fingerprint``): what changes the
-        stream besides the stages' own identities (``frame_sampler_args`` does not: no videos), for DP rank
-        ``dp_rank`` of ``dp_size``."""
+        stream besides the stages' own identities (``frame_sampler_args`` when set: video records draw their frames
+        with it), for DP rank ``dp_rank`` of ``dp_size``. The packer's knobs are not here: the packer stage's identity
+        is their one record (``BagelPacker.identity``, ``PackerConfig.stream_identity``)."""
         config = self.config
         return {
             "package_version": package_version(),
@@ -118,15 +120,17 @@ class ValidatedData:
             "dp_rank": int(dp_rank),
             "dp_size": int(dp_size),
             "num_workers": config.num_workers,
-            "packer": config.packer.stream_identity(),
             "special_tokens": dict(special_tokens),
             "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
                         "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,
                         "shuffle_lines": r.group.shuffle_lines,
                         "shuffle_seed": r.group.shuffle_seed if r.group.shuffle_lines else None,
                         "image_transform_args": r.group.image_transform_args,
-                        "vit_image_transform_args": r.group.vit_image_transform_args} for r in self.groups],
+                        "vit_image_transform_args": r.group.vit_image_transform_args,
+                        **({"frame_sampler_args": r.group.frame_sampler_args} if r.group.frame_sampler_args else {})}
+                       for r in self.groups],
             **({"partitions": config.partitions} if config.order == "elastic" else {}),
+            **({"truncated_images": "drop"} if getattr(config, "truncated_images", "keep") == "drop" else {}),
         }
 
 
@@ -139,7 +143,7 @@ def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems:
         if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
             problems.add(f"{info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
                          "(bagel-data convert) and register the converted directory")
-        elif not os.path.isdir(entry.energon_path):
+        elif not is_url(entry.energon_path) and not os.path.isdir(entry.energon_path):  # a URL: the reader opens it
             problems.add(f"{info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
                          "fix energon_path (relative paths are relative to the registry file) or convert the "
                          "dataset there (bagel-data convert)")
@@ -277,6 +281,8 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
         problems.add(message)
     with problems.check():
         config.validate()
+    for message in truncated_images_problems(config):
+        problems.add(message)
     for message in strategy_problems(config.packer):
         problems.add(message)
     paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems.messages)
@@ -335,3 +341,92 @@ def _split_problems(config: BagelDataConfig, groups_value: Any, info_value: Any,
                 if issue.level == "error":
                     problems.add(f"packer budgets cannot work with these groups: {issue.message}")
     return resolved, issues
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch-wide checks (``job.config``): unknown keys of every config part, and the config's file paths named
+# by the key and the config file that hold them. Separate from ``validate_data``, whose problems they join.
+
+
+def truncated_images_problems(config: BagelDataConfig) -> list[str]:
+    """``data.truncated_images`` must be ``keep`` (the official reader's ``LOAD_TRUNCATED_IMAGES = True``: cooked,
+    counted as ``truncated_image``) or ``drop`` (a ``truncated_image`` tombstone)."""
+    value = getattr(config, "truncated_images", "keep")
+    return [] if value in ("keep", "drop") else [f"truncated_images: must be 'keep' or 'drop', got {value!r}"]
+
+
+def _nested_schema(hint: Any) -> type | None:
+    """The dataclass a field holds (``X`` or ``X | None``), None for a free-form field (``Any``, ``dict``)."""
+    import dataclasses
+    import typing
+
+    if dataclasses.is_dataclass(hint):
+        return hint
+    inner = [a for a in typing.get_args(hint) if a is not type(None)]
+    return inner[0] if len(inner) == 1 and dataclasses.is_dataclass(inner[0]) else None
+
+
+def unknown_key_problems(schema: type, part: Any, source: str, prefix: str = "") -> tuple[list[str], Any]:
+    """Every key of ``part`` (a mapping or OmegaConf node, one config file or one override) that the dataclass
+    ``schema`` does not have, nested dataclasses included: ``(messages, part without those keys)``.
+
+    Each message names ``source`` and the dotted key, with the closest known names (``difflib``) when any,
+    e.g. ``"job.yaml: key 'data.packer.max_buffer_sise' is not a config key (did you mean 'max_buffer_size'?)"``.
+    Free-form fields (``Any``, ``dict``: ``model``, an inline ``dataset_info``) are not looked into. The part
+    returned merges cleanly where only unknown keys were wrong, so the launch's other problems are found too.
+    """
+    import dataclasses
+    import difflib
+    import typing
+
+    from omegaconf import DictConfig, OmegaConf
+
+    data = OmegaConf.to_container(part, resolve=False) if isinstance(part, DictConfig) else part
+    if not isinstance(data, dict):
+        return [], part
+    hints = typing.get_type_hints(schema)
+    known = [f.name for f in dataclasses.fields(schema)]
+    messages: list[str] = []
+    clean: dict[str, Any] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=2, cutoff=0.6)
+            hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+            messages.append(f"{source}: key {dotted!r} is not a config key{hint}")
+            continue
+        nested = _nested_schema(hints.get(key))
+        if nested is not None and isinstance(value, dict):
+            more, value = unknown_key_problems(nested, value, source, f"{dotted}.")
+            messages += more
+        clean[key] = value
+    return messages, (OmegaConf.create(clean) if isinstance(part, DictConfig) else clean)
+
+
+def key_origin(parts: Sequence[Any], names: Sequence[str], dotted: str) -> str | None:
+    """The name of the last of ``parts`` (config file, then ``key=value`` overrides) that sets ``dotted``: the one
+    whose value is in force; None when none sets it (a default)."""
+    from omegaconf import OmegaConf
+
+    origin = None
+    for part, name in zip(parts, names):
+        if OmegaConf.select(part, dotted, default="\0missing") != "\0missing":
+            origin = name
+    return origin
+
+
+def path_problems(paths: Mapping[str, tuple[Any, str | None]]) -> tuple[list[str], set[str]]:
+    """``paths``: config key -> (value, the config file or override that set it). Every string value that is not
+    an existing file is one message naming the key and where it was set, each path once (a key whose value
+    repeats an earlier key's path is not reported again: ``data.valid.dataset_info`` defaults to training's).
+    Returns the messages and the missing paths (whose read errors the caller leaves out: already said)."""
+    messages: list[str] = []
+    missing: set[str] = set()
+    for key, (value, origin) in paths.items():
+        if not isinstance(value, str) or value in missing or os.path.isfile(value):
+            continue
+        missing.add(value)
+        where = f" (set in {origin})" if origin else ""
+        what = "is a directory, not a file" if os.path.isdir(value) else "does not exist"
+        messages.append(f"{key}{where}: {value} {what}")
+    return messages, missing

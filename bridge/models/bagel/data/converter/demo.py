@@ -5,6 +5,11 @@
 dataset_info layout + ``energon_path``) and ``out/groups.yaml`` (official grouped format), so a training config
 can point at them. Deterministic (seeded ``numpy.random.Generator``), a few MB, a few seconds; idempotent via
 a stamp file.
+
+Video: the vlm jsonl ends with a few short procedural clips (a square sliding over a colour-cycling gradient), half
+as frame folders (JPEGs, PIL only) and half as H.264 mp4s. The mp4s are written with PyAV and read with decord (both
+the ``video`` extra): without them installed the demo writes frame folders in their place (one INFO line), so the
+base install still runs the demo end to end, with the same number of lines.
 """
 
 from __future__ import annotations
@@ -26,14 +31,15 @@ from ..energon.layout import EDIT, T2I, VLM
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCALES", "DEMO_NAMES", "generate_demo_raw", "make_demo_data"]
+__all__ = ["SCALES", "DEMO_NAMES", "clip_frames", "generate_demo_raw", "make_demo_data", "write_frame_folder",
+           "write_mp4"]
 
-DEMO_VERSION = 2  # 2: converted with checksums (an older demo_data/ is regenerated)
+DEMO_VERSION = 3  # 2: converted with checksums; 3: video lines (an older demo_data/ is regenerated)
 STAMP = ".bagel_demo_stamp.json"
 #: rows per group: t2i (files, rows per file), edit (files, row groups per file, rows per row group), vlm lines
 SCALES: dict[str, dict[str, Any]] = {
-    "small": {"t2i": (8, 8), "edit": (4, 2, 4), "vlm": 48},
-    "medium": {"t2i": (16, 16), "edit": (8, 2, 8), "vlm": 192},
+    "small": {"t2i": (8, 8), "edit": (4, 2, 4), "vlm": 48, "video": 6},
+    "medium": {"t2i": (16, 16), "edit": (8, 2, 8), "vlm": 192, "video": 12},
 }
 DEMO_NAMES = {T2I: "demo_t2i", EDIT: "demo_edit", VLM: "demo_vlm"}
 
@@ -98,6 +104,45 @@ def _gen_edit(rng: np.random.Generator, d: str, info_path: str, n_files: int, n_
     return n_files * n_groups * rows
 
 
+def clip_frames(rng: np.random.Generator, n: int, width: int, height: int) -> list[np.ndarray]:
+    """``n`` procedural RGB frames ``(height, width, 3)`` uint8: a square sliding over a colour-cycling gradient."""
+    base = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    tint = rng.integers(0, 256, size=3).astype(np.float32)
+    side = max(4, min(width, height) // 4)
+    out = []
+    for k in range(n):
+        img = np.broadcast_to((base + tint + 8.0 * k) % 256, (height, width, 3)).astype(np.uint8).copy()
+        x = (k * max(1, (width - side) // max(1, n - 1))) % max(1, width - side)
+        y = (k * max(1, (height - side) // max(1, n - 1))) % max(1, height - side)
+        img[y:y + side, x:x + side] = (255, 255, 255) if k % 2 else (20, 20, 160)
+        out.append(img)
+    return out
+
+
+def write_mp4(path: str, frames: list[np.ndarray], fps: int = 8) -> None:
+    """An H.264 mp4 of ``frames`` (even width and height) written with PyAV (the ``video`` extra)."""
+    import av
+
+    with av.open(path, "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for f in frames:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def write_frame_folder(path: str, frames: list[np.ndarray]) -> None:
+    """A frame folder as the official reader reads it: ``frame_1.jpg`` .. ``frame_<n>.jpg`` (numbered from 1)."""
+    from PIL import Image
+
+    os.makedirs(path, exist_ok=True)
+    for k, f in enumerate(frames, start=1):
+        Image.fromarray(f).save(os.path.join(path, f"frame_{k}.jpg"), quality=90)
+
+
 def _vlm_qa(rng: np.random.Generator, scene: ds.Scene) -> list[tuple[str, str]]:
     """Question/answer pairs about one scene (shuffled; the caller takes a prefix)."""
     s = scene.shapes[int(rng.integers(len(scene.shapes)))]
@@ -160,6 +205,35 @@ def _gen_vlm(rng: np.random.Generator, img_dir: str, jsonl: str, n_lines: int) -
     return n_lines
 
 
+def _video_lines(rng: np.random.Generator, root: str, n: int) -> list[str]:
+    """``n`` video records under ``root/clips`` (frame folders; every other one an mp4 when PyAV and decord are
+    installed), their ``video`` paths relative to ``root`` (the image dir)."""
+    try:
+        import av  # noqa: F401
+        import decord  # noqa: F401
+        mp4 = True
+    except ImportError:
+        mp4 = False
+        logger.info("demo: PyAV / decord (the `video` extra) not installed: the demo's videos are frame folders only")
+    lines = []
+    for i in range(n):
+        frames = clip_frames(rng, int(rng.integers(3, 10)), 64, 48)
+        if mp4 and i % 2:
+            name = f"clips/clip_{i:02d}.mp4"
+            os.makedirs(os.path.join(root, "clips"), exist_ok=True)
+            write_mp4(os.path.join(root, name), frames)
+        else:
+            name = f"clips/clip_{i:02d}/"
+            write_frame_folder(os.path.join(root, name), frames)
+        q, a = ds.pick(rng, [("What moves in this clip?", "A square slides across a changing gradient."),
+                             ("Describe the video.", "A small square moves over a colourful background."),
+                             ("How many squares move?", "One square moves.")])
+        rec = {"id": f"demo-video-{i:02d}", "video": name,
+               "conversations": [{"from": "human", "value": f"<video>\n{q}"}, {"from": "gpt", "value": a}]}
+        lines.append(json.dumps(rec) + "\n")
+    return lines
+
+
 def generate_demo_raw(out_raw: str, seed: int = 0, scale: str = "small") -> dict[str, dict[str, Any]]:
     """Write the raw demo data into ``out_raw`` (must not exist); return the official dataset_info entries."""
     if scale not in SCALES:
@@ -174,6 +248,9 @@ def generate_demo_raw(out_raw: str, seed: int = 0, scale: str = "small") -> dict
     n_t2i = _gen_t2i(rngs[0], t2i_dir, *cfg["t2i"])
     n_edit = _gen_edit(rngs[1], edit_dir, info_path, *cfg["edit"])
     n_vlm = _gen_vlm(rngs[2], img_dir, jsonl, cfg["vlm"])
+    with open(jsonl, "a", encoding="utf-8") as fh:  # the video lines last: the image lines stay as they were
+        fh.writelines(_video_lines(np.random.default_rng([seed, 3]), img_dir, cfg["video"]))
+    n_vlm += cfg["video"]
     return {
         T2I: {DEMO_NAMES[T2I]: {"data_dir": t2i_dir, "num_files": cfg["t2i"][0], "num_total_samples": n_t2i}},
         EDIT: {DEMO_NAMES[EDIT]: {"data_dir": edit_dir, "parquet_info_path": info_path, "num_files": cfg["edit"][0],
@@ -196,8 +273,11 @@ def demo_groups(scale: str = "small") -> dict[str, Any]:
         VLM: {"dataset_names": [DEMO_NAMES[VLM]],
               "image_transform_args": {"image_stride": 14, "max_image_size": 980, "min_image_size": 378,
                                        "max_pixels": 2007040},
-              "frame_sampler_args": {"max_num_frames": 12, "min_num_frames": 8},
-              "is_mandatory": True, "shuffle_lines": True, "shuffle_seed": 0, "num_used_data": [cfg["vlm"]],
+              # the official example.yaml samples 8-12 frames; within the demo's budgets (10240 tokens a sample) a
+              # video of the largest frames this transform makes fits at up to 2 frames (config.budgets.video_bounds)
+              "frame_sampler_args": {"max_num_frames": 2, "min_num_frames": 1},
+              "is_mandatory": True, "shuffle_lines": True, "shuffle_seed": 0,
+              "num_used_data": [cfg["vlm"] + cfg["video"]],
               "weight": 1},
     }
 

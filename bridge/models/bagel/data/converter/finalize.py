@@ -4,23 +4,18 @@ Costs O(units + shards) in Python: the ``samples`` rows of ``index.sqlite`` are 
 fragments by SQLite itself (``ATTACH`` + ``INSERT ... SELECT``), in unit order, so the index bytes do not depend
 on how many processes or machines converted the units.
 
-What Energon's ``prepare_dataset`` would write, and why it is not called: it re-reads every shard (the
-converter already knows every offset), its ``index.uuid`` is a fresh ``uuid4`` on every run, and with
-``workers > 1`` its sqlite rows arrive in worker completion order, so neither is byte-deterministic. Here:
-``shards/*.tar.idx`` (written by the units, the same bytes as Energon's), ``.nv-meta/.info.json`` and
-``split.yaml`` (Energon's own structs and serialisers), ``index.sqlite`` with Energon's ``samples`` table and
-indexes only (the ``sample_parts`` table serves lookups by full entry name, which no BAGEL reader does), and
-``index.uuid`` derived from the content (it changes exactly when the index does).
+What Energon's ``prepare_dataset`` would write, and why it is not called (on a tested Energon): see
+``energon.patches.index``, which writes ``index.sqlite``, ``.info.json`` and ``split.yaml``. Here:
+``shards/*.tar.idx`` are written by the units (the same bytes as Energon's), ``dataset.yaml`` and ``index.uuid``
+derived from the content (it changes exactly when the index does).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
-import sqlite3
 import struct
 import uuid
 from collections import Counter
@@ -30,6 +25,7 @@ import numpy as np
 
 from ..energon.layout import (CHECKSUMS_KEY, EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, ManifestError,
                               crude_dataset_yaml, encode_checksums, load_manifest)
+from ..energon.patches.index import write_index
 from .units import WORK_DIR, unit_checksums_path, unit_index_path, unit_record_path
 
 __all__ = ["write_energon_index", "build_manifest", "merge_checksums", "v1_samples"]
@@ -44,51 +40,10 @@ def _write(path: str, data: bytes) -> None:
 
 
 def write_energon_index(staging: str, shards: list[dict[str, Any]], n_units: int, group: str) -> None:
-    """Write ``.nv-meta/{index.sqlite,.info.json,split.yaml,dataset.yaml,index.uuid}`` of the staged dataset."""
-    import yaml
-    from megatron.energon import __version__ as energon_version
-    from megatron.energon.bracecollapse import collapse
-    from megatron.energon.epathlib import EPath
-    from megatron.energon.flavors.webdataset.indexing import SqliteIndexWriter
-    from megatron.energon.flavors.webdataset.structs import WebdatasetInfo, WebdatasetSplits
-    from megatron.energon.typed_converter import to_json_object
-
-    nv = os.path.join(staging, _NV)
-    os.makedirs(nv, exist_ok=True)
-    db_path = os.path.join(nv, "index.sqlite")
-    tmp = db_path + ".tmp"
-    if os.path.exists(tmp):
-        os.remove(tmp)
-    writer = SqliteIndexWriter(EPath(tmp))  # Energon's schema for `samples` (+ `sample_parts`, dropped below)
-    db = writer.db
-    assert db is not None
-    db.execute("PRAGMA synchronous = OFF")  # built under a temporary name, published by os.replace
-    for k in range(n_units):
-        db.execute("ATTACH DATABASE ? AS u", (unit_index_path(staging, k),))
-        db.execute("INSERT INTO samples (tar_file_id, sample_key, sample_index, byte_offset, byte_size) "
-                   "SELECT tar_file_id, sample_key, sample_index, byte_offset, byte_size FROM u.samples ORDER BY rowid")
-        db.commit()
-        db.execute("DETACH DATABASE u")
-    writer.close()
-    db = sqlite3.connect(tmp)
-    try:
-        db.execute("PRAGMA synchronous = OFF")
-        db.execute("DROP TABLE sample_parts")
-        db.commit()
-        db.execute("VACUUM")
-    finally:
-        db.close()
-    os.replace(tmp, db_path)
-
-    names = [sh["path"] for sh in shards]
-    info = io.StringIO()
-    json.dump(to_json_object(WebdatasetInfo(energon_version=energon_version,
-                                            shard_counts={sh["path"]: sh["count"] for sh in shards})), info, indent=2)
-    split = yaml.dump(to_json_object(WebdatasetSplits(split_parts={"train": collapse(names, keep_order=True)})),
-                      sort_keys=False)
-    _write(os.path.join(nv, ".info.json"), info.getvalue().encode())
-    _write(os.path.join(nv, "split.yaml"), split.encode())
-    _write(os.path.join(nv, "dataset.yaml"), crude_dataset_yaml(group).encode())
+    """Write ``.nv-meta/{index.sqlite,.info.json,split.yaml,dataset.yaml}`` of the staged dataset: Energon's index from
+    the units' fragments (``energon.patches.index``), and the dataset's ``dataset.yaml``."""
+    write_index(staging, shards, [unit_index_path(staging, k) for k in range(n_units)])
+    _write(os.path.join(staging, _NV, "dataset.yaml"), crude_dataset_yaml(group).encode())
 
 
 def write_index_uuid(staging: str, manifest_bytes: bytes) -> None:

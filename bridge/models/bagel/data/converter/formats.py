@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, VIDEO_UNSUPPORTED, VLM
+from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, NUM_VIDEO_FILES, NUM_VIDEO_LINES, VLM
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ def record_problem(meta: Mapping[str, Any]) -> str | None:
     Only structural faults visible without decoding: a t2i row without image, or whose ``captions`` are not a
     JSON object of strings (the reader's ``bad_captions_json``, ``energon.cooking.t2i``); a VLM line that is not a
     JSON object or has no ``conversations`` list (the official ``SftJSONLIterableDataset`` schema:
-    ``{"image": ..., "conversations": [{"from": "human"|"gpt", "value": str}, ...]}``).
+    ``{"image": ..., "conversations": [{"from": "human"|"gpt", "value": str}, ...]}``); a video record whose file or
+    frame folder is missing or empty (``missing video``) or whose ``video`` is not a path (``unreadable video``).
     """
     if meta.get("group") == T2I:
         if meta.get("image_null"):
@@ -162,6 +164,10 @@ def record_problem(meta: Mapping[str, Any]) -> str | None:
             return f"a JSON {type(rec).__name__}, not an object"
         if not isinstance(rec.get("conversations"), list):
             return f"no `conversations` list (keys: {', '.join(sorted(map(str, rec))[:8]) or 'none'})"
+        video_error = (meta.get("image_errors") or {}).get(VIDEO_ERROR_KEY) if "image" not in rec else None
+        if video_error is not None:
+            return ("missing video" if video_error.startswith(("FileNotFoundError", "empty")) else "unreadable video") \
+                + f" ({video_error})"
     return None
 
 
@@ -347,20 +353,38 @@ class VlmReader:
             line = _first_relative_image(lines)
             if line is not None:  # every such image would be an error, its sample dropped at read time
                 raise ConvertError(f"{image_dir}: image directory does not exist, and the jsonl names images below it "
-                                   f"(e.g. line {line}): check --image-dir / the entry's data_dir")
+                                   f"(e.g. line {line + 1}): check --image-dir / the entry's data_dir")
             log.warn(f"{image_dir}: image directory does not exist; no line names an image below it")
         self.image_dir, self.log = image_dir, log
         self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
         self.total = len(lines)
         log.manifest.update(files=[{"file": self.rel_file, "num_lines": len(lines)}], num_lines=len(lines),
-                            image_dir=self.rel_image_dir)
+                            image_dir=self.rel_image_dir, **_count_video_lines(lines))
         step = max(1, lines_per_unit)
         self.units = [SourceUnit(jsonl_path, self.rel_file, 0, (), a, min(step, len(lines) - a))
                       for a in range(0, len(lines), step)]
 
 
+def _count_video_lines(lines: list[str]) -> dict[str, int]:
+    """The manifest's video counts: lines whose record is a video record (a ``video`` key, no ``image`` key), and
+    those naming a file rather than a frame folder (the build requires decord when a dataset has any). Only lines
+    naming ``"video"`` are parsed."""
+    n = files = 0
+    for line in lines:
+        if '"video"' in line:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "video" in rec and "image" not in rec:
+                n += 1
+                files += not (isinstance(rec["video"], str) and rec["video"].endswith("/"))
+    return {NUM_VIDEO_LINES: n, NUM_VIDEO_FILES: files}
+
+
 def _first_relative_image(lines: list[str]) -> int | None:
-    """The first line (0-based) whose record names an image by a relative path (read below the image dir)."""
+    """The first line (0-based index; messages add 1) whose record names an image by a relative path (read below
+    the image dir)."""
     for i, line in enumerate(lines):
         try:
             rec = json.loads(line)
@@ -388,8 +412,7 @@ def _iter_vlm(unit: SourceUnit, image_dir: str, rel_image_dir: str, warn: Callab
             else:
                 names = []
                 if "video" in rec:
-                    video = rec["video"]
-                    errors[VIDEO_ERROR_KEY] = VIDEO_UNSUPPORTED
+                    video, images = _read_video(rec["video"], image_dir, rel_image_dir, errors)
         for idx, name in enumerate(names or []):
             if not isinstance(name, str):
                 errors[str(idx)] = f"TypeError: expected str, bytes or os.PathLike object, not {type(name).__name__}"
@@ -400,12 +423,52 @@ def _iter_vlm(unit: SourceUnit, image_dir: str, rel_image_dir: str, warn: Callab
             except OSError as e:
                 errors[str(idx)] = _os_error_message(e, os.path.join(rel_image_dir, name))
         for idx, msg in errors.items():
-            warn(f"{unit.rel} line {i}: image {idx}: {msg}")
+            warn(f"{unit.rel} line {i + 1}: image {idx}: {msg}")  # 1-based, as editors number lines
         meta = {"group": VLM, "source": {"file": unit.rel, "line": i}, "raw_line": line,
                 "image_dir": rel_image_dir, "image_names": names, "image_errors": errors}
         if video is not None:
             meta["video"] = video
         yield RawSample([i], meta, images)
+
+
+_FRAME_NUMBER = re.compile(r"_(\d+).jpg$")
+
+
+def frame_sort_key(name: str) -> int:
+    """The official frame-folder order's key (``video_utils.sort_frames``): the number in ``_<n>.jpg`` ending the
+    name, -1 without one (so ``frame_10`` comes after ``frame_9``)."""
+    m = _FRAME_NUMBER.search(name)
+    return int(m.group(1)) if m else -1
+
+
+def _read_video(name: Any, image_dir: str, rel_image_dir: str, errors: dict[str, str]
+                ) -> tuple[dict[str, Any], list[tuple[int, bytes]]]:
+    """A video record's ``meta["video"]`` and members: a file's bytes as member 0, or (a name ending in ``/``) a frame
+    folder's files as members ``0..n-1`` in the official order (sorted by the number in ``_<n>.jpg``; names sorted
+    first, where the official order is the file system's). What cannot be read is ``errors[VIDEO_ERROR_KEY]`` (the
+    cooker drops it as ``missing_video`` / ``bad_record``, drawing nothing)."""
+    if not isinstance(name, str):
+        errors[VIDEO_ERROR_KEY] = f"TypeError: expected str, bytes or os.PathLike object, not {type(name).__name__}"
+        return {"name": None, "folder": False, "num_frames": 0}, []
+    path, shown = os.path.join(image_dir, name), os.path.join(rel_image_dir, name)
+    folder = name.endswith("/")
+    members: list[tuple[int, bytes]] = []
+    try:
+        if folder:
+            files = sorted(sorted(os.listdir(path)), key=frame_sort_key)
+            for k, f in enumerate(files):
+                with open(os.path.join(path, f), "rb") as fh:
+                    members.append((k, fh.read()))
+            if not members:
+                errors[VIDEO_ERROR_KEY] = f"empty frame folder {shown!r}"
+        else:
+            with open(path, "rb") as fh:
+                members.append((0, fh.read()))
+            if not members[0][1]:
+                errors[VIDEO_ERROR_KEY], members = f"empty video file (0 bytes) {shown!r}", []
+    except OSError as e:
+        errors[VIDEO_ERROR_KEY], members = _os_error_message(e, shown), []
+    return {"name": name, "folder": folder, "num_frames": len(members) if folder else 0}, members
 
 
 def iter_unit(group: str, unit: SourceUnit, *, image_dir: str = "", rel_image_dir: str = "",

@@ -18,7 +18,8 @@ import pickle
 import re
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 
-__all__ = ["TRACKER", "check_resume_dp", "load_trainer_state", "loader_state_files", "rank_state_file",
+__all__ = ["TRACKER", "PackedLedger", "check_resume_dp", "fresh_start_reason", "read_run_reads", "load_trainer_state", "loader_state_files", "rank_state_file",
            "read_loader_states", "read_step", "resize_checkpoint", "restore_loader", "save_checkpoint",
            "trainer_state_file"]
 
@@ -60,6 +61,38 @@ def read_step(root: str) -> int:
     if not text.isdigit():
         raise ConfigError(f"train.load: {path} does not hold a step number (got {text[:40]!r})")
     return int(text)
+
+
+#: What ``save_checkpoint`` writes under a root before its first tracker exists (a save killed half-way).
+_SAVE_PARTS = re.compile(r"energon|iter_\d{7,}|" + re.escape(TRACKER) + r"\.tmp")
+
+
+def fresh_start_reason(root: str) -> str | None:
+    """Whether ``train.load`` = ``root`` starts the job from scratch, as Megatron's ``--load`` does on a directory
+    without a checkpoint (the same command starts and resumes a job: requeue scripts, torchrun restarts).
+
+    Returns None when ``root`` holds a checkpoint (its tracker ``latest_checkpointed_iteration.txt``: resume from
+    it), else the reason to start fresh: ``root`` does not exist, is empty, or holds only the parts of a first save
+    killed before its tracker was written (``energon/``, ``iter_NNNNNNN/``, the tracker's ``.tmp``; the next save
+    rewrites them). Raises ``ConfigError`` when ``root`` is a file or holds anything else (it is not a checkpoint
+    root: a wrong path must not silently train from scratch).
+    """
+    if os.path.isfile(os.path.join(root, TRACKER)):
+        return None
+    if not os.path.exists(root):
+        return f"{root} does not exist yet"
+    if not os.path.isdir(root):
+        raise ConfigError(f"train.load: {root} is a file, not a checkpoint root (a directory holding {TRACKER})")
+    names = sorted(os.listdir(root))
+    if not names:
+        return f"{root} is empty"
+    foreign = [n for n in names if not _SAVE_PARTS.fullmatch(n)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        raise ConfigError(f"train.load: {root} holds no checkpoint ({TRACKER} is missing) but is not empty either: "
+                          f"{shown}; point train.load at a checkpoint root (train.save of an earlier run) or at an "
+                          "empty or new directory to start from scratch")
+    return f"{root} holds only an interrupted first save (no {TRACKER})"
 
 
 def loader_state_files(root: str, step: int) -> list[str]:
@@ -123,9 +156,9 @@ def load_trainer_state(root: str, step: int) -> dict[str, Any]:
 
 
 def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any,
-                    trainer_state: dict[str, Any] | None = None) -> None:
-    """The trainer's state (rank 0, when given), Bridge's loader-state save, then (after a world barrier) the step
-    tracker (rank 0).
+                    trainer_state: dict[str, Any] | None = None, ledger: "PackedLedger | None" = None) -> None:
+    """The trainer's state (rank 0, when given), Bridge's loader-state save, this DP replica's ``ledger`` of packed
+    reads (``PackedLedger.write``, when given), then (after a world barrier) the step tracker (rank 0).
 
     Called on every rank; Bridge lets only the ``tp = pp = cp = 0`` rank of each DP replica write, so the
     step directory holds exactly one ``train_dataloader_dprankNNN.pt`` per DP replica. ``trainer_state`` is the
@@ -142,6 +175,8 @@ def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any,
     with _bridge_prints():
         api.maybe_save_dataloader_state(None, iterator, step, os.path.join(root, "energon"),
                                         pg_collection=pg_collection)
+    if ledger is not None and all(getattr(pg_collection, g).rank() == 0 for g in ("tp", "pp", "cp")):
+        ledger.write(root, step, pg_collection.dp.rank(), pg_collection.dp.size())
     dist.barrier()
     if dist.get_rank() == 0:
         tmp = os.path.join(root, TRACKER + ".tmp")
@@ -268,3 +303,107 @@ def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> N
             api.maybe_load_dataloader_state(iterator, step, state_dir, pg_collection=pg_collection)
     except _UNREADABLE as exc:
         raise _unreadable(path, dp_rank, exc) from exc
+
+
+#: One DP replica's packed reads at a checkpoint (``PackedLedger``), beside its loader state file.
+PACKED_FILE = "packed_dprank{:03d}.json"
+
+
+class PackedLedger:
+    """What this DP replica packed since the job started (its ``load`` checkpoint, or nothing): the elastic
+    order's identity ``(group, epoch, selection position)`` of every packed sample of every micro-batch, the ledger
+    ``tools.ledger.check_exactly_once`` checks, so ``bagel-data ledger --run ROOT`` needs no digest log.
+
+    Written at every checkpoint (``save_checkpoint``) as ``{root}/energon/iter_N/packed_dprankNNN.json``: per group
+    and epoch the sorted positions as ``[first, last]`` ranges plus ``[position, extra]`` for any packed more than
+    once (a multiset, kept exact: a repeat is what the check looks for), and ``from``: the checkpoint the job
+    started from (``{"root", "step"}``, root None for a fresh start), whose own files hold what came before.
+    Samples without a ``position`` (the official order) are not recorded.
+    """
+
+    def __init__(self, load_root: str | None, start_step: int) -> None:
+        self.origin = {"root": os.path.abspath(load_root) if load_root else None, "step": int(start_step)}
+        self.reads: Counter = Counter()
+
+    def add(self, batches: Iterable[Mapping[str, Any]]) -> None:
+        """Record the packed samples of ``batches`` (``batch_data_indexes`` with a ``position``)."""
+        for batch in batches:
+            for d in batch.get("batch_data_indexes", ()):
+                if "position" in d:
+                    self.reads[(str(d["dataset_name"]), int(d["epoch"]), int(d["position"]))] += 1
+
+    def encode(self) -> dict[str, Any]:
+        groups: dict[str, dict[str, dict[str, list]]] = {}
+        for (g, e, j), n in sorted(self.reads.items()):
+            entry = groups.setdefault(g, {}).setdefault(str(e), {"ranges": [], "repeats": []})
+            if entry["ranges"] and entry["ranges"][-1][1] == j - 1:
+                entry["ranges"][-1][1] = j
+            else:
+                entry["ranges"].append([j, j])
+            if n > 1:
+                entry["repeats"].append([j, n - 1])
+        return {"format": 1, "from": self.origin, "groups": groups}
+
+    def write(self, root: str, step: int, dp_rank: int, dp_size: int) -> str:
+        """Write the ledger of DP rank ``dp_rank`` (of ``dp_size``) at ``step`` (atomically); returns the path."""
+        import json
+
+        path = os.path.join(root, "energon", f"iter_{step:07d}", PACKED_FILE.format(dp_rank))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump({**self.encode(), "step": step, "dp_rank": dp_rank, "dp_size": dp_size}, fh,
+                      separators=(",", ":"))
+        os.replace(path + ".tmp", path)
+        return path
+
+
+def _decode_packed(path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        reads = []
+        for g, epochs in doc["groups"].items():
+            for e, entry in epochs.items():
+                extra = {int(j): int(n) for j, n in entry["repeats"]}
+                for first, last in entry["ranges"]:
+                    for j in range(int(first), int(last) + 1):
+                        reads += [{"dataset_name": g, "position": j, "epoch": int(e)}] * (1 + extra.get(j, 0))
+        return reads, doc["from"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: not a packed-reads ledger of this job ({type(exc).__name__}: {exc})") from None
+
+
+def read_run_reads(root: str, step: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every sample a run packed up to ``step`` of checkpoint root ``root``: the ``PackedLedger`` files of every DP
+    rank at that step, then those of the checkpoint each launch started from (``from``), back to a fresh start
+    (any number of restarts and resizes, same or other roots). Returns the reads (``{"dataset_name", "position",
+    "epoch"}``) and the checkpoints read (``root@step``). ``ConfigError`` naming the checkpoint whose files are
+    missing (written without the ledger) or unreadable."""
+    reads: list[dict[str, Any]] = []
+    visited: list[str] = []
+    at: tuple[str, int] | None = (os.path.abspath(root), int(step))
+    while at is not None:
+        r, s = at
+        if f"{r}@{s}" in visited:
+            raise ConfigError(f"packed-reads ledger: {r} step {s} names itself as its start (a loop)")
+        visited.append(f"{r}@{s}")
+        if s == 0:
+            break
+        iter_dir = os.path.join(r, "energon", f"iter_{s:07d}")
+        names = sorted(n for n in (os.listdir(iter_dir) if os.path.isdir(iter_dir) else [])
+                       if re.fullmatch(r"packed_dprank\d{3,}\.json", n))
+        if not names:
+            raise ConfigError(f"{iter_dir}: no packed_dprankNNN.json (this checkpoint was written without the "
+                              "packed-reads ledger, by an older version): use --digests with the run's digest logs")
+        origins = set()
+        for name in names:
+            part, origin = _decode_packed(os.path.join(iter_dir, name))
+            reads += part
+            origins.add((origin["root"], int(origin["step"])))
+        if len(origins) != 1:
+            raise ConfigError(f"{iter_dir}: the ranks' ledgers name different start checkpoints {sorted(origins)}")
+        (origin_root, origin_step), = origins
+        at = None if origin_root is None else (origin_root, origin_step)
+    return reads, visited

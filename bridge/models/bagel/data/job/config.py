@@ -6,6 +6,7 @@ overrides, checked against these dataclasses so an unknown or mistyped key is on
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -14,9 +15,12 @@ import yaml
 
 from ..config import (DATA_PATH_KEYS, BagelDataConfig, ConfigError, ValidatedData, config_parts, structured_merge,
                       validate_data)
+from ..config.validate import key_origin, path_problems, unknown_key_problems
 from ..yaml_errors import yaml_problem
 
-__all__ = ["JOB_PATH_KEYS", "JobConfig", "TrainConfig", "load_job_config", "validate_job"]
+__all__ = ["JOB_PATH_KEYS", "JobConfig", "TrainConfig", "load_job_config", "resolve_load", "validate_job"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -151,31 +155,72 @@ def _read_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
-def load_job_config(path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> JobConfig:
+#: The config keys naming the files ``validate_job`` reads (checked first, each named with where it was set).
+_FILE_KEYS = ("data.groups", "data.dataset_info", "data.valid.groups", "data.valid.dataset_info")
+
+
+def load_job_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), *,
+                    defer_key_problems: bool = False) -> JobConfig:
     """Merge a YAML file and ``key=value`` overrides into a ``JobConfig`` (errors name the file or override and
     the key).
 
     Relative ``data.groups``, ``data.dataset_info`` and ``demo_data`` in the file resolve against the file's
     directory (``JOB_PATH_KEYS``); typed in an override, against the working directory. Only the schema (known
     keys, types) is checked here: every value and file goes through ``validate_job``, one pass, every problem
-    in one ``ConfigError``.
+    in one ``ConfigError``. ``defer_key_problems`` (the launcher): unknown keys are left out of the merge and
+    reported by ``validate_job`` with every other problem of the launch, instead of raised here.
     """
     parts, names = config_parts(path, overrides, JOB_PATH_KEYS, read=_read_yaml)
+    key_problems: list[str] = []
+    if defer_key_problems:
+        for i, (part, name) in enumerate(zip(parts, names)):
+            found, parts[i] = unknown_key_problems(JobConfig, part, name)
+            key_problems += found
     cfg = structured_merge(JobConfig, parts, names or "<defaults>")
     assert isinstance(cfg, JobConfig)
+    # Not dataclass fields (the schema stays the documented keys): what validate_job reports with the rest.
+    cfg.__dict__["_key_problems"] = key_problems
+    cfg.__dict__["_origins"] = {key: key_origin(parts, names, key) for key in _FILE_KEYS}
     return cfg
 
 
-def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True) -> ValidatedData:
+def launch_problems(cfg: JobConfig, world_size: int | None) -> tuple[list[str], set[str]]:
+    """What ``validate_job`` reports before the data checks: the unknown keys ``load_job_config`` deferred, the
+    config's files that do not exist (each once, named by its key and the config file or override that set it)
+    and, with ``world_size`` (the launcher: ``WORLD_SIZE``), the parallel layout (``TrainConfig.parallel_layout``:
+    the world size against TP x PP x CP, the global batch size against micro-batch x DP). Returns the messages and
+    the missing paths."""
+    problems = list(cfg.__dict__.get("_key_problems", ()))
+    origins = cfg.__dict__.get("_origins", {})
+    data = cfg.data
+    valid = data.valid
+    paths = {"data.groups": data.groups, "data.dataset_info": data.dataset_info,
+             "data.valid.groups": None if valid is None else valid.groups,
+             "data.valid.dataset_info": None if valid is None else valid.dataset_info}
+    found, missing = path_problems({k: (v, origins.get(k)) for k, v in paths.items()})
+    problems += found
+    if world_size is not None and not cfg.train.problems():
+        try:
+            cfg.train.parallel_layout(world_size)
+        except ConfigError as exc:
+            problems.append(f"{exc} (WORLD_SIZE {world_size})")
+    return problems, missing
+
+
+def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True,
+                 world_size: int | None = None) -> ValidatedData:
     """The job's one validation pass: the ``train`` knobs and ``validate_data`` (the data knobs, the grouped
     YAML, the registry, the datasets, the budgets), every problem in one ``ConfigError``.
 
     ``budgets`` / ``readers``: as for ``validate_data`` (``bagel-data stats`` reports budgets instead of
     refusing them). ``train.eval_interval`` and ``train.eval_iters`` > 0 without ``data.valid`` is a problem too
     (nothing to evaluate on).
-    Returns the ``ValidatedData`` to build the loader from.
+    ``launch_problems`` come first: unknown keys (``load_job_config(defer_key_problems=True)``), missing files named
+    by their key (the data checks' own "cannot read" lines for them are left out: said once), and with
+    ``world_size`` the parallel layout. Returns the ``ValidatedData`` to build the loader from.
     """
-    problems = cfg.train.problems()
+    first, missing = launch_problems(cfg, world_size)
+    problems = first + cfg.train.problems()
     if cfg.train.stop_at_epoch is not None and cfg.data.order == "official":
         problems.append("train.stop_at_epoch: needs data.order 'elastic' (the official order reads every worker's "
                         "files round and round: it has no epoch of the whole DP world to stop at)")
@@ -183,4 +228,40 @@ def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True
     if isinstance(interval, int) and interval > 0 and isinstance(iters, int) and iters > 0 and cfg.data.valid is None:
         problems.append(f"train.eval_interval: {interval} asks for an evaluation every {interval} steps but data.valid "
                         "is not set: set data.valid.groups (the validation split) or train.eval_interval=0")
-    return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=problems)
+    problems += resolve_load(cfg.train)
+    try:
+        return validate_data(cfg.data, budgets=budgets, readers=readers, prior_problems=problems)
+    except ConfigError as exc:
+        said = set(exc.problems)
+        kept = [p for p in exc.problems if not any(f"{path}: cannot read" in p for path in missing)
+                and not (p.startswith("data.valid: ") and p[len("data.valid: "):] in said)]  # training's, again
+        if kept == exc.problems and not first:
+            raise
+        raise ConfigError.of(kept, header=f"{_config_name(cfg)}: {len(kept)} problem(s) in this launch") from None
+
+
+def _config_name(cfg: JobConfig) -> str:
+    """The config file the job was loaded from (the first part holding a file key), else ``the job config``."""
+    origins = [o for o in cfg.__dict__.get("_origins", {}).values() if o and not o.startswith("override ")]
+    return origins[0] if origins else "the job config"
+
+
+def resolve_load(train: TrainConfig) -> list[str]:
+    """``train.load`` on a root without a checkpoint starts the job from scratch, as Megatron's ``--load`` does:
+    ``train.load`` is set to None and one INFO line (rank 0, ``RANK`` of the environment) says why
+    (``checkpoint.fresh_start_reason``), so ``train.save=X train.load=X`` both starts and resumes a job (requeue
+    scripts, ``torchrun --max-restarts``). Returns the problem (one message, for the validation pass) when the root
+    holds something that is not a checkpoint; empty otherwise."""
+    from .checkpoint import fresh_start_reason
+
+    if not train.load:
+        return []
+    try:
+        reason = fresh_start_reason(train.load)
+    except ConfigError as exc:
+        return [str(exc)]
+    if reason is not None:
+        if os.environ.get("RANK", "0") == "0":
+            logger.info("train.load: no checkpoint to resume (%s): starting from scratch", reason)
+        train.load = None
+    return []

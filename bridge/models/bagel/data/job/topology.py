@@ -138,7 +138,7 @@ def init_model_parallel(train: TrainConfig) -> Any:
 def collective_device(group: Any = None) -> Any:
     """Where a tensor for a collective over ``group`` (None: the world) must live: this rank's current CUDA device
     when the group's backend is NCCL alone (it has no CPU path), else the CPU (gloo, or a ``cpu:gloo,cuda:nccl``
-    pair). The job's small all-reduces (``world.reduce_world``, ``straggler``, the start-up maximum) build their
+    pair). The job's small all-reduces (``world.reduce_world``, the start-up maximum) build their
     float64 vectors here and read them back with ``.tolist()``."""
     import torch
 

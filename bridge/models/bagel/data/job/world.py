@@ -1,10 +1,12 @@
 """The data pipeline's numbers over the whole data-parallel world: what rank 0 logs is every rank's.
 
-Each rank counts only what it read and packed (``Telemetry``, ``BagelExternalLoader.stats()``). At every log
-interval and at the end of the run, ``reduce_world`` sums those counters over Megatron's ``dp`` group in one
-``all_reduce`` of a fixed-length vector and takes maxima in a second (the worst rank's wait, the oldest epoch a
-rank still reads), so the cost per rank is two small collectives whatever the world size, partition count or
-corpus size: nothing per rank or per partition travels.
+Each rank counts only what it read and packed (``Telemetry``, ``BagelExternalLoader.stats()``). On the steps
+the job needs the world's numbers (a log interval; every step under ``train.stop_at_epoch``: ``job.loop``) and at
+the end of the run, ``reduce_world`` sums those counters over Megatron's ``dp`` group in one ``all_reduce`` of a
+fixed-length vector and takes maxima in a second (the worst rank's wait, the oldest epoch a rank still reads);
+the straggler meter's compute per step (``job.straggler``) rides in the same two vectors. The cost per rank is
+two small collectives whatever the world size, partition count or corpus size: nothing per rank or per partition
+travels.
 
 The vector's layout is the same on every rank: the group names (from the config) and a fixed vocabulary of
 reasons, ``DROP_VOCABULARY`` (the packer's and the cookers' reasons, ``END_OF_STREAM``, the official readers'
@@ -63,17 +65,20 @@ def _unfold(values: Sequence[float], vocabulary: Sequence[str]) -> dict[str, int
 
 
 def reduce_world(telemetry: Mapping[str, float], pipeline: Mapping[str, Any], group_names: Sequence[str],
-                 dp_group: Any = None) -> dict[str, Any]:
-    """The world's numbers from this rank's ``telemetry`` (``Telemetry.local()``) and ``pipeline``
-    (``BagelExternalLoader.stats()``). A collective over ``dp_group``: every rank calls it at the same step.
-    Without an initialized process group: this rank's numbers alone.
+                 dp_group: Any = None, *, step_compute: Sequence[float] = ()) -> dict[str, Any]:
+    """The world's numbers from this rank's ``telemetry`` (``Telemetry.local()``), ``pipeline``
+    (``BagelExternalLoader.stats()``) and ``step_compute`` (``StragglerMeter.local()``: FLOPs per step, the same
+    steps on every rank). A collective over ``dp_group``: every rank calls it at the same step. Without an
+    initialized process group: this rank's numbers alone.
 
     Returns ``{"dp_size", **sums of _TELEMETRY_SUMS, "wait_ms_worst" (the worst rank's mean wait of the interval,
     ms), "wait_ms_p95_worst" (the worst rank's p95 over the run, ms; 0 unless
     ``telemetry`` holds ``wait_p95_s``: ``Telemetry.local(p95=True)``, for the summary), "buffer_len", "drops", "unused"
     ({reason: count}, zero counts left out), "drop_ranks" (ranks that dropped anything so far), "group_samples"
     ({group: samples packed}, for the mix), "groups": {group: {"epoch": completed epochs or None, "epochs_read":
-    float or None, "consumed", "packed", "buffered", "dropped": {reason: count}}}}``; counts are ints.
+    float or None, "consumed", "packed", "buffered", "dropped": {reason: count}}}, "step_compute_max",
+    "step_compute_mean" (per step of ``step_compute``: the slowest rank's and the mean rank's FLOPs)}``; counts
+    are ints.
     """
     import torch
     import torch.distributed as dist
@@ -100,6 +105,8 @@ def reduce_world(telemetry: Mapping[str, float], pipeline: Mapping[str, Any], gr
         epoch = src.get("epoch")
         # max over ranks of -epoch = -(the oldest epoch read); a rank that does not know (official order): +1
         highs += [-float(epoch) if epoch is not None else 1.0, float(src.get("epoch_size", 0))]
+    sums += [float(f) for f in step_compute]
+    highs += [float(f) for f in step_compute]
     device = collective_device(dp_group)
     s = torch.tensor(sums, dtype=torch.float64, device=device)
     m = torch.tensor(highs, dtype=torch.float64, device=device)
@@ -131,6 +138,8 @@ def reduce_world(telemetry: Mapping[str, float], pipeline: Mapping[str, Any], gr
         out["groups"][g] = {"epoch": int(-neg_epoch) if known else None,
                             "epochs_read": round(taken / size, 3) if known else None,
                             "consumed": consumed, "packed": packed, "buffered": buffered, "dropped": dropped}
+    out["step_compute_max"] = m_list[2 + 2 * len(group_names):]
+    out["step_compute_mean"] = (s[k:] / dp_size).tolist()
     return out
 
 

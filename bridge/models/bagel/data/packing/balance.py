@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..config.lengths import is_overlength
-from .step import GroupDraw, PackBudgets
+from .step import GroupDraw, PackBudgets, draw_mandatory
 
 __all__ = ["COMPLETION_GAP", "BalanceTarget", "BalancedLoop", "PoolBook"]
 
@@ -171,13 +171,7 @@ class BalancedLoop(Generic[S]):
     def _refill(self, target: BalanceTarget[S], pool: list[tuple[int, S]], book: PoolBook) -> None:
         limit = self.budgets.max_num_tokens_per_sample
         for group in self.mandatory:
-            while True:
-                sample = target.next_sample(group)
-                est = target.estimate(sample)
-                if not is_overlength(est, limit, mandatory=True):
-                    break
-                target.drop("overlength_mandatory", group, sample, est, 0)
-            self._enter(target, pool, book, group, sample)
+            self._enter(target, pool, book, group, draw_mandatory(target, group, limit, 0)[0])
         held = sum(c for _, c in book.metrics)
         while len(pool) < self.budgets.max_buffer_size and (
                 not book.seen_tokens or held < self.lookahead * self.target_cost(book)):

@@ -48,13 +48,16 @@ Pure Python (torch only for a dense-mode batch's masks, read by :func:`batch_wor
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ..config.schema import CostConfig
+from ..config.outcomes import Outcome, Text
+from ..config.packer import CostConfig
 
-__all__ = ["CostModel", "Work", "batch_work", "sample_work", "split_pairs", "splits_of_plan"]
+__all__ = ["CostModel", "Work", "batch_work", "expected_work", "layout_work", "sample_work", "split_pairs",
+           "splits_of_plan", "straggler_ratio"]
 
 
 class Work(NamedTuple):
@@ -125,9 +128,9 @@ def splits_of_plan(plan: Sequence[Mapping[str, Any]], item_tokens: Sequence[int]
     """The split layout ``pack_sample`` gives a sample with no item CFG-dropped (spec §6.3).
 
     ``plan``: the ``sequence_plan`` items; ``item_tokens``: each item's tokens without its two special tokens
-    (text: its ids; images: patch or latent tokens). Text is ``causal``, a ViT image ``full``, a VAE image
-    ``noise`` when it starts a split with ``loss == 1`` and no ``frame_delta``, else ``full``; ``split_start``
-    / ``split_end`` (default True) join consecutive items (video frames) into one split.
+    (text: its ids; images: patch or latent tokens; floats for expectations). Text is ``causal``, a ViT image
+    ``full``, a VAE image ``noise`` when it starts a split with ``loss == 1`` and no ``frame_delta``, else ``full``;
+    ``split_start`` / ``split_end`` (default True) join consecutive items (video frames) into one split.
     """
     lens: list[int] = []
     modes: list[str] = []
@@ -142,7 +145,7 @@ def splits_of_plan(plan: Sequence[Mapping[str, Any]], item_tokens: Sequence[int]
                 mode = "full"
             else:
                 mode = "noise" if item.get("loss") == 1 and "frame_delta" not in item else "full"
-        split_len += int(n) + 2
+        split_len += n + 2
         if item.get("split_end", True):
             lens.append(split_len)
             modes.append(mode)
@@ -183,9 +186,46 @@ def sample_work(sample: Any, *, vit_patch_size: int, vae_image_downsample: int, 
             vit_seqlens.append(n)
         elif kind == "vae_image":
             vae += n
-    lens, modes = splits_of_plan(kept, sizes)
-    return Work(tokens=sum(lens), attn_pairs=split_pairs(lens, modes), vit_tokens=sum(vit_seqlens),
-                vit_pairs=sum(n * n for n in vit_seqlens), vae_tokens=vae)
+    return layout_work(kept, sizes)
+
+
+def layout_work(plan: Sequence[Mapping[str, Any]], item_tokens: Sequence[float]) -> Work:
+    """The work of one sample laid out as ``plan`` (``sequence_plan`` items) with ``item_tokens`` per item (without
+    the two special tokens; :func:`splits_of_plan`)."""
+    lens, modes = splits_of_plan(plan, item_tokens)
+    vit = [n for item, n in zip(plan, item_tokens) if item["type"] == "vit_image"]
+    return Work(tokens=sum(lens), attn_pairs=split_pairs(lens, modes), vit_tokens=sum(vit),
+                vit_pairs=sum(n * n for n in vit),
+                vae_tokens=sum(n for item, n in zip(plan, item_tokens) if item["type"] == "vae_image"))
+
+
+def expected_work(outcomes: Sequence[Outcome]) -> Work:
+    """The expected work of a row over its layouts (``config.outcomes``; CFG dropout ignored): a text listing its
+    alternatives (:class:`~..config.outcomes.Text` ``alts``) at each of them, equally likely, any other at its mean
+    length."""
+    out = Work()
+    for o in outcomes:
+        plan = [{"type": i.type, "loss": i.loss} for i in o.items]
+        choice = next((k for k, i in enumerate(o.items) if isinstance(i.tokens, Text) and i.tokens.alts), None)
+        alts = o.items[choice].tokens.alts if choice is not None else (None,)
+        for alt in alts:
+            tokens = [alt if k == choice else i.tokens.mean if isinstance(i.tokens, Text) else i.tokens
+                      for k, i in enumerate(o.items)]
+            out = out.plus(layout_work(plan, tokens).scaled(o.probability * (1 / len(alts))))
+    return out
+
+
+def straggler_ratio(step_max: Sequence[float], step_mean: Sequence[float]) -> tuple[float, float]:
+    """(straggler ratio, lost share) of steps whose slowest rank did ``step_max[i]`` and whose mean rank
+    ``step_mean[i]`` (FLOPs; a step lasts as long as its slowest rank): the mean over steps of max / mean (1.0 for
+    a step without compute: nobody waits; 1.0 without steps) and ``sum(max - mean) / sum(max)`` (0.0 without
+    compute). THE formula of the job's straggler line and of ``bagel-data stats``' prediction."""
+    ratios = [mx / mean if mean > 0 else 1.0 for mx, mean in zip(step_max, step_mean)]
+    lost = total = 0.0
+    for mx, mean in zip(step_max, step_mean):
+        lost += mx - mean
+        total += mx
+    return (statistics.fmean(ratios) if ratios else 1.0), (lost / total if total > 0 else 0.0)
 
 
 def _dense_splits(mask: Any) -> tuple[list[int], list[str]]:

@@ -27,7 +27,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from ..config.lengths import is_overlength
 
-__all__ = ["ADD", "BUFFER", "CARRY", "DROP_REASONS", "GroupDraw", "PackBudgets", "PackLoop", "PackTarget", "step"]
+__all__ = ["ADD", "BUFFER", "CARRY", "DROP_REASONS", "GroupDraw", "PackBudgets", "PackLoop", "PackTarget",
+           "draw_mandatory", "step"]
 
 S = TypeVar("S")
 
@@ -74,6 +75,18 @@ def step(budgets: PackBudgets, curr: int, est: int, *, from_buffer: bool, buffer
             return CARRY
         return "flush_drop_buffered" if from_buffer else "flush_drop"
     return ADD
+
+
+def draw_mandatory(target: Any, group: int, limit: int, curr: int) -> tuple[Any, int]:
+    """The next sample of mandatory ``group`` under ``limit`` = ``max_num_tokens_per_sample`` and its estimate, the
+    ones at or over it dropped (``overlength_mandatory`` at a pack of ``curr`` tokens; strict, quirk §13.1): the
+    mandatory draw of both loops (``target``: a :class:`PackTarget` or ``balance.BalanceTarget``)."""
+    while True:
+        sample = target.next_sample(group)
+        est = target.estimate(sample)
+        if not is_overlength(est, limit, mandatory=True):
+            return sample, est
+        target.drop("overlength_mandatory", group, sample, est, curr)
 
 
 class GroupDraw:
@@ -137,16 +150,10 @@ class PackLoop(Generic[S]):
         """One sample per mandatory group, in group order; samples with ``est >= max_num_tokens_per_sample`` are
         dropped (strict, quirk §13.1) and none is checked against ``max_num_tokens`` (quirk §13.3; in lossless
         mode the constructor's budget rule makes an overflow impossible, and it is asserted)."""
-        limit = self.budgets.max_num_tokens_per_sample
         for group, mandatory in enumerate(self.mandatory):
             if not mandatory:
                 continue
-            while True:
-                sample = target.next_sample(group)
-                est = target.estimate(sample)
-                if not is_overlength(est, limit, mandatory=True):
-                    break
-                target.drop("overlength_mandatory", group, sample, est, target.curr)
+            sample, est = draw_mandatory(target, group, self.budgets.max_num_tokens_per_sample, target.curr)
             if self.lossless and target.curr + est > self.budgets.max_num_tokens:
                 raise AssertionError(f"lossless pack loop: mandatory group {group} sample of {est} tokens overflows a "
                                      f"pack of {target.curr} (the constructor's budget rule should exclude this)")

@@ -45,10 +45,10 @@ def saved_world(state: Mapping[str, Any]) -> tuple[str, int, int]:
     return str(loader.get("order", "?")), int(loader.get("dp_rank", -1)), int(loader.get("dp_size", -1))
 
 
-#: A fingerprint key holding a packer knob: the configuration's part (``loader.packer.K``) or the packer stage's
-#: identity (``source.source….config.K``, with ``[i]`` steps under the emulated official workers); K as
-#: ``PackerConfig.stream_identity`` writes it.
-_PACKER_KEY = re.compile(r"(?:loader\.packer|source(?:\.source|\[\d+\])*\.config)\.(?P<knob>.+)")
+#: A fingerprint key holding a packer knob: the packer stage's identity, its ``config`` (``source….config.K``, with
+#: ``[i]`` steps under the emulated official workers; K as ``PackerConfig.stream_identity`` writes it), the one record
+#: of the packer's knobs in a fingerprint.
+_PACKER_KEY = re.compile(r"source(?:\.source|\[\d+\])*\.config\.(?P<knob>.+)")
 #: ``PackerConfig.stream_identity`` path of each budget -> the ``data.packer.*`` name it is documented under (the
 #: balanced strategy's knobs sit under ``strategy.balance``).
 _BUDGET_PATHS = {("strategy." + k if k.startswith("balance.") else k): k for k in PACKER_BUDGET_KEYS}
@@ -58,6 +58,25 @@ def budget_of(key: str) -> str | None:
     """The packer budget (a ``PACKER_BUDGET_KEYS`` name) a fingerprint key (dotted path) holds, or None."""
     m = _PACKER_KEY.fullmatch(key)
     return _BUDGET_PATHS.get(m.group("knob")) if m else None
+
+
+def _shown_key(key: str) -> str:
+    """A fingerprint key as a refusal names it: a packer knob by its ``data.packer.*`` name, others as they are."""
+    m = _PACKER_KEY.fullmatch(key)
+    if m is None:
+        return key
+    knob = m.group("knob")
+    knob = "strategy" if knob == "strategy.name" else knob.removeprefix("strategy.")
+    return f"data.packer.{knob}"
+
+
+def _comparable(fingerprint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A saved fingerprint as this version compares it: states saved before the packer stage's identity became the
+    one record of the packer knobs also hold them under ``loader.packer`` (the same values): that copy is left out."""
+    loader = fingerprint.get("loader")
+    if not isinstance(loader, Mapping) or "packer" not in loader:
+        return fingerprint
+    return {**fingerprint, "loader": {k: v for k, v in loader.items() if k != "packer"}}
 
 
 def _version_problem(state: Mapping[str, Any]) -> str:
@@ -202,7 +221,7 @@ class BagelExternalLoader(Stage):
         in packer budgets only and this loader accepts that (``resume_budget_change``, elastic order); ``{}`` when
         they do not differ. Raises ``ResumeMismatchError`` naming every differing key otherwise; when only budgets
         differ the message names the key that allows it, or (official order) why it is refused."""
-        changes = fingerprint_changes(saved, self.fingerprint(), ignore)
+        changes = fingerprint_changes(_comparable(saved), self.fingerprint(), ignore)
         if not changes:
             return {}
         budgets = {budget_of(k): v for k, v in changes.items() if budget_of(k)}
@@ -223,8 +242,8 @@ class BagelExternalLoader(Stage):
                     "the other keys above must match")
         else:
             note = ""
-        diff = [f"{k}: saved={old!r} current={new!r}" for k, (old, new) in changes.items()]
-        raise ResumeMismatchError(mismatch_message(diff, note))
+        diff = dict.fromkeys(f"{_shown_key(k)}: saved={old!r} current={new!r}" for k, (old, new) in changes.items())
+        raise ResumeMismatchError(mismatch_message(list(diff), note))
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Refuse a state of another version (naming a removed order), of another configuration (every differing

@@ -3,7 +3,9 @@
 The official loader draws all packer randomness inside its single DataLoader worker. Here the same initial
 streams are derived from ``rank_seed`` exactly as that worker would get them, swapped into the process
 globals only while the packer runs, and saved with the loader state, so model-side RNG use and data-side RNG
-use never disturb each other and a resumed run continues the exact stream.
+use never disturb each other and a resumed run continues the exact stream. NumPy's stream is data RNG too: the
+official order's video frame sampler draws the frame count and the permutation fallback from it
+(``energon.cooking.video``), so it is isolated, saved and restored with the Python and torch streams.
 """
 
 from __future__ import annotations

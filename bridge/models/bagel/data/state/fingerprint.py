@@ -93,10 +93,10 @@ _ELASTIC_KEYS = ("loader.num_workers:", "loader.dp_size:", "loader.dp_rank:")
 
 def mismatch_message(diff: list[str], note: str = "") -> str:
     """The ``ResumeMismatchError`` text for ``fingerprint_diff`` lines: the configuration keys (``loader.*``:
-    ``data.*`` settings, the groups, DP size) first, the stage keys that follow from them only counted, long values
-    cut, and what to do, so the line stays readable however much differs. ``note``: a last line of the caller's
-    (what a budget change would need, or why it is refused)."""
-    config = [d for d in diff if d.startswith("loader.")]
+    ``data.*`` settings, the groups, DP size; ``data.*``: a stage's knob by its configuration name) first, the stage
+    keys that follow from them only counted, long values cut, and what to do, so the line stays readable however
+    much differs. ``note``: a last line of the caller's (what a budget change would need, or why it is refused)."""
+    config = [d for d in diff if d.startswith(("loader.", "data."))]
     shown = (config or diff)[:_DIFF_SHOWN]
     cut = [d if len(d) <= _DIFF_CHARS else d[: _DIFF_CHARS - 1] + "…" for d in shown]
     rest = len(diff) - len(shown)

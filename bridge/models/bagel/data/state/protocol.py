@@ -5,7 +5,7 @@ loader). Each is saved through its own state, whichever of the two protocols it 
 
 * ours and torch's: ``state_dict()`` / ``load_state_dict(state)``;
 * Energon's per-rank one: ``SavableDataLoader.save_state_rank()`` / ``restore_state_rank(state)`` (the save goes
-  through :func:`energon_rank_state`, which corrects a race of Energon's workers).
+  through ``energon.patches.energon_rank_state``, which corrects a race of Energon's workers).
 
 Nested, the state travels *tagged* — ``{"stage": tag, "state": ...}`` — and the tag is checked on load, so a state
 never lands in a stage of another kind. One of Energon's own objects also records the Energon version that saved
@@ -18,14 +18,13 @@ a save and a restore).
 from __future__ import annotations
 
 import copy
-import logging
 from typing import Any
+
+from ..energon.patches import energon_rank_state
 
 __all__ = ["STATE_PROTOCOLS", "StateError", "energon_rank_state", "is_stateful", "is_stateful_list", "load_nested",
            "load_value", "restore_of", "save_nested", "save_of", "save_value", "state_protocol", "tag_of",
            "unsavable_entries"]
-
-logger = logging.getLogger(__name__)
 
 
 class StateError(ValueError):
@@ -58,37 +57,8 @@ def _protocol(obj: Any) -> tuple[str, str]:
     return protocol
 
 
-def energon_rank_state(loader: Any) -> Any:
-    """``loader.save_state_rank()`` of an Energon ``SavableDataLoader``, with a race of its workers corrected.
-
-    Energon (checked: 7.x, ``savable_loader.SavableDatasetWrapper``) answers a save from each worker's command
-    thread, which the worker starts inside its ``__iter__`` just before taking the command lock. A worker that
-    has not stored its first checkpoint yet (slow to start; a save right after the first sample, ~1 in 10 under
-    CPU load) can answer from its construction-time sentinel ``(state=None, sample_index=-1)``, giving
-    ``offset = last + 1 - (-1)``: one sample more than it emitted, so the resumed loader skips that worker's
-    first sample. No started worker answers ``state=None``: the sentinel is the only checkpoint without a state.
-    Such a worker has emitted nothing since the loader (re)started, so its true checkpoint is its initial one:
-    the restored state and skip count (``dataset.get_initial_checkpoint()``), or ``state=None, offset=0``
-    (a fresh start). Other answers, and loaders without workers, are returned unchanged.
-    """
-    state = loader.save_state_rank()
-    workers = getattr(state, "worker_states", None)
-    if not workers or not getattr(loader, "num_workers", 0):
-        return state
-    stale = [i for i, ws in enumerate(workers) if hasattr(ws, "offset") and ws.state is None and ws.offset != 0]
-    if stale:
-        from megatron.energon.savable_loader import SavableDatasetCheckpoint
-
-        initial = loader.dataset.get_initial_checkpoint()
-        for i in stale:
-            workers[i] = initial[i] if initial is not None else SavableDatasetCheckpoint(state=None, offset=0)
-        logger.debug("Energon loader state: worker(s) %s had not started iterating; their initial checkpoint "
-                     "is saved instead of Energon's off-by-one answer", stale)
-    return state
-
-
 def save_of(obj: Any) -> Any:
-    """``obj``'s own state through the protocol it speaks (Energon's through :func:`energon_rank_state`)."""
+    """``obj``'s own state through the protocol it speaks (Energon's through ``energon.patches.energon_rank_state``)."""
     save = _protocol(obj)[0]
     return energon_rank_state(obj) if save == "save_state_rank" else getattr(obj, save)()
 

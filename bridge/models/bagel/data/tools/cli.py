@@ -119,59 +119,61 @@ def _at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bagel-data", description=__doc__, formatter_class=_HelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _convert_common(sp: argparse.ArgumentParser, named: bool = True) -> None:
+    """The flags every ``bagel-data convert`` format takes (``named``: also ``--name`` / ``--source-root``)."""
+    sp.add_argument("--out", required=True, help="output root; datasets go to OUT/<group>/<name>/")
+    if named:
+        sp.add_argument("--name", help="dataset name (default: data dir basename / jsonl stem)")
+        sp.add_argument("--source-root", help="root that stored paths are relative to (default: the parent of "
+                        "--data-dir; vlm: the parent of the folder holding both --jsonl and --image-dir)")
+    sp.add_argument("--samples-per-shard", type=_at_least(1), default=DEFAULT_SAMPLES_PER_SHARD,
+                    help="samples per Energon tar shard")
+    sp.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
+    sp.add_argument("--no-progress", action="store_true", help="no progress bar (logs, array jobs)")
+    sp.add_argument("--workers", type=_at_least(1), default=1, help="processes converting source files (default 1)")
+    sp.add_argument("--part", type=_at_least(0), help="convert only part PART of --num-parts (0-based; required "
+                    "with --num-parts > 1)")
+    sp.add_argument("--num-parts", type=_at_least(1), default=1,
+                    help="split the work units into this many disjoint parts (one per job of an array); "
+                         "publish with `bagel-data convert merge --out OUT` once all are done")
+    sp.add_argument("--max-image-pixels", type=_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
+                    help=f"count stored images with more pixels (header check; default {DEFAULT_MAX_IMAGE_PIXELS},"
+                         " PIL's MAX_IMAGE_PIXELS)")
+
+
+def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data convert {t2i,edit,vlm,config,merge}``: see ``converter.convert``."""
     conv = _add(sub, "convert", help="official raw format -> <out>/<group>/<name>/ crude WebDataset")
     csub = conv.add_subparsers(dest="fmt", required=True)
-
-    def common(sp: argparse.ArgumentParser, named: bool = True) -> None:
-        sp.add_argument("--out", required=True, help="output root; datasets go to OUT/<group>/<name>/")
-        if named:
-            sp.add_argument("--name", help="dataset name (default: data dir basename / jsonl stem)")
-            sp.add_argument("--source-root", help="root that stored paths are relative to (default: the parent of "
-                            "--data-dir; vlm: the parent of the folder holding both --jsonl and --image-dir)")
-        sp.add_argument("--samples-per-shard", type=_at_least(1), default=DEFAULT_SAMPLES_PER_SHARD,
-                        help="samples per Energon tar shard")
-        sp.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
-        sp.add_argument("--no-progress", action="store_true", help="no progress bar (logs, array jobs)")
-        sp.add_argument("--workers", type=_at_least(1), default=1, help="processes converting source files (default 1)")
-        sp.add_argument("--part", type=_at_least(0), help="convert only part PART of --num-parts (0-based; required "
-                        "with --num-parts > 1)")
-        sp.add_argument("--num-parts", type=_at_least(1), default=1,
-                        help="split the work units into this many disjoint parts (one per job of an array); "
-                             "publish with `bagel-data convert merge --out OUT` once all are done")
-        sp.add_argument("--max-image-pixels", type=_at_least(1), default=DEFAULT_MAX_IMAGE_PIXELS,
-                        help=f"count stored images with more pixels (header check; default {DEFAULT_MAX_IMAGE_PIXELS},"
-                             " PIL's MAX_IMAGE_PIXELS)")
 
     t2i = _add(csub, "t2i", help="t2i_pretrain parquet folder")
     t2i.add_argument("--data-dir", required=True, help="the folder of the dataset's *.parquet files (columns image, "
                      "captions: docs/raw-formats.md)")
-    common(t2i)
+    _convert_common(t2i)
     edit = _add(csub, "edit", help="unified_edit parquet folder + parquet_info JSON")
     edit.add_argument("--data-dir", required=True, help="the folder of the dataset's *.parquet files (columns "
                       "image_list, instruction_list)")
     edit.add_argument("--parquet-info", required=True, help="the official parquet_info JSON {parquet path: "
                       "{num_row_groups: N}}")
     edit.add_argument("--parquet-info-root", help="directory that relative parquet_info keys are relative to")
-    common(edit)
+    _convert_common(edit)
     vlm = _add(csub, "vlm", help="vlm_sft jsonl + image folder")
     vlm.add_argument("--jsonl", required=True, help="the JSONL file (image + conversations per line)")
     vlm.add_argument("--image-dir", required=True, help="the folder relative image paths are relative to (the "
                      "registry's data_dir)")
-    common(vlm)
+    _convert_common(vlm)
     cfg = _add(csub, "config", help="every sub-dataset a grouped YAML names, paths from dataset_info")
     cfg.add_argument("--dataset-info", required=True, help="YAML/JSON {group: {name: {data_dir, ...}}}")
     cfg.add_argument("--groups", required=True, help="grouped YAML (official example.yaml format)")
     cfg.add_argument("--source-root", help="directory relative dataset_info paths are relative to (default: cwd)")
-    common(cfg, named=False)
+    _convert_common(cfg, named=False)
     mrg = _add(csub, "merge", help="join the parts of a --num-parts conversion under OUT and publish them")
     mrg.add_argument("--out", required=True, help="the --out of the part runs")
     mrg.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
 
-    _add_inspect_parser(sub)
+
+def _add_stats_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data stats``: see ``_stats``."""
     stats = _add(sub, "stats", help="token estimates per group/dataset and a budget advisor for a job config")
     stats.add_argument("--config", required=True, help="job YAML (configs/demo.yaml format)")
     stats.add_argument("overrides", nargs="*", help="key=value job config overrides")
@@ -179,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--histogram", default="bagel-data-stats.png", help="PNG to write ('' = none)")
     stats.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
 
+
+def _add_resize_state_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data resize-state``: see ``job.checkpoint.resize_checkpoint``."""
     rs = _add(sub, "resize-state", help="rewrite a checkpoint's loader state files for another DP size "
                         "(data.order: elastic), for Megatron-Bridge's pretrain(), which reads only its own rank's file")
     rs.add_argument("root", help="the checkpoint root (train.save / checkpoint.save: holds energon/iter_N/)")
@@ -188,6 +193,9 @@ def _parser() -> argparse.ArgumentParser:
     rs.add_argument("overrides", nargs="*", help="key=value job config overrides (as given to the run)")
     rs.add_argument("--step", type=int, help="the checkpoint step (default: latest_checkpointed_iteration.txt)")
 
+
+def _add_verify_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data verify``: see ``tools.verify``."""
     ver = _add(sub, "verify", help="check every shard and sample of converted datasets against their manifests "
                                    "(exit 0 ok, 1 damaged, 2 error, 3 datasets without checksums)")
     ver.add_argument("targets", nargs="+", metavar="DATASET_OR_CONFIG",
@@ -198,24 +206,48 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--num-parts", type=_at_least(1), default=1,
                      help="split the shards into this many disjoint parts (one per job of an array)")
     ver.add_argument("--no-progress", action="store_true", help="no progress bar (logs, array jobs)")
+
+
+def _add_ledger_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data ledger``: see ``tools.ledger``."""
     ldg = _add(sub, "ledger", help="check that an elastic-order run read every sample exactly once (exit 0: yes, "
                          "1: no, 2: bad input)")
-    ldg.add_argument("root", help="the checkpoint root of the run's last world (train.save: holds energon/iter_N/)")
-    ldg.add_argument("--digests", nargs="+", required=True, metavar="JSONL",
+    ldg.add_argument("root", nargs="?", help="the checkpoint root of the run's last world (train.save: holds "
+                     "energon/iter_N/), with --digests")
+    ldg.add_argument("--run", metavar="ROOT", help="the checkpoint root of the run's last world: the packed reads "
+                     "come from the ledger the job writes into every checkpoint (no digest logs needed)")
+    ldg.add_argument("--digests", nargs="+", metavar="JSONL",
                      help="every digest log of the run (train.digest_log / --digest-log of each launch, all "
-                          "restarts), in launch order")
+                          "restarts), in launch order (instead of --run)")
     ldg.add_argument("--step", type=int, help="the checkpoint step whose loader states end the run (default: "
                      "latest_checkpointed_iteration.txt); digest rows after it are left out")
 
+
+def _add_demo_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data demo-data``: the small procedural demo dataset."""
     demo = _add(sub, "demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out", help="output folder (raw/, energon/, groups.yaml, dataset_info.yaml)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the procedural scenes")
     demo.add_argument("--scale", choices=("small", "medium"), default="small", help="dataset size")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bagel-data", description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    _add_convert_parser(sub)
+    _add_inspect_parser(sub)
+    _add_stats_parser(sub)
+    _add_resize_state_parser(sub)
+    _add_verify_parser(sub)
+    _add_ledger_parser(sub)
+    _add_demo_parser(sub)
     return p
 
 
 def _stats(args: argparse.Namespace) -> int:
-    """``bagel-data stats``: print the report; exit 3 when the configured budgets can never yield a batch."""
+    """``bagel-data stats``: print the report; exit 3 when the configured budgets can never yield a batch, 1 when
+    it reports an ERROR (a budget problem the job refuses at start), 2 when the config cannot be read, else 0."""
     from .budget_stats import job_stats
     from ..config import ConfigError
 
@@ -226,7 +258,9 @@ def _stats(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     print(report.format())
-    return 3 if report.impossible else 0
+    if report.impossible:
+        return 3
+    return 1 if any(f.level == "error" for f in report.findings) else 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -259,19 +293,27 @@ def _ledger(args: argparse.Namespace) -> int:
     """``bagel-data ledger``: ``ledger.check_exactly_once`` over a run's digest logs and its last checkpoint's loader
     states; exit 0 when exactly once holds, 1 when it does not (problems printed), 2 for unusable input."""
     from ..config import ConfigError
-    from ..job.checkpoint import read_loader_states, read_step
+    from ..job.checkpoint import read_loader_states, read_run_reads, read_step
     from .ledger import check_exactly_once, format_report, read_digest_reads
 
+    root = args.run or args.root
     try:
-        step = args.step if args.step is not None else read_step(args.root)
-        states = read_loader_states(args.root, step)
+        if (args.run is None) == (args.digests is None) or (args.run and args.root):
+            raise ConfigError("ledger: give either --run ROOT (the job's own ledger) or ROOT --digests JSONL ...")
+        step = args.step if args.step is not None else read_step(root)
+        states = read_loader_states(root, step)
         if not states:
-            raise ConfigError(f"{args.root}: no loader state files at step {step}")
-        report = check_exactly_once(read_digest_reads(args.digests, up_to_step=step), states)
+            raise ConfigError(f"{root}: no loader state files at step {step}")
+        if args.run:
+            reads, chain = read_run_reads(root, step)
+            source = f"{len(chain)} checkpoints' packed-reads ledgers ({' <- '.join(chain)})"
+        else:
+            reads, source = read_digest_reads(args.digests, up_to_step=step), f"{len(args.digests)} digest logs"
+        report = check_exactly_once(reads, states)
     except (ConfigError, ValueError, OSError) as e:
         logger.error("%s", e)
         return 2
-    print(f"{args.root} step {step}: {len(states)} DP ranks, {len(args.digests)} digest logs")
+    print(f"{root} step {step}: {len(states)} DP ranks, {source}")
     print(format_report(report))
     return 0 if report.ok else 1
 

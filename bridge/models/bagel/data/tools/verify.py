@@ -7,7 +7,9 @@ find (``energon.layout.damage.check_shard``: a missing shard, one cut short, a c
 ``.tar.idx``), its size and sha256 against the manifest, and, when the sha256 differs, every sample's
 ``layout.sample_checksum`` against ``manifest.checksums.npy`` (the samples read as Energon reads them: the tar's
 regular members grouped by key, their bytes as stored). A shard whose sha256 differs while every sample matches
-differs only outside the samples' bytes (tar padding, unused header fields): harmless, listed as a note.
+differs only outside the samples' bytes (tar padding, unused header fields): harmless, listed as a note. A dataset
+may be an ``msc://`` URL (object storage, ``energon.remote``): its files are read through MSC, each shard
+once, whole, into memory; the damage checks there only see whether each shard and index object exists.
 
 Exit codes: 0 every checked shard and sample matches; 1 damage found (the report names each damaged file and
 sample and the remedy); 2 the command could not run (no such dataset, an unreadable config); 3 nothing damaged
@@ -19,18 +21,20 @@ same in every process) split the work like the converter's.
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import multiprocessing
 import os
-import re
 import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
+from ..energon import remote
 from ..energon.layout import damage
+from ..energon.layout.shards import shard_samples
 from ..energon.layout import (CHECKSUMS_NAME, COLUMNS_NAME, GROUPS, MANIFEST_NAME, ManifestError, checksums_entry,
                               load_manifest, open_checksums, sample_checksum, sample_key)
 
@@ -39,11 +43,6 @@ __all__ = ["DatasetReport", "ShardResult", "VerifyError", "VerifyReport", "forma
 
 logger = logging.getLogger(__name__)
 
-#: Energon's split of a member name into sample key and part name, and the member names it skips
-#: (``megatron.energon.flavors.webdataset.config``): verify groups members exactly as the readers get them.
-_SPLIT_NAME = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-_SKIP_META = re.compile(r"__[^/]*__($|/)")
-_CHUNK = 1 << 20
 #: Bad samples a shard's result lists (all are counted).
 _MAX_LISTED = 20
 
@@ -126,12 +125,20 @@ def _is_dataset(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST_NAME)) or os.path.isdir(os.path.join(path, ".nv-meta"))
 
 
+def _dataset_path(path: str) -> str:
+    """A dataset path as the readers name it: absolute, or an ``msc://`` URL as it is."""
+    return remote.absolute(path)
+
+
 def resolve_datasets(target: str) -> list[str]:
     """The converted dataset directories ``target`` names: a dataset directory; a directory holding converted
     datasets (``<out>/<group>/<name>/``, e.g. the converter's ``--out``, searched 3 levels deep, staged
     ``*.partial`` conversions skipped); a ``dataset_info`` registry (YAML/JSON with ``energon_path`` entries, as
     ``bagel-data convert config`` writes); or a job config (YAML with ``data.groups`` / ``data.dataset_info``: the
-    datasets its groups name). Raises VerifyError (one line)."""
+    datasets its groups name); an ``msc://`` URL of one converted dataset in object storage. Raises VerifyError
+    (one line)."""
+    if remote.is_remote(target):
+        return [_dataset_path(target)]
     if os.path.isdir(target):
         if _is_dataset(target):
             return [os.path.abspath(target)]
@@ -177,8 +184,8 @@ def _datasets_of_config(path: str) -> list[str]:
                           f"{missing[0].data_dir})")
     out = []
     for e in entries:
-        p = os.path.abspath(str(e.energon_path))
-        if not os.path.isdir(p):
+        p = _dataset_path(str(e.energon_path))
+        if not remote.is_remote(p) and not os.path.isdir(p):
             raise VerifyError(f"{path}: dataset directory {p} does not exist")
         if p not in out:
             out.append(p)
@@ -188,7 +195,7 @@ def _datasets_of_config(path: str) -> list[str]:
 def _file_sha256(path: str) -> str | None:
     """The sha256 of a (checksums / columns) file, or None when it cannot be read."""
     try:
-        with open(path, "rb") as f:
+        with remote.open_binary(path) as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
     except OSError:
         return None
@@ -202,7 +209,7 @@ def _dataset_checks(k: int, root: str) -> tuple[DatasetReport, list[_Task]]:
         damage.check_prepared(root)
     except ValueError as exc:
         rep.problems.append(str(exc))
-    if not os.path.isfile(os.path.join(root, MANIFEST_NAME)) and not rep.problems:
+    if not remote.isfile(remote.join(root, MANIFEST_NAME)) and not rep.problems:
         return rep, []  # an Energon dataset not converted by bagel-data: nothing recorded to verify against
     try:
         man = load_manifest(root)  # also checks the columns sidecar's sha256 and the checksums file's size
@@ -213,9 +220,9 @@ def _dataset_checks(k: int, root: str) -> tuple[DatasetReport, list[_Task]]:
     entry = checksums_entry(man)
     rep.verified = entry is not None
     if entry is not None:
-        got = _file_sha256(os.path.join(root, CHECKSUMS_NAME))
+        got = _file_sha256(remote.join(root, CHECKSUMS_NAME))
         if got != entry["sha256"]:
-            rep.problems.append(f"{os.path.join(root, CHECKSUMS_NAME)}: its sha256 differs from the one in "
+            rep.problems.append(f"{remote.join(root, CHECKSUMS_NAME)}: its sha256 differs from the one in "
                                 f"{MANIFEST_NAME}: the checksums themselves are damaged; copy the dataset again with "
                                 f"all its manifest files ({MANIFEST_NAME}, {COLUMNS_NAME}, {CHECKSUMS_NAME}), or "
                                 "convert it again (--overwrite)")
@@ -238,46 +245,28 @@ def _expected(root: str) -> np.ndarray | None:
     return _EXPECTED[root]
 
 
-def _samples(path: str) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """``(key, [(part, bytes), ...])`` of a shard's samples in tar order, grouped as Energon groups them (regular
-    members, ``__…__`` names skipped, split at the first dot of the base name). Raises tarfile / OS errors."""
-    with tarfile.open(path, "r:") as tf:
-        key, parts = None, []
-        for m in tf:
-            if not m.isfile() or _SKIP_META.match(m.name):
-                continue
-            hit = _SPLIT_NAME.match(m.name)
-            if not hit:
-                continue
-            base, ext = hit.groups()
-            if base != key and key is not None:
-                yield key, parts
-                parts = []
-            key = base
-            f = tf.extractfile(m)
-            parts.append((ext, f.read() if f is not None else b""))
-        if key is not None:
-            yield key, parts
-
-
 def _check_shard(task: _Task) -> ShardResult:
     """Check one shard (see the module docstring); never raises for damage, it reports it."""
-    tar = os.path.join(task.root, task.path)
+    tar = remote.join(task.root, task.path)
     res = ShardResult(task.dataset, task.path)
     problem = damage.check_shard(task.root, tar)
     if problem is not None:
         res.problems.append(problem)
-        if not os.path.isfile(tar):
+        if not remote.isfile(tar):
             return res
-    size = os.path.getsize(tar)
+    size = remote.size(tar)
     if task.bytes is not None and size != task.bytes and problem is None:
         res.problems.append(f"shard {tar} is {size} bytes, the manifest says {task.bytes}: re-copy it from a good "
                             "copy, or convert the dataset again (--overwrite)")
     if not task.verified or task.sha256 is None:
         res.bytes_read = size
         return res
-    with open(tar, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    data = io.BytesIO(remote.read_bytes(tar)) if remote.is_remote(tar) else None  # one read of the whole object
+    if data is None:
+        with open(tar, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    else:
+        digest = hashlib.sha256(data.getbuffer()).hexdigest()
     res.bytes_read = size
     if digest == task.sha256:
         return res
@@ -291,7 +280,7 @@ def _check_shard(task: _Task) -> ShardResult:
             res.bad_samples.append((key, what))
 
     try:
-        for key, parts in _samples(tar):
+        for key, parts in shard_samples(tar if data is None else data):
             index = int(key) if key.isdigit() else -1
             if not (task.first_sample <= index < task.first_sample + task.count and key == sample_key(index)):
                 bad(key, "a key that is no sample of this shard (a damaged tar header)")

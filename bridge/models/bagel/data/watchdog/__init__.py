@@ -23,12 +23,12 @@ thread hand-over (per read).
 
 A thread blocked in the kernel (``open``/``read`` on a dead mount) cannot be cancelled from Python: after a
 time-out it stays behind as a daemon thread, the caller gets the error, and the job exits (daemon threads do
-not hold up the interpreter's exit; stuck Energon workers are killed, ``ReadWatch.kill_stuck``).
+not hold up the interpreter's exit; stuck read workers are killed, ``ReadWatch.kill_stuck``).
 
-Energon worker processes are asked through *agents*: every process forked after ``enable_agents()`` (the
-Energon workers, the prefetch producer and its workers) gets a daemon thread that polls a shared counter (4 times
-a second, lock-free) and, when the watchdog bumps it, writes what its threads are doing to a report file
-(``collect_reports``).
+Worker processes are asked through *agents*: every process forked after ``enable_agents()`` (the rank's read
+workers, the prefetch producer and its workers, the workers of a hand-wired Energon loader) gets a daemon thread
+that polls a shared counter (4 times a second, lock-free) and, when the watchdog bumps it, writes what its threads
+are doing to a report file (``collect_reports``).
 
 Modules: ``watch`` (``ReadWatch``, ``batch_call``, ``DataTimeoutError``, the defaults) and ``stacks`` (what a
 stuck thread or process is doing: frames, agents in forked processes, their reports).

@@ -25,6 +25,8 @@ import time
 import traceback
 from typing import Any
 
+from ..energon.patches import shard_in_frame
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["collect_reports", "describe_frame", "enable_agents", "process_role", "set_process_role", "summarize",
@@ -38,8 +40,8 @@ _AGENT_POLL_S = 0.25
 def describe_frame(frame: Any) -> dict[str, Any]:
     """``{"dataset", "shard", "group", "stack"}`` of a (stuck) thread from its innermost ``frame``.
 
-    The shard is the file an Energon tar reader (``ITarReader``: ``tar_filepaths`` + ``tar_file_id`` or a
-    sample pointer) is opening or reading; the group that of a BAGEL reader frame. Missing parts are None.
+    The shard is the file an Energon tar reader is opening or reading (``energon.patches.shard_in_frame``: Energon's
+    internals); the group that of a BAGEL reader frame. Missing parts are None.
     """
     out: dict[str, Any] = {"dataset": None, "shard": None, "group": None,
                            "stack": "".join(traceback.format_stack(frame))}
@@ -50,14 +52,9 @@ def describe_frame(frame: Any) -> dict[str, Any]:
         except Exception:  # noqa: BLE001 - a frame being torn down
             loc = {}
         obj = loc.get("self")
-        if out["shard"] is None and obj is not None and hasattr(obj, "tar_filepaths"):
-            tid = loc.get("tar_file_id")
-            for name in ("sample_pointer", "raw_sample_pointer"):
-                if tid is None and loc.get(name) is not None:
-                    tid = getattr(loc[name], "tar_file_id", None)
-            if isinstance(tid, int) and 0 <= tid < len(obj.tar_filepaths):
-                out["shard"] = str(obj.tar_filepaths[tid])
-                out["dataset"] = str(getattr(obj, "base_path", "") or "") or None
+        found = shard_in_frame(loc) if out["shard"] is None else None
+        if found is not None:
+            out["shard"], out["dataset"] = found
         if out["group"] is None and obj is not None:
             group = getattr(obj, "group", None) if type(obj).__name__ == "GroupReader" else None
             if isinstance(group, str):

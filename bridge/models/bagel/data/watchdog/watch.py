@@ -53,7 +53,7 @@ def _serve(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
 class ReadWatch:
     """Waits for blocking reads with ``stall_warn_s`` / ``timeout_s``: per batch or on a reader thread.
 
-    ``what`` names the reader in messages ("reader 't2i' (DP rank 0/2, 2 Energon workers)"), ``group`` and
+    ``what`` names the reader in messages ("reader 't2i' (DP rank 0/2, 2 read workers)"), ``group`` and
     ``datasets`` what it reads; ``worker_pids``: reads wait on other processes, these (their agents are asked
     what they do; after a time-out only these are killed, never another live process that runs an agent, such as
     an unrelated ``DataLoader`` worker forked from the same parent). Once a read timed out the watch is ``stuck``:

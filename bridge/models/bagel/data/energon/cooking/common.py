@@ -1,6 +1,7 @@
 """Shared pieces of the BAGEL cookers: recorded/replayed random choices, tombstones, image decoding.
 
-The official source datasets draw from Python's global ``random`` (``choice`` / ``random()``).
+The official source datasets draw from Python's global ``random`` (``choice`` / ``random()``), and the video
+frame sampler also from numpy's global RNG (``np.random.randint`` / ``permutation``, :mod:`.video`).
 :class:`Draws` makes exactly the same calls on a given generator (the ``random`` module itself for
 official order, a private ``random.Random`` per selection position and epoch in the elastic order) and records
 the outcome, or replays recorded outcomes without touching any generator (``restore_sample``).
@@ -16,12 +17,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from megatron.energon.task_encoder.cooking import basic_sample_keys
 
 from PIL import Image
 
 from ...transforms import ImageTransform, configure_pil, pil_img2rgb
-from ..layout import META_PART, VLM, image_part
+from ..layout import META_PART, TRUNCATED_IMAGE, VLM, image_index, image_part, image_truncation
 from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
 from .sample import BagelSample
 
@@ -44,13 +46,20 @@ DROP_REASONS: tuple[str, ...] = (
     "empty_alternatives",  # edit: the alternatives list of a step that is reached is empty
     "bad_json",            # vlm: the line is not valid JSON
     "bad_record",          # vlm: JSON but not a usable record (no conversations list, bad image entry ...)
-    "video_unsupported",   # vlm: a video record (the official frame sampler needs decord)
+    "missing_video",       # vlm: the video file / frame folder did not exist (or was empty) at conversion
+    "video_decode_error",  # vlm: decord cannot open / decode the video, or PIL a sampled frame (cooking.video)
+    "video_tag_missing",   # vlm: no `<video>` in the first turn ("Cannot find <video> in the conversation!")
+    "no_frame_sampler",    # vlm: a video record in a group without frame_sampler_args (official: no sampler)
     "no_loss_item",        # vlm: no plan item carries a loss ("No loss defined, skipped.")
     "checksum_mismatch",   # the sample's bytes differ from the checksum recorded at conversion (layout.checksums)
+    TRUNCATED_IMAGE,       # an image cut short (layout.image_truncation), dropped under data.truncated_images: drop
 )
 
 #: Every reason a kept record has parts the official readers ignore too (``BagelSample.unused``; ``vlm.ignored_parts``).
-UNUSED_REASONS: tuple[str, ...] = ("image_without_placeholder", "placeholder_without_image", "turn_of_other_role")
+#: ``truncated_image``: a kept sample's image is cut short; it is cooked as the official reader does
+#: (``LOAD_TRUNCATED_IMAGES = True``: PIL fills the missing rows), counted here (``data.truncated_images: keep``).
+UNUSED_REASONS: tuple[str, ...] = ("image_without_placeholder", "placeholder_without_image", "turn_of_other_role",
+                                   TRUNCATED_IMAGE)
 
 
 class ReplayError(RuntimeError):
@@ -71,13 +80,18 @@ class Draws:
     """The random choices of one sample: drawn from ``rng`` (and recorded) or replayed.
 
     ``choice_index(n)`` makes the same generator call as ``random.choice`` on a length-``n`` sequence
-    (and raises ``IndexError`` without drawing when ``n == 0``); ``random()`` as ``random.random``.
+    (and raises ``IndexError`` without drawing when ``n == 0``); ``random()`` as ``random.random``;
+    ``np_randint`` / ``np_permutation`` as ``np.random.randint`` / ``np.random.permutation`` on numpy's RNG: the
+    process-global one when ``rng`` is the ``random`` module (the official order), else a ``RandomState`` seeded
+    from 32 bits of ``rng`` at the first numpy draw (the elastic order's per-read generator: still a pure
+    function of the read). Every outcome is recorded as ints / floats, a permutation as its ``n`` ints.
     """
 
     def __init__(self, rng: Any = None, replay: tuple | list | None = None) -> None:
         if (rng is None) == (replay is None):
             raise ValueError("Draws: give exactly one of rng (draw) or replay (recorded choices)")
         self._rng = rng
+        self._np: Any = None
         self._replay = None if replay is None else list(replay)
         self._pos = 0
         self.record: list[int | float] = []
@@ -114,6 +128,33 @@ class Draws:
         self.record.append(v)
         return v
 
+    def _numpy(self) -> Any:
+        if self._np is None:
+            self._np = np.random if self._rng is _random_module else np.random.RandomState(self._rng.getrandbits(32))
+        return self._np
+
+    def np_randint(self, low: int, high: int) -> int:
+        """An int in ``[low, high)`` drawn like ``np.random.randint(low, high)``."""
+        if self._replay is not None:
+            v = self._next_recorded(int)
+            if not low <= v < high:
+                raise ReplayError(f"replayed randint {v} out of range [{low}, {high})")
+        else:
+            v = int(self._numpy().randint(low, high))
+        self.record.append(v)
+        return v
+
+    def np_permutation(self, n: int) -> list[int]:
+        """``np.random.permutation(n)`` as a list of ints (recorded as its ``n`` ints)."""
+        if self._replay is not None:
+            out = [self._next_recorded(int) for _ in range(n)]
+            if sorted(out) != list(range(n)):
+                raise ReplayError(f"replayed permutation {out} is not one of range({n})")
+        else:
+            out = [int(x) for x in self._numpy().permutation(n)]
+        self.record.extend(out)
+        return out
+
     def finish(self) -> tuple:
         """The recorded choices; in replay mode also checks that every recorded choice was used."""
         if self._replay is not None and self._pos != len(self._replay):
@@ -132,6 +173,12 @@ class CookContext:
     #: ``data.verify_checksums``: the reader checks every crude sample against its dataset's recorded checksums
     #: (``cook_with(..., checksums=...)``) before cooking
     verify_checksums: bool = True
+    #: ``data.truncated_images``: ``"keep"`` (cook them as the official reader does, counted as ``unused``
+    #: ``truncated_image``) or ``"drop"`` (a ``truncated_image`` tombstone)
+    truncated_images: str = "keep"
+
+    #: the group's ``frame_sampler_args`` (``cooking.video.FrameSampler``); None: video records are dropped
+    frame_sampler: Any = None
 
     def __post_init__(self) -> None:
         configure_pil()  # official import-time PIL globals (2e8 pixels, truncated images load)
@@ -215,7 +262,12 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
             coord = source_coordinate(ctx.group, source)
         except KeyError as e:
             raise DropSample("bad_meta", f"sample {crude.get('__key__')!r}: source lacks {e}") from None
+        truncated = _truncated_images(crude)
+        if truncated and ctx.truncated_images == "drop":
+            raise DropSample(TRUNCATED_IMAGE, "; ".join(truncated))
         fields = core(crude, meta, ctx, draws)
+        if truncated:
+            fields["unused"] = {**(fields.get("unused") or {}), TRUNCATED_IMAGE: len(truncated)}
     except DropSample as d:
         data_indexes = {"data_indexes": coord, "worker_id": worker_id, "dataset_name": ctx.group}
         return BagelSample(**basic, sequence_plan=[], text_ids_list=[], image_tensor_list=[], num_tokens=0,
@@ -226,6 +278,18 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
                               f"{type(exc).__name__}: {exc}") from exc
     data_indexes = {"data_indexes": coord, "worker_id": worker_id, "dataset_name": ctx.group}
     return BagelSample(**basic, **fields, data_indexes=data_indexes, source=source, rng_choices=draws.finish())
+
+
+def _truncated_images(crude: Mapping[str, Any]) -> list[str]:
+    """``"image I: why"`` for every image part of ``crude`` that is cut short (``layout.image_truncation``)."""
+    out = []
+    for part, data in crude.items():
+        i = image_index(part) if isinstance(part, str) else None
+        if i is not None and isinstance(data, (bytes, bytearray)):
+            cut = image_truncation(bytes(data))
+            if cut:
+                out.append(f"image {i}: {cut}")
+    return out
 
 
 class SampleCookError(RuntimeError):

@@ -2,9 +2,10 @@
 
 Random choices, in the official order: ``start`` over ``range(n-1)``, ``end`` over
 ``range(start+1, min(start+3, n))``, then (decode image ``start``) ``u = random()`` only when
-``end - start > 1``; ``u < 0.5`` takes the concatenated variant (``end`` is pulled back by one when it is
-the last image), else the stepwise one. Instruction choices and image decodes interleave exactly as
-official, so a row that fails half-way has made the same draws as the official reader before skipping.
+``end - start > 1``; ``u < 0.5`` takes the concatenated variant, else the stepwise one. The layout of a draw is
+``config.outcomes.edit_parts`` (the rule ``bagel-data stats`` and the budget checks enumerate). Instruction choices
+and image decodes interleave exactly as official, so a row that fails half-way has made the same draws as the
+official reader before skipping.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ...config.outcomes import CONCAT_P, EditImage, EditText, edit_end_choices, edit_parts, may_concat
 from .common import CookContext, Draws, DropSample, decode_image, plan_item, transform_image
 
 __all__ = ["cook_edit_core"]
@@ -87,24 +89,23 @@ def cook_edit_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws
     b = _Builder(ctx)
 
     start = draws.choice_index(n - 1)
-    end = start + 1 + draws.choice_index(min(start + 3, n) - (start + 1))
-    b.add_image(decode_image(crude, start, "edit row"), f"edit image {start}",
-                need_loss=False, need_vae=True, need_vit=True)
-
-    if end - start > 1 and draws.random() < 0.5:
-        if end == n - 1:
-            end -= 1
-        pieces = []
-        for i in range(start + 1, end + 1):
-            pieces.append(_choose(_alternatives(instructions, i - 1), i - 1, draws) + ". ")
-        b.add_text("".join(pieces).rstrip())
-        b.add_image(decode_image(crude, end, "edit row"), f"edit image {end}",
-                    need_loss=True, need_vae=False, need_vit=False)
-    else:
-        for i in range(start + 1, end + 1):
-            b.add_text(_choose(_alternatives(instructions, i - 1), i - 1, draws))
-            last = i == end
-            b.add_image(decode_image(crude, i, "edit row"), f"edit image {i}",
-                        need_loss=True, need_vae=not last, need_vit=not last)
+    end = start + 1 + draws.choice_index(edit_end_choices(n, start))
+    parts = edit_parts(n, start, end, False)  # its first part, the context, is the same in both variants
+    _place(b, parts[0], crude, instructions, draws)  # cooked before the variant is drawn, as officially
+    if may_concat(start, end) and draws.random() < CONCAT_P:
+        parts = edit_parts(n, start, end, True)
+    for part in parts[1:]:
+        _place(b, part, crude, instructions, draws)
     return {"sequence_plan": b.plan, "text_ids_list": b.texts, "image_tensor_list": b.images,
             "num_tokens": b.num_tokens}
+
+
+def _place(b: _Builder, part: EditImage | EditText, crude: Mapping[str, Any], instructions: Any,
+           draws: Draws) -> None:
+    """One part of the row's layout (``config.outcomes.edit_parts``): its instruction (drawn) or its image."""
+    if isinstance(part, EditText):
+        texts = [_choose(_alternatives(instructions, st), st, draws) for st in part.steps]
+        b.add_text("".join(t + ". " for t in texts).rstrip() if part.joined else texts[0])
+        return
+    b.add_image(decode_image(crude, part.image, "edit row"), f"edit image {part.image}", need_loss=part.loss,
+                need_vae=part.clean, need_vit=part.clean)

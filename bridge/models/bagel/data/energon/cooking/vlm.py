@@ -5,7 +5,11 @@ pixel budget divided by the number of images (also images without a placeholder)
 conversation into text / image elements (``change_format`` rules: human turns split on ``<image>``,
 pieces stripped, extra placeholders dropped; gpt turns carry the loss; other roles ignored), tokenize
 with ``tokenizer.encode`` (no chat template), drop empty texts, and skip when nothing has a loss.
-No random choices (video records, the only random path, are tombstoned as ``video_unsupported``).
+
+A ``video`` record (no ``image`` key; a row with both is an image row) samples its frames first (:mod:`.video`:
+numpy's and Python's RNG, recorded in ``draws``), then requires ``<video>`` in the FIRST turn, replaced there by one
+``<image>`` per frame (else ``video_tag_missing``, after the draws, as official); every frame is transformed with
+``img_num`` = the frame count. The only random path of this group.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .common import UNUSED_REASONS, CookContext, Draws, DropSample, decode_image, plan_item, transform_image
-from ..layout import VIDEO_ERROR_KEY
+from .video import VIDEO_TAG, sample_file_frames, sample_folder_frames
+from ..layout import VIDEO_ERROR_KEY, image_part
 
 __all__ = ["cook_vlm_core", "conversation_elements"]
 
@@ -30,9 +35,40 @@ def _image_names(rec: dict) -> list:
             if not isinstance(name, str):
                 raise DropSample("bad_record", f"image entry {i} is {type(name).__name__}, not a path string")
         return names
-    if "video" in rec:
-        raise DropSample("video_unsupported", "video records are not supported (the official frame sampler needs decord)")
     return []
+
+
+def _video_frames(crude: Mapping[str, Any], rec: dict, meta: dict, ctx: CookContext, draws: Draws) -> list:
+    """The sampled frames of a video record (PIL RGB), its ``<video>`` tag replaced in ``rec["conversations"]``."""
+    name = rec["video"]
+    what = f"video {name!r}"
+    err = (meta.get("image_errors") or {}).get(VIDEO_ERROR_KEY)
+    if err is not None:  # recorded at conversion: nothing was opened, nothing drawn (official: open fails first)
+        reason = ("missing_video" if err.startswith(("FileNotFoundError", "empty")) else
+                  "bad_record" if err.startswith("TypeError") else "video_decode_error")
+        raise DropSample(reason, f"{what}: {err}")
+    if ctx.frame_sampler is None:
+        raise DropSample("no_frame_sampler", f"{what}: the group has no frame_sampler_args")
+    info = meta.get("video") if isinstance(meta.get("video"), dict) else {}
+    if info.get("folder"):
+        parts = [crude.get(image_part(k)) for k in range(int(info.get("num_frames", 0)))]
+        if any(p is None for p in parts):
+            raise DropSample("missing_video", f"{what}: a frame part is absent")
+        frames = sample_folder_frames(parts, ctx.frame_sampler, draws, what)
+    else:
+        data = crude.get(image_part(0))
+        if data is None:
+            raise DropSample("missing_video", f"{what}: the video part is absent")
+        frames = sample_file_frames(data, ctx.frame_sampler, draws, what)
+    turns = rec.get("conversations")
+    for turn in turns if isinstance(turns, list) else ():  # official: only the first turn is looked at
+        if not isinstance(turn, dict) or not isinstance(turn.get("value"), str):
+            raise DropSample("bad_record", "conversation turn 0 is not {'from': ..., 'value': str}")
+        if VIDEO_TAG not in turn["value"]:
+            raise DropSample("video_tag_missing", "Cannot find <video> in the conversation! (first turn)")
+        turn["value"] = turn["value"].replace(VIDEO_TAG, IMAGE_TOKEN * len(frames))
+        break
+    return frames
 
 
 def conversation_elements(conversations: Any, num_images: int) -> list[tuple[str, str | None, int]]:
@@ -73,7 +109,7 @@ def ignored_parts(conversations: list, elements: list[tuple[str, str | None, int
     other = sum(1 for turn in conversations if turn.get("from") not in ("human", "gpt"))
     counts = {"image_without_placeholder": num_images - used, "placeholder_without_image": tags - used,
               "turn_of_other_role": other}
-    assert tuple(counts) == UNUSED_REASONS
+    assert tuple(counts) == UNUSED_REASONS[:3]  # the record-part reasons (the fourth: truncated_image, cook_with)
     return {k: v for k, v in counts.items() if v > 0}
 
 
@@ -89,11 +125,11 @@ def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws:
     if not isinstance(rec, dict):
         raise DropSample("bad_record", f"the line is a JSON {type(rec).__name__}, not an object")
     errors = meta.get("image_errors") or {}
-    if VIDEO_ERROR_KEY in errors and "image" not in rec:
-        raise DropSample("video_unsupported", "video records are not supported")
     names = _image_names(rec)
 
     images = []
+    if "image" not in rec and "video" in rec:
+        images = _video_frames(crude, rec, meta, ctx, draws)
     for i, name in enumerate(names):
         err = errors.get(str(i))
         if err is not None:
@@ -101,7 +137,13 @@ def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws:
                       "bad_record" if err.startswith("TypeError") else "image_decode_error")
             raise DropSample(reason, f"image {i} ({name}): {err}")
         images.append(decode_image(crude, i, f"image {i} ({name})"))
-    tensors = [transform_image(ctx.transform, img, f"image {i}", img_num=len(images)) for i, img in enumerate(images)]
+    done: dict[int, Any] = {}  # a padded video repeats a frame: transformed once, the repeats are copies
+    tensors = []
+    for i, img in enumerate(images):
+        t = done.get(id(img))
+        tensors.append(t.clone() if t is not None else transform_image(ctx.transform, img, f"image {i}",
+                                                                       img_num=len(images)))
+        done.setdefault(id(img), tensors[-1])
     stride2 = ctx.transform.stride ** 2
     num_tokens = sum(t.shape[1] * t.shape[2] // stride2 for t in tensors)
 

@@ -3,7 +3,8 @@
 The converter records one :func:`~.contract.sample_checksum` per sample (``manifest.checksums.npy``, described by
 the manifest header's ``checksums`` entry: ``contract.encode_checksums``) and each shard's size and sha256 (the
 manifest's ``shards`` table). :class:`ChecksumTable` is a reader's view of them: the per-sample checksums
-memory-mapped (O(1) Python objects per dataset, shared by forked read workers), the shard layout (``shards.count``
+memory-mapped (O(1) Python objects per dataset, shared by forked read workers; a remote dataset's read once into
+memory: ``remote``), the shard layout (``shards.count``
 / ``shards.path`` columns) read only when a sample fails, to name its shard. ``check(index, crude)`` is what
 ``cooking.cook_with`` calls on every crude sample before decoding anything.
 
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import remote
 from .columns import ColumnsError, read_columns
 from .contract import (CHECKSUM_ALGORITHM, MANIFEST_NAME, ManifestError, checksums_entry, manifest_error,
                        manifest_header, open_checksums, sample_checksum, sample_key)
@@ -43,7 +45,7 @@ def crude_parts(crude: Mapping[str, Any]) -> list[tuple[str, Any]]:
 class ChecksumTable:
     """The recorded checksums of the converted dataset at ``root`` (``name``: its dataset name in messages).
 
-    ``sums``: read-only ``<u8 [num_samples]`` (memory-mapped), sample ``i``'s ``sample_checksum``. The shard layout
+    ``sums``: read-only ``<u8 [num_samples]`` (memory-mapped; in memory for a remote dataset), sample ``i``'s ``sample_checksum``. The shard layout
     (``shard_of``, ``shard_count``, ``shard_path``) comes from the manifest's ``shards`` table on first use.
     Build it with :meth:`open`.
     """
@@ -60,18 +62,18 @@ class ChecksumTable:
         """The table of the converted dataset at ``root``, or None when it records no checksums (or ones of an
         algorithm this version does not know: one warning). Raises ManifestError (one line: the manifest or its
         checksums file missing, of another size, dtype or shape)."""
-        if not os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+        if not remote.isfile(remote.join(root, MANIFEST_NAME)):
             return None  # an Energon dataset not converted by bagel-data (the readers take it by its .nv-meta)
         head = manifest_header(root)
         try:
             entry = checksums_entry(head)
         except ColumnsError as e:
-            raise manifest_error(os.path.join(root, MANIFEST_NAME), str(e), head.get("group")) from None
+            raise manifest_error(remote.join(root, MANIFEST_NAME), str(e), head.get("group")) from None
         if entry is None:
             return None
         if entry["algorithm"] != CHECKSUM_ALGORITHM:
             logger.warning("%s: checksums of algorithm %r, this version verifies %r: its samples are not verified",
-                           os.path.join(root, MANIFEST_NAME), entry["algorithm"], CHECKSUM_ALGORITHM)
+                           remote.join(root, MANIFEST_NAME), entry["algorithm"], CHECKSUM_ALGORITHM)
             return None
         sums = open_checksums(root, head)
         assert sums is not None
@@ -80,7 +82,7 @@ class ChecksumTable:
     # -- the shard layout (read on first use: only a failing sample needs it) --------------------------------------
     def _shards(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if self._ends is None:
-            head, path = self._head, os.path.join(self.root, MANIFEST_NAME)
+            head, path = self._head, remote.join(self.root, MANIFEST_NAME)
             try:
                 if isinstance(head.get("shards"), list):  # a table held inline in the header (format 2)
                     counts = np.array([int(sh["count"]) for sh in head["shards"]], dtype=np.int64)
@@ -107,7 +109,7 @@ class ChecksumTable:
 
     def shard_path(self, shard: int) -> str:
         """Shard ``shard``'s file (absolute)."""
-        return os.path.join(self.root, str(self._shards()[2][shard]))
+        return remote.join(self.root, str(self._shards()[2][shard]))
 
     @property
     def remedy(self) -> str:

@@ -72,6 +72,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import remote
+
 __all__ = ["COLUMNS_NAME", "TABLES", "ColumnsError", "dumps_canonical", "split_manifest", "join_manifest",
            "read_file_ranges", "read_columns"]
 
@@ -249,10 +251,9 @@ def join_manifest(header: Mapping[str, Any], ds_root: str | os.PathLike) -> dict
         both = [t for t in tables if t in header]
         if both:
             raise ColumnsError(f"{both[0]!r} is both in the header and in {COLUMNS_NAME}")
-        path = os.path.join(os.fspath(ds_root), COLUMNS_NAME)
+        path = remote.join(ds_root, COLUMNS_NAME)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = remote.read_bytes(path)
         except FileNotFoundError:
             raise ColumnsError(f"{COLUMNS_NAME}: no such file") from None
         except OSError as e:
@@ -290,30 +291,12 @@ def read_file_ranges(header: Mapping[str, Any], ds_root: str | os.PathLike) -> t
     """``(first_sample, num_samples)`` of every ``files`` row: two int64 ``[num_files]`` arrays (read-only),
     read from the sidecar alone (O(1) Python objects). Their consistency is the caller's to check.
     Raises ColumnsError (sidecar missing, of another size, a column missing, of another dtype or length)."""
-    tables, arrays, size = _spec(header)
-    if "files" not in tables:
-        raise ColumnsError("header 'columns' holds no files table")
-    n = tables["files"]
-    where = {(k, p): o for t, k, p, o in arrays if t == "files" and k in ("first_sample", "num_samples")}
-    path = os.path.join(os.fspath(ds_root), COLUMNS_NAME)
-    out = []
-    try:
-        with open(path, "rb") as f:
-            actual = os.fstat(f.fileno()).st_size
-            if actual != size:
-                raise ColumnsError(f"{COLUMNS_NAME}: {actual} bytes, the header says {size}")
-            for key in ("first_sample", "num_samples"):
-                if set(p for k, p in where if k == key) != {"int"}:
-                    raise ColumnsError(f"{COLUMNS_NAME}: files.{key} is not one int column")
-                f.seek(where[key, "int"])
-                a = _checked(_load(f, f"files.{key}"), "int", n, f"files.{key}")
-                a.flags.writeable = False
-                out.append(a)
-    except FileNotFoundError:
-        raise ColumnsError(f"{COLUMNS_NAME}: no such file") from None
-    except OSError as e:
-        raise ColumnsError(f"{COLUMNS_NAME}: {e.strerror or e}") from None
-    return out[0], out[1]
+    _, arrays, _ = _spec(header)
+    for key in ("first_sample", "num_samples"):
+        if {p for t, k, p, _ in arrays if t == "files" and k == key} not in ({"int"}, set()):
+            raise ColumnsError(f"{COLUMNS_NAME}: files.{key} is not one int column")
+    first, num = read_columns(header, ds_root, "files", [("first_sample", "int"), ("num_samples", "int")])
+    return first, num
 
 
 def read_columns(header: Mapping[str, Any], ds_root: str | os.PathLike, table: str,
@@ -327,11 +310,11 @@ def read_columns(header: Mapping[str, Any], ds_root: str | os.PathLike, table: s
         raise ColumnsError(f"header 'columns' holds no {table} table")
     n = tables[table]
     where = {(k, p): o for t, k, p, o in arrays if t == table}
-    path = os.path.join(os.fspath(ds_root), COLUMNS_NAME)
+    path = remote.join(ds_root, COLUMNS_NAME)
     out = []
     try:
-        with open(path, "rb") as f:
-            actual = os.fstat(f.fileno()).st_size
+        with remote.open_binary(path) as f:  # a remote sidecar: read once into memory
+            actual = remote.file_size(f)
             if actual != size:
                 raise ColumnsError(f"{COLUMNS_NAME}: {actual} bytes, the header says {size}")
             for key, part in wanted:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .. import remote
 from .columns import (
     COLUMNS_NAME, ColumnsError, dumps_canonical, join_manifest, read_file_ranges, split_manifest,
 )
@@ -50,7 +51,7 @@ from .columns import (
 __all__ = [
     "GROUPS", "T2I", "EDIT", "VLM", "MANIFEST_FORMAT", "MANIFEST_NAME", "SHARDS_DIR", "META_PART",
     "SUBFLAVOR_KEY", "DEFAULT_SAMPLES_PER_SHARD", "SKIP_NOT_IN_PARQUET_INFO", "SKIP_ROW_GROUP_BEYOND_INFO",
-    "VIDEO_ERROR_KEY", "VIDEO_UNSUPPORTED",
+    "VIDEO_ERROR_KEY", "NUM_VIDEO_LINES", "NUM_VIDEO_FILES", "TRUNCATED_IMAGE", "image_truncation",
     "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
     "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "file_sample_range",
     "stored_row_groups", "sample_of", "aggregate_skipped", "file_ranges", "READ_FORMATS", "COLUMNS_NAME",
@@ -83,9 +84,12 @@ DEFAULT_SAMPLES_PER_SHARD = 1000
 SKIP_NOT_IN_PARQUET_INFO = "file not in parquet_info"
 SKIP_ROW_GROUP_BEYOND_INFO = "row group beyond parquet_info"
 
-#: vlm_sft: ``meta["image_errors"]`` key and message for a ``video`` record (not decoded).
+#: vlm_sft: ``meta["image_errors"]`` key of a ``video`` record's conversion error (missing / empty / not a path).
 VIDEO_ERROR_KEY = "video"
-VIDEO_UNSUPPORTED = "video unsupported"
+#: vlm_sft manifest header keys: how many lines are video records, and how many of them name a video file (decoded
+#: with decord; the others are frame folders) (absent in datasets converted before video was stored).
+NUM_VIDEO_LINES = "num_video_lines"
+NUM_VIDEO_FILES = "num_video_files"
 
 _IMG_PREFIX = "img"
 
@@ -112,6 +116,26 @@ def image_index(part: str) -> int | None:
     """Inverse of :func:`image_part`; None when ``part`` is not an image part."""
     if part.startswith(_IMG_PREFIX) and part[len(_IMG_PREFIX):].isdigit():
         return int(part[len(_IMG_PREFIX):])
+    return None
+
+
+#: The reason a truncated image is counted under (converter summary and manifest, reader telemetry and stats).
+TRUNCATED_IMAGE = "truncated_image"
+
+
+def image_truncation(data: bytes) -> str | None:
+    """Why the encoded image ``data`` is cut short, or None: a JPEG without its end-of-image marker ``FF D9``, or a
+    PNG without its final ``IEND`` chunk, after any trailing NUL / whitespace padding. Other formats: None.
+
+    Such bytes open and decode under the official ``ImageFile.LOAD_TRUNCATED_IMAGES = True``: PIL fills the missing
+    rows (grey), silently. Bytes only (O(1), no pixel decode): the converter checks every stored image with it, the
+    readers every image they cook.
+    """
+    tail = data[-4096:].rstrip(b"\0 \t\r\n")  # the end is all that is read: no copy of the image
+    if data[:3] == b"\xff\xd8\xff":
+        return None if tail.endswith(b"\xff\xd9") else f"JPEG of {len(data)} bytes without its end marker FF D9"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return None if tail[-8:-4] == b"IEND" else f"PNG of {len(data)} bytes without its IEND chunk"
     return None
 
 
@@ -297,8 +321,7 @@ def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
 def _read_header(path: str) -> Any:
     """The parsed JSON of ``manifest.json`` (any format), or ManifestError (missing, not JSON, other format)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            man = json.load(f)
+        man = json.loads(remote.read_bytes(path).decode("utf-8"))
     except FileNotFoundError:
         raise _manifest_error(path, "no such file") from None
     except json.JSONDecodeError as e:
@@ -315,7 +338,7 @@ def manifest_header(ds_root: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``manifest.json`` of a converted dataset as it is on disk (format 3: the small header, its
     tables in the sidecar), unchecked beyond being a JSON object of a format this version reads. Raises
     ManifestError (one line)."""
-    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
+    path = remote.join(ds_root, MANIFEST_NAME)
     head = _read_header(path)
     if not isinstance(head, dict):
         raise _manifest_error(path, f"a JSON {type(head).__name__}, not an object")
@@ -338,7 +361,7 @@ def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
     naming the file, the dataset, the cause and ``bagel-data convert ...`` as remedy) when the file or its
     sidecar is missing or damaged, lacks keys or has another format.
     """
-    path = os.path.join(os.fspath(ds_root), MANIFEST_NAME)
+    path = remote.join(ds_root, MANIFEST_NAME)
     man = _manifest_of(path, _read_header(path))
     _check_checksums_file(path, man)
     return man
@@ -422,8 +445,8 @@ def load_manifest_index(ds_root: str | os.PathLike) -> ManifestIndex:
     short, of another dtype or inconsistent, or its checksums file (when it records one) missing or of another
     size.
     """
-    root = os.fspath(ds_root)
-    path = os.path.join(root, MANIFEST_NAME)
+    root = remote.absolute(ds_root) if remote.is_remote(ds_root) else os.fspath(ds_root)
+    path = remote.join(root, MANIFEST_NAME)
     head = _read_header(path)
     if not (isinstance(head, dict) and head.get("format") == 3 and "columns" in head and "files" not in head):
         man = _manifest_of(path, head)
@@ -513,7 +536,7 @@ def _check_checksums_file(path: str, man: Mapping[str, Any]) -> None:
         if entry is None:
             return
         try:
-            size = os.path.getsize(os.path.join(os.path.dirname(path), CHECKSUMS_NAME))
+            size = remote.size(remote.join(os.path.dirname(path), CHECKSUMS_NAME))
         except FileNotFoundError:
             raise ColumnsError(f"{CHECKSUMS_NAME}: no such file") from None
         except OSError as e:
@@ -533,7 +556,7 @@ def open_checksums(ds_root: str | os.PathLike, man: Mapping[str, Any] | None = N
     unless ``mmap`` is False), or None when its manifest records none. ``man``: its manifest header or dict
     (read from ``ds_root`` when None). Raises ManifestError (file missing, of another size, shape or dtype)."""
     root = os.fspath(ds_root)
-    path = os.path.join(root, MANIFEST_NAME)
+    path = remote.join(root, MANIFEST_NAME)
     if man is None:
         man = _read_header(path)
         if not isinstance(man, dict):
@@ -543,14 +566,13 @@ def open_checksums(ds_root: str | os.PathLike, man: Mapping[str, Any] | None = N
     if entry is None:
         return None
     try:
-        a = np.load(os.path.join(root, CHECKSUMS_NAME), mmap_mode="r" if mmap else None, allow_pickle=False)
+        a = remote.load_npy(remote.join(root, CHECKSUMS_NAME), mmap=mmap)
     except (ValueError, OSError, EOFError) as e:
         raise _manifest_error(path, f"{CHECKSUMS_NAME}: {type(e).__name__}: {e}", man.get("group")) from None
     if a.dtype != _SUM_DTYPE or a.shape != (entry["samples"],):
         raise _manifest_error(path, f"{CHECKSUMS_NAME}: {a.dtype.str} {list(a.shape)}, expected {_SUM_DTYPE.str} "
                               f"[{entry['samples']}]", man.get("group"))
-    if not mmap:
-        a.flags.writeable = False
+    a.flags.writeable = False
     return a
 
 

@@ -6,7 +6,9 @@ shard; through worker processes a flattened worker traceback). Here:
 
 - ``check_prepared(path)`` (at reader build) refuses a dataset without a complete ``.nv-meta``;
 - ``diagnose(paths, hint)`` (only after a read failed) walks the shards' tar headers (no member data is read)
-  and compares them with each ``.tar.idx``: the first damaged file with where and why, or None.
+  and compares them with each ``.tar.idx``: the first damaged file with where and why, or None. For an
+  ``msc://`` dataset (``remote``) it checks that each shard and index object exists (no header scan over the
+  network).
 
 Every message is one line: what, which file, what to do.
 """
@@ -22,6 +24,8 @@ import tarfile
 import time
 from collections.abc import Sequence
 
+from .. import remote
+
 __all__ = ["check_prepared", "check_shard", "diagnose", "shard_files"]
 
 logger = logging.getLogger(__name__)
@@ -34,7 +38,11 @@ _CONVERT = "convert it again with --overwrite or restore the file"
 
 
 def check_prepared(path: str) -> None:
-    """Raise ValueError (one line) if ``path`` has no usable ``.nv-meta`` (Energon: ``Invalid dataset at``)."""
+    """Raise ValueError (one line) if ``path`` has no usable ``.nv-meta`` (Energon: ``Invalid dataset at``); for an
+    ``msc://`` dataset, reads its ``.nv-meta`` files (a store that refuses: ``remote.RemoteStorageError``)."""
+    if remote.is_remote(path):
+        _check_prepared_remote(path)
+        return
     meta = os.path.join(path, _NV_META)
     if not os.path.isdir(path):
         raise ValueError(f"dataset directory {path} does not exist: fix energon_path in the dataset_info registry")
@@ -52,10 +60,28 @@ def check_prepared(path: str) -> None:
                          "re-index it (`energon prepare <that dir>`) or convert it again") from None
 
 
+def _check_prepared_remote(path: str) -> None:
+    """:func:`check_prepared` of an ``msc://`` dataset: its ``.nv-meta`` files read (two requests, no listing)."""
+    for name in _NEEDED:
+        url = remote.join(path, _NV_META, name)
+        try:
+            data = remote.read_bytes(url)
+        except FileNotFoundError:
+            raise ValueError(f"dataset {path}: {url} does not exist: fix energon_path in the dataset_info registry, "
+                             "or upload the whole converted dataset directory there") from None
+        if name == ".info.json":
+            try:
+                counts = json.loads(data.decode("utf-8"))["shard_counts"]
+                assert isinstance(counts, dict)
+            except (ValueError, KeyError, AssertionError) as exc:
+                raise ValueError(f"damaged dataset {path}: {url} is unreadable ({type(exc).__name__}): upload it "
+                                 "again from a good copy, or convert the dataset again") from None
+
+
 def shard_files(path: str) -> list[str]:
     """The shard paths a prepared dataset lists in ``.nv-meta/.info.json``."""
-    with open(os.path.join(path, _NV_META, ".info.json"), encoding="utf-8") as fh:
-        return [os.path.join(path, name) for name in json.load(fh)["shard_counts"]]
+    info = json.loads(remote.read_bytes(remote.join(path, _NV_META, ".info.json")).decode("utf-8"))
+    return [remote.join(path, name) for name in info["shard_counts"]]
 
 
 def _scan(tar: str, size: int) -> tuple[list[int], int, str | None]:
@@ -103,7 +129,19 @@ def _base(name: str) -> str:
     return m.group(1) if m else name
 
 
+def _check_remote_shard(dataset: str, tar: str) -> str | None:
+    """A remote shard: its object and its ``.tar.idx`` exist (two requests; the tar headers are not scanned over the
+    network: ``bagel-data verify`` reads the whole shard against its checksums)."""
+    for url, what in ((tar, "shard"), (tar + ".idx", "shard index")):
+        if not remote.isfile(url):
+            return (f"{what} {url} of dataset {dataset} is missing: upload it again from the converted copy "
+                    "(every file of the dataset directory), or convert the dataset again")
+    return None
+
+
 def _check_shard(dataset: str, tar: str) -> str | None:
+    if remote.is_remote(tar):
+        return _check_remote_shard(dataset, tar)
     if not os.path.isfile(tar):
         return f"shard {tar} of dataset {dataset} is missing: {_CONVERT}"
     size = os.path.getsize(tar)
@@ -155,7 +193,7 @@ def diagnose(paths: Sequence[str], hint: str = "") -> str | None:
             shards = shard_files(dataset)
         except ValueError as exc:
             return str(exc)
-        shards.sort(key=lambda s: os.path.relpath(s, dataset) not in hint)
+        shards.sort(key=lambda s: s[len(dataset):].lstrip("/") not in hint)
         for tar in shards:
             if time.monotonic() - t0 > _DIAGNOSE_BUDGET_S:
                 logger.warning("diagnosis of the read error stopped after %.0fs of scanning shards", _DIAGNOSE_BUDGET_S)

@@ -9,7 +9,13 @@ This package holds what avoids it, written against Energon's own classes:
   list as arrays (``ShardTable``) and Energon's ``TaskEncoder.build_train_datasets`` on top;
 * ``sharding``: Energon's sharder (slice offsets, bit-reversal worker order) in numpy;
 * :func:`restore_key_prefix`: the restore key Energon's savable loader gives sample ``i`` of a dataset read whole, from
-  its wrapper chain (O(1), no sample read).
+  its wrapper chain (O(1), no sample read);
+* ``index``: ``write_index`` — a converted dataset's ``.nv-meta`` index from the converter's own records (Energon's
+  ``prepare_dataset`` on an untested Energon);
+* :func:`energon_rank_state`: Energon's per-rank loader state with a race of its workers corrected (its plain
+  ``save_state_rank()`` on an untested Energon);
+* :func:`shard_in_frame`: the shard file an Energon tar reader is reading in a (stuck) frame, for the data watchdog
+  (not known on an untested Energon).
 
 They are tested against Energon itself (``tests/test_compact_open.py``) on the versions in ``TESTED_ENERGON``. On any
 other Energon version :func:`active` is False and the readers step aside for Energon's public path
@@ -25,7 +31,8 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ENV", "TESTED_ENERGON", "active", "forced", "restore_key_prefix", "supported"]
+__all__ = ["ENV", "TESTED_ENERGON", "active", "energon_rank_state", "forced", "restore_key_prefix", "shard_in_frame",
+           "supported"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,4 +103,50 @@ def restore_key_prefix(loader: Any) -> tuple | None:
         elif name not in ("WatchdogDataset",):
             return None
         node = getattr(node, "dataset", None)
+    return None
+
+
+def energon_rank_state(loader: Any) -> Any:
+    """``loader.save_state_rank()`` of an Energon ``SavableDataLoader``, with a race of its workers corrected (on a
+    tested Energon; else Energon's answer as it is).
+
+    Energon (checked: 7.x, ``savable_loader.SavableDatasetWrapper``) answers a save from each worker's command
+    thread, which the worker starts inside its ``__iter__`` just before taking the command lock. A worker that
+    has not stored its first checkpoint yet (slow to start; a save right after the first sample, ~1 in 10 under
+    CPU load) can answer from its construction-time sentinel ``(state=None, sample_index=-1)``, giving
+    ``offset = last + 1 - (-1)``: one sample more than it emitted, so the resumed loader skips that worker's
+    first sample. No started worker answers ``state=None``: the sentinel is the only checkpoint without a state.
+    Such a worker has emitted nothing since the loader (re)started, so its true checkpoint is its initial one:
+    the restored state and skip count (``dataset.get_initial_checkpoint()``), or ``state=None, offset=0``
+    (a fresh start). Other answers, and loaders without workers, are returned unchanged.
+    """
+    state = loader.save_state_rank()
+    workers = getattr(state, "worker_states", None)
+    if not workers or not getattr(loader, "num_workers", 0) or not active():
+        return state
+    stale = [i for i, ws in enumerate(workers) if hasattr(ws, "offset") and ws.state is None and ws.offset != 0]
+    if stale:
+        from megatron.energon.savable_loader import SavableDatasetCheckpoint
+
+        initial = loader.dataset.get_initial_checkpoint()
+        for i in stale:
+            workers[i] = initial[i] if initial is not None else SavableDatasetCheckpoint(state=None, offset=0)
+        logger.debug("Energon loader state: worker(s) %s had not started iterating; their initial checkpoint "
+                     "is saved instead of Energon's off-by-one answer", stale)
+    return state
+
+
+def shard_in_frame(local: dict[str, Any]) -> tuple[str, str | None] | None:
+    """``(shard file, dataset path or None)`` an Energon tar reader (``ITarReader``: ``tar_filepaths`` and a
+    ``tar_file_id`` or sample pointer, as Energon 7.4 names them) is opening or reading in a frame with locals
+    ``local``; None when the frame is no such reader's, or on an untested Energon."""
+    obj = local.get("self")
+    if obj is None or not hasattr(obj, "tar_filepaths") or not active():
+        return None
+    tid = local.get("tar_file_id")
+    for name in ("sample_pointer", "raw_sample_pointer"):
+        if tid is None and local.get(name) is not None:
+            tid = getattr(local[name], "tar_file_id", None)
+    if isinstance(tid, int) and 0 <= tid < len(obj.tar_filepaths):
+        return str(obj.tar_filepaths[tid]), str(getattr(obj, "base_path", "") or "") or None
     return None

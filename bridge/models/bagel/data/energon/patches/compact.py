@@ -46,6 +46,7 @@ from megatron.energon.metadataset.loader_interface import DatasetBlendMode, Load
 from megatron.energon.worker import WorkerConfig
 from megatron.energon.wrappers.map_dataset import MapDataset
 
+from .. import remote
 from . import sharding
 
 __all__ = ["CompactCrudeWebdataset", "ShardTable", "TableITarReader", "expand_braces", "open_dataset",
@@ -174,10 +175,9 @@ def read_shard_table(path: str | EPath, split_part: str = "train", split_config:
     (and report what is wrong). Never raises for a bad dataset."""
     root = os.fspath(str(path))
     try:
-        with open(os.path.join(root, _META, ".info.json"), "rb") as f:
-            info = json.load(f)
-        with open(os.path.join(root, _META, split_config), "rb") as f:
-            splits = load_yaml(f.read()) if split_config.endswith(".yaml") else None
+        info = json.loads(remote.read_bytes(remote.join(root, _META, ".info.json")))
+        splits = load_yaml(remote.read_bytes(remote.join(root, _META, split_config))) \
+            if split_config.endswith(".yaml") else None
         if not _typed_like_energon(info, splits) or split_part not in splits["split_parts"]:
             return None
         counts_by_name = info["shard_counts"]
@@ -268,9 +268,25 @@ class TableITarReader(ITarReader):
     def __init__(self, base_path: EPath, table: ShardTable, part_filter: Callable[[str], bool] | None = None,
                  itar_cache_size: int = 5, sample_filter: Callable[[str], bool] | None = None) -> None:
         self.shard_table = table
+        self._remote = remote.is_remote(str(base_path))
         self.cached_offset_reader = CachedItarOffsetReader(cache_size=itar_cache_size)
         super().__init__(base_path=base_path, tar_filenames=table.names, tar_filepaths=table.paths,
                          part_filter=part_filter, itar_cache_size=itar_cache_size, sample_filter=sample_filter)
+
+    def __getitem__(self, idx: Any) -> Any:
+        """Energon's ``ITarReader.__getitem__``; over an ``msc://`` dataset, an error of the store (refused,
+        timed out after MSC's retries, the shard's object gone) is one ``remote.RemoteStorageError`` line naming the
+        shard's URL and the remedy (a damaged shard's tar errors pass as they are: ``layout.damage`` names them)."""
+        if not self._remote or not isinstance(idx, int) or not 0 <= idx < self.shard_table.num_samples:
+            return super().__getitem__(idx)
+        try:
+            return super().__getitem__(idx)
+        except Exception as exc:
+            if not _store_error(exc):
+                raise
+            url = str(self.shard_table.paths[self.shard_table.shard_of(idx)[0]])
+            line = remote.describe(exc, url)
+            raise remote.RemoteStorageError(line, brief=line[:200]) from exc
 
     def _get_itar_sample_pointer(self, idx: int) -> ITarSamplePointer:
         """Shard and byte range of global sample ``idx`` (its shard's ``.tar.idx``); IndexError outside."""
@@ -288,12 +304,18 @@ class TableITarReader(ITarReader):
                 f"len(shards)={len(self.tar_filenames)}, shards=[{first}, ...])")
 
 
+def _store_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from the object store's client (MSC, boto3) rather than from a shard's bytes."""
+    top = type(exc).__module__.split(".")[0]
+    return (isinstance(exc, OSError) or top in ("multistorageclient", "botocore", "boto3", "urllib3", "s3transfer")
+            or (type(exc) is RuntimeError and "object(s) at" in str(exc)))
+
+
 def _crude_yaml(root: str) -> dict[str, Any] | None:
     """The ``dataset.yaml`` keys of a plain Energon ``CrudeWebdataset`` (only ``subflavors`` besides the class), else
     None."""
     try:
-        with open(os.path.join(root, _META, "dataset.yaml"), "rb") as f:
-            data = load_yaml(f.read())
+        data = load_yaml(remote.read_bytes(remote.join(root, _META, "dataset.yaml")))
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("__module__") != "megatron.energon" \

@@ -1,7 +1,8 @@
 """The group readers: one reader core (``core.GroupReader``) and the orders as plans.
 
-* ``core``: ``GroupReader`` (datasets, cooking, drops, liveness, the data watch, read-ahead, state) and
-  ``GroupDatasets`` (a group's converted datasets, checked and opened once);
+* ``core``: ``GroupReader`` (cooking, drops, liveness, the data watch, read-ahead, state); ``plan``: what it asks
+  of an order (``Plan``) and the read it gets back (``Read``, ``Skip``); ``datasets``: ``GroupDatasets`` (a group's
+  converted datasets, checked and opened once);
 * ``elastic``: ``ElasticPlan`` — ``data.order: elastic``, the default (resumable on any DP size; small groups on
   large worlds); ``partitions``: its canonical partitions and blocks;
 * ``official``: ``OfficialPlan`` — ``data.order: official``, the official BAGEL unit order (the parity order);
@@ -15,19 +16,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from ...config.schema import ORDERS
 from ...watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S
 from ..cooking import CookContext
 from ..layout import load_manifest
-from .core import DataReadError, GroupDatasets, GroupReader, read_error
+from .core import DataReadError, GroupReader, read_error
+from .datasets import GroupDatasets
 from .elastic import DEFAULT_PARTITIONS, ElasticPlan
 from .official import OfficialPlan
+from .plan import Plan, Read, Skip
 from .pool import ReadPool
 
-__all__ = ["DEFAULT_PARTITIONS", "ORDERS", "DataReadError", "GroupDatasets", "GroupReader", "ReadPool",
-           "open_group_reader", "read_error"]
+__all__ = ["DEFAULT_PARTITIONS", "ORDERS", "DataReadError", "GroupDatasets", "GroupReader", "Plan", "ReadPool",
+           "Read", "Skip", "open_group_reader", "read_error"]
 
 
 def open_group_reader(order: str, datasets: GroupDatasets | str | Sequence[str], ctx: CookContext, *,
@@ -47,7 +49,7 @@ def open_group_reader(order: str, datasets: GroupDatasets | str | Sequence[str],
     group_datasets = datasets if isinstance(datasets, GroupDatasets) else GroupDatasets(datasets, ctx.group)
     if order == "elastic":
         runs = group_datasets.selection(num_used_data, shuffle_lines, shuffle_seed)
-        plan: Any = ElasticPlan.of(runs, group=group_datasets.group, seed=seed, partitions=partitions,
+        plan: Plan = ElasticPlan.of(runs, group=group_datasets.group, seed=seed, partitions=partitions,
                                    dp_rank=dp_rank, dp_size=dp_size)
     elif order == "official":
         if num_used_data is None:

@@ -9,28 +9,18 @@ context), drop and unused counters by reason, the liveness rule (a source that c
 dataset's recorded checksums before it is cooked (``layout.checksums.ChecksumTable``; a mismatch is a
 ``checksum_mismatch`` drop) and :class:`ChecksumGuard` stops the reader on a damaged shard.
 
-*Which* sample comes next is the order's: a small **plan** object (the reader's ``source``) deciding which
-(dataset, sample index) each read is, how its random choices are drawn and what its state is. The plans:
-``elastic.ElasticPlan`` (``data.order: elastic``, the default: resumable on any DP size) and
-``official.OfficialPlan`` (``data.order: official``, the parity order). A plan offers:
-
-* ``next_item()`` — the next read (a small tuple), advancing the plan (StopIteration at the end of a finite plan);
-  an item ``("skip", row_id, reason, detail)`` is a unit with nothing to read (diagnostics only);
-* ``copy()`` (plans with ``prefetch = True``: their reads are pure functions of the item and may run ahead in the
-  worker pool) — a copy the look-ahead advances;
-* ``coordinate(item)`` -> ``(dataset, sample index)``, ``draws(item)`` -> ``cooking.Draws``, ``finish(sample,
-  item)`` (the read's key and ``data_indexes``), ``item_of(restore_key)``, ``is_handover(item)``, ``row_id(item)``;
-* ``stall_limit(dataset)`` / ``stall_source(dataset)`` — the liveness rule's limit and what it counts over;
-* ``state_dict`` / ``load_state_dict`` / ``identity`` / ``stats`` / ``resize_state(olds, ctx, handover)``.
+*Which* sample comes next is the order's: a **plan** (the reader's ``source``, :class:`plan.Plan`) whose next read is
+a :class:`plan.Read` record (dataset, sample index, key, ``data_indexes``, recorded choices, hand-over) and which
+rebuilds a read from a restore key. The plans: ``elastic.ElasticPlan`` (``data.order: elastic``, the default:
+resumable on any DP size) and ``official.OfficialPlan`` (``data.order: official``, the parity order). The group's
+datasets are ``datasets.GroupDatasets``.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import os
 import re
-import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
@@ -40,15 +30,14 @@ from ...errors import CorruptShardError, DataReadError, DataStallError, DataTime
 from ...state import ResizeContext, Stage, StateError
 from ...stats import DropCounter, StallWatch, merge_counts
 from ...watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S, ReadWatch, describe_frame
-from ..cooking import CORES, BagelSample, CookContext, cook_with
-from ..layout import MANIFEST_NAME, ManifestIndex, damage, load_manifest_index
-from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
-from .access import DatasetAccess
+from ..cooking import CORES, BagelSample, CookContext, Draws, cook_with
+from ..layout import damage
+from ..layout.checksums import CHECKSUM_MISMATCH
+from .datasets import GroupDatasets
+from .plan import Plan, Read, Skip
 from .pool import ReadPool
-from .selection import manifest_runs
 
-__all__ = ["MAX_BAD_FRACTION", "ChecksumGuard", "DataReadError", "GroupDatasets", "GroupReader",
-           "dataset_num_samples", "read_error"]
+__all__ = ["MAX_BAD_FRACTION", "ChecksumGuard", "DataReadError", "GroupReader", "read_error"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,102 +86,6 @@ def read_error(exc: BaseException, group: str, rank: str, workers: str, paths: S
     at = f" while reading shard {shard}" if shard else ""
     message = f"{who}, {workers}, datasets {list(paths)}){where}: {kind}: {' '.join(text.split())}{at}"
     return DataReadError(message, brief=f"{who}){where}: {kind}: {' '.join(text.split())[:120]}")
-
-
-def dataset_num_samples(path: str) -> tuple[str, int]:
-    """``(group, sample count)`` of a converted dataset, from its manifest (or ``.nv-meta/.info.json``)."""
-    if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
-        index = load_manifest_index(path)
-        return index.group, index.num_samples
-    import json
-
-    info = os.path.join(path, ".nv-meta", ".info.json")
-    if not os.path.isfile(info):
-        raise ValueError(f"{path}: not a converted BAGEL dataset (no {MANIFEST_NAME} and no .nv-meta/.info.json)")
-    with open(info, encoding="utf-8") as f:
-        counts = json.load(f).get("shard_counts", {})
-    return "", int(sum(counts.values()))
-
-
-class GroupDatasets:
-    """The converted datasets of one group: absolute ``paths``, the ``group`` name, each dataset's sample count
-    (``counts``) and manifest index (``manifests``, read once; None without a converter manifest), their recorded
-    checksums (``checksums``: a memory-mapped ``layout.checksums.ChecksumTable``, None for a dataset without them),
-    and their random access (``access``, opened on first use).
-
-    Raises ValueError (one line) for an empty dataset or datasets of different groups; ``layout.damage`` names a
-    damaged ``.nv-meta`` first (Energon would only say "Invalid dataset at <dir>"); ManifestError for a damaged
-    manifest or checksums file.
-    """
-
-    def __init__(self, paths: str | Sequence[str], group: str | None = None, *, patched: bool | None = None) -> None:
-        self.paths = [os.path.abspath(os.fspath(p)) for p in ([paths] if isinstance(paths, (str, os.PathLike))
-                                                               else paths)]
-        if not self.paths:
-            raise ValueError("a group reader needs at least one dataset path")
-        for p in self.paths:
-            damage.check_prepared(p)
-        groups: set[str | None] = set()
-        self.counts: list[int] = []
-        self.manifests: list[ManifestIndex | None] = []
-        self.checksums: list[ChecksumTable | None] = []
-        for p in self.paths:  # the manifests' O(1) view (format 3: no per-file Python object)
-            man = load_manifest_index(p) if os.path.isfile(os.path.join(p, MANIFEST_NAME)) else None
-            self.manifests.append(man)
-            self.checksums.append(ChecksumTable.open(p) if man is not None else None)
-            g, n = (man.group, man.num_samples) if man is not None else dataset_num_samples(p)
-            if n == 0:
-                raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
-            groups.add(g or group)
-            self.counts.append(n)
-        groups.discard(None)
-        if group is not None:
-            groups.add(group)
-        if len(groups) != 1:
-            raise ValueError(f"datasets {self.paths} are not all of one group: {sorted(map(str, groups))}")
-        self.group: str = groups.pop()  # type: ignore[assignment]
-        self._patched = patched
-        self._access: list[DatasetAccess | None] = [None] * len(self.paths)
-
-    def name(self, d: int) -> str:
-        """Dataset ``d``'s directory name."""
-        return os.path.basename(self.paths[d])
-
-    def access(self, d: int) -> DatasetAccess:
-        """Dataset ``d``'s random access (opened on first use)."""
-        if self._access[d] is None:
-            self._access[d] = DatasetAccess(self.paths[d], patched=self._patched)
-        return self._access[d]  # type: ignore[return-value]
-
-    def accesses(self) -> list[DatasetAccess]:
-        return [self.access(d) for d in range(len(self.paths))]
-
-    def selection(self, num_used_data: Sequence[int] | None, shuffle_lines: bool, shuffle_seed: int
-                  ) -> list[list[tuple[int, int, int]]]:
-        """Per dataset, the official selection as ``(start, end, repetitions)`` sample-index runs
-        (``selection.manifest_runs``). Raises ValueError when the selection needs a manifest it has not."""
-        if num_used_data is not None and len(num_used_data) != len(self.paths):
-            raise ValueError(f"num_used_data has {len(num_used_data)} entries for {len(self.paths)} datasets")
-        runs = []
-        for i, (p, n) in enumerate(zip(self.paths, self.counts)):
-            used = None if num_used_data is None else int(num_used_data[i])
-            if used is None and not (shuffle_lines and self.group == "vlm_sft"):
-                runs.append([(0, n, 1)] if n else [])
-                continue
-            man = self.manifests[i]
-            if man is None:
-                raise ValueError(f"{p}: num_used_data / shuffle_lines need the converter's {MANIFEST_NAME}")
-            runs.append(manifest_runs(man, used, shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed))
-        return runs
-
-    def unverified(self) -> list[str]:
-        """The datasets that record no checksums (their samples are read unverified)."""
-        return [p for p, t in zip(self.paths, self.checksums) if t is None]
-
-    def close_files(self) -> None:
-        for a in self._access:
-            if a is not None:
-                a.close_files()
 
 
 class ChecksumGuard:
@@ -246,7 +139,7 @@ class GroupReader(Stage):
 
     _savable_fields = ("source", "taken", "handed_in", "drops", "unused")
 
-    def __init__(self, datasets: GroupDatasets, plan: Any, ctx: CookContext, *, dp_rank: int = 0, dp_size: int = 1,
+    def __init__(self, datasets: GroupDatasets, plan: Plan, ctx: CookContext, *, dp_rank: int = 0, dp_size: int = 1,
                  worker_id: int = 0, pool: ReadPool | None = None, stall_warn_s: float = DEFAULT_STALL_WARN_S,
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.datasets, self.source, self.ctx = datasets, plan, ctx
@@ -268,7 +161,7 @@ class GroupReader(Stage):
         self._guard = ChecksumGuard(datasets, f"{self.where}, reader {self.group!r}")
         self.skipped: list[dict[str, Any]] = []
         self._ahead: collections.deque = collections.deque()
-        self._look: Any = None  # the look-ahead copy of the plan, made at the first read
+        self._look: Plan | None = None  # the look-ahead copy of the plan, made at the first read
         self._started = self._closed = False
         self._released = weakref.finalize(self, _release, self._pool, self._pool_id)
         self.reset_state()
@@ -311,47 +204,49 @@ class GroupReader(Stage):
                 "drops": counts("drops"), "unused": counts("unused")}
 
     # -- reading -------------------------------------------------------------------------------------
-    def read_item(self, item: tuple) -> BagelSample:
-        """The cooked sample of one planned read (a tombstone when the data is unusable); in a pool worker or here."""
-        d, i = self.source.coordinate(item)
-        crude = self.datasets.access(d).crude(i)
-        sample = cook_with(self._core, crude, self.ctx, self.source.draws(item), self.worker_id, index=i,
-                           checksums=self.datasets.checksums[d] if self.ctx.verify_checksums else None)
-        self.source.finish(sample, item)
+    def read_item(self, read: Read) -> BagelSample:
+        """The cooked sample of one planned read (a tombstone when the data is unusable), stamped with the read's key
+        and ``data_indexes``; in a pool worker or here."""
+        crude = self.datasets.access(read.dataset).crude(read.index)
+        draws = Draws(replay=read.replay) if read.replay is not None else Draws(rng=self.source.rng(read))
+        sample = cook_with(self._core, crude, self.ctx, draws, self.worker_id, index=read.index,
+                           checksums=self.datasets.checksums[read.dataset] if self.ctx.verify_checksums else None)
+        sample.__restore_key__ = read.key
+        sample.data_indexes = {**sample.data_indexes, **read.data_indexes}
         return sample
 
-    def _read_here(self, item: tuple) -> BagelSample:
-        sample = self.read_item(item)
+    def _read_here(self, read: Read) -> BagelSample:
+        sample = self.read_item(read)
         if self._pool is not None:
             self.datasets.close_files()  # the pool's workers may fork later: they must not share these offsets
         return sample
 
-    def _fetch(self, item: tuple) -> BagelSample:
-        """The sample of ``item``: read here (under the watch), or taken from the look-ahead in the pool."""
+    def _fetch(self, read: Read) -> BagelSample:
+        """The sample of ``read``: read here (under the watch), or taken from the look-ahead in the pool."""
         if self._pool is None:
-            return self._watch.call(self._read_here, item)
-        if self._look is None:  # the first read: the plan has just produced ``item``, a copy goes on from there
-            self._look = iter(self.source.copy())
-            self._ahead.append((item, self._pool.submit(self._pool_id, item)))
+            return self._watch.call(self._read_here, read)
+        if self._look is None:  # the first read: the plan has just produced ``read``, a copy goes on from there
+            self._look = self.source.copy()
+            self._ahead.append((read, self._pool.submit(self._pool_id, read)))
         while len(self._ahead) < self._window:
-            nxt = next(self._look)
+            nxt = self._look.next_read()
             self._ahead.append((nxt, self._pool.submit(self._pool_id, nxt)))
         planned, future = self._ahead.popleft()
-        if planned != item:
-            raise RuntimeError(f"reader {self.group}: read {planned!r}, planned {item!r} (internal error)")
+        if planned != read:
+            raise RuntimeError(f"reader {self.group}: read {planned!r}, planned {read!r} (internal error)")
         return self._watch.call(future.result)
 
     def __next__(self) -> BagelSample:
         if self._closed:
             raise RuntimeError(f"reader {self.group} is closed")
         while True:
-            item = self.source.next_item()
-            if item[0] == "skip":
-                self._skip(item)
+            read = self.source.next_read()
+            if isinstance(read, Skip):
+                self._skip(read)
                 continue
             self._started = True
             try:
-                sample = self._fetch(item)
+                sample = self._fetch(read)
             except (StopIteration, DataStallError, DataTimeoutError, DataReadError):
                 raise
             except BrokenProcessPool as exc:
@@ -361,13 +256,12 @@ class GroupReader(Stage):
             except Exception as exc:  # name the damaged file, else the group, datasets and rank
                 raise read_error(exc, self.group, self.where, "read workers" if self._pool else "no read workers",
                                  self.datasets.paths) from exc
-            if self.source.is_handover(item):
+            if read.handover:
                 self.handed_in += 1
             else:
                 self.taken += 1
-            d, index = self.source.coordinate(item)
-            dataset = self.datasets.name(d)
-            stall_key = self.source.stall_source(d) or dataset
+            dataset = self.datasets.name(read.dataset)
+            stall_key = self.source.stall_source(read.dataset) or dataset
             if sample.drop_reason is None:
                 self._stall.ok(stall_key)
                 for reason, n in (sample.unused or {}).items():
@@ -375,24 +269,23 @@ class GroupReader(Stage):
                 return sample
             self.drops.drop(sample.drop_reason, sample.drop_detail)
             if sample.drop_reason == CHECKSUM_MISMATCH:
-                self._guard.count(d, index)  # a damaged shard stops the reader
+                self._guard.count(read.dataset, read.index)  # a damaged shard stops the reader
             if len(self.skipped) < _MAX_SKIPPED:
-                self.skipped.append({"row_id": self.source.row_id(item), "reason": sample.drop_reason,
+                self.skipped.append({"row_id": read.row_id, "reason": sample.drop_reason,
                                      "detail": sample.drop_detail})
-            self._stall.drop(stall_key, sample.drop_reason, sample.drop_detail, limit=self.source.stall_limit(d),
-                             where=f"dataset {dataset!r} on {self.where}")
+            self._stall.drop(stall_key, sample.drop_reason, sample.drop_detail,
+                             limit=self.source.stall_limit(read.dataset), where=f"dataset {dataset!r} on {self.where}")
 
-    def _skip(self, item: tuple) -> None:
-        _, row_id, reason, detail = item
-        logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official", self.group, detail)
+    def _skip(self, skip: Skip) -> None:
+        logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official", self.group,
+                       skip.detail)
         if len(self.skipped) < _MAX_SKIPPED:
-            self.skipped.append({"row_id": row_id, "reason": reason, "detail": detail})
+            self.skipped.append(skip._asdict())
 
     def restore_sample(self, restore_key: Any) -> BagelSample:
         """Rebuild a sample from its ``restore_key`` (the read's key and its recorded choices), drawing no RNG.
         Raises ``StateError`` for a key this reader's order does not know, or one naming a dropped sample."""
-        item = self.source.item_of(restore_key)
-        sample = self._read_here(item)
+        sample = self._read_here(self.source.read_of(restore_key))
         if sample.drop_reason is not None:
             raise StateError(f"reader {self.group}: restore key {restore_key!r:.120} names a dropped sample "
                              f"({sample.drop_reason}: {sample.drop_detail})")

@@ -38,15 +38,15 @@ import json
 import math
 import random
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ...config.schema import DEFAULT_PARTITIONS
 from ...state import ResizeContext, Savable, StateError, check_fields
-from ..cooking import Draws
 from .partitions import DEFAULT_CHUNK, GroupLayout, PartitionOrder, block
+from .plan import Read
 
 __all__ = ["DEFAULT_PARTITIONS", "ElasticPlan", "KEY_TAG", "reads_taken"]
 
@@ -75,6 +75,13 @@ def _unpack(blob: Any, where: str) -> list[list[int]]:
     return rows.tolist()
 
 
+def _read(key: tuple, replay: tuple | None = None, handover: bool = False) -> Read:
+    """The read of an elastic key ``(KEY_TAG, d, i, j, e, p)``; ``data_indexes`` carry ``position`` / ``epoch`` /
+    ``partition`` (the ledger's identity of a read)."""
+    _, d, i, j, e, p = key
+    return Read(d, i, key, [j, e], {"position": j, "epoch": e, "partition": p}, replay, handover)
+
+
 def _key_parts(key: Any, where: str) -> tuple[int, int, int, int, int]:
     """``(dataset, index, position, epoch, partition)`` of a restore key ``((KEY_TAG, d, i, j, e, p), choices)``."""
     try:
@@ -90,11 +97,11 @@ class ElasticPlan(Savable):
     """The elastic order of one group on DP rank ``dp_rank`` of ``dp_size`` (module docstring).
 
     ``layout``: the group's selection positions; ``order``: its partitions (``PartitionOrder``); ``group`` and ``seed``
-    (the data seed) seed each read's random choices. Items: ``("read", d, i, j, e, p)`` (dataset ``d``, sample ``i``,
-    selection position ``j``, epoch ``e``, partition ``p``) or ``("handover", key)``.
+    (the data seed) seed each read's random choices. A read's key: ``(KEY_TAG, d, i, j, e, p)`` (dataset ``d``, sample
+    ``i``, selection position ``j``, epoch ``e``, partition ``p``).
     """
 
-    prefetch: ClassVar[bool] = True  # a read is a pure function of its item: workers may read ahead
+    prefetch: ClassVar[bool] = True  # a read is a pure function of its ``Read``: workers may read ahead
     _savable_fields = ("open", "turn", "queue", "tail", "pending")
 
     def __init__(self, layout: GroupLayout, order: PartitionOrder, *, group: str, seed: int, dp_rank: int,
@@ -164,10 +171,10 @@ class ElasticPlan(Savable):
         self.tail[0] += self.tail[1]
         return [v, 0]
 
-    def next_item(self) -> tuple:
+    def next_read(self) -> Read:
         """The next read: a handed-over key first, else the next sample of the open block whose turn it is."""
         if self.pending:
-            return ("handover", self.pending.pop(0))
+            return self.read_of(self.pending.pop(0), handover=True)
         slot = self._open[self.turn]
         v, cursor = slot
         e, p = block(v, self.order.num_partitions)
@@ -178,47 +185,16 @@ class ElasticPlan(Savable):
         else:
             slot[1] = cursor + 1
         self.turn = (self.turn + 1) % len(self._open)
-        return ("read", d, i, j, e, p)
+        return _read((KEY_TAG, d, i, j, e, p))
 
-    def __iter__(self) -> Iterator[tuple]:
-        while True:
-            yield self.next_item()
+    def rng(self, read: Read) -> random.Random:
+        """The read's own generator, seeded by (group, data seed, selection position, epoch)."""
+        return _cook_rng(self.group, self.seed, read.data_indexes["position"], read.data_indexes["epoch"])
 
-    def coordinate(self, item: tuple) -> tuple[int, int]:
-        """``(dataset, sample index)`` an item reads."""
-        if item[0] == "handover":
-            return item[1][0][1], item[1][0][2]
-        return item[1], item[2]
-
-    def draws(self, item: tuple) -> Draws:
-        """The random choices of an item: drawn from its (position, epoch) generator, or replayed (handover)."""
-        if item[0] == "handover":
-            return Draws(replay=item[1][1])
-        return Draws(rng=_cook_rng(self.group, self.seed, item[3], item[4]))
-
-    def key(self, item: tuple) -> tuple:
-        """The read's key ``(KEY_TAG, d, i, j, e, p)`` (the first half of the sample's ``restore_key``)."""
-        return tuple(item[1][0]) if item[0] == "handover" else (KEY_TAG, *item[1:])
-
-    def finish(self, sample: Any, item: tuple) -> None:
-        """Stamp the read's key and ``data_indexes`` (``position`` / ``epoch`` / ``partition``: the ledger's identity
-        of a read) on a cooked sample."""
-        key = self.key(item)
-        sample.__restore_key__ = key
-        sample.data_indexes = {**sample.data_indexes, "position": key[3], "epoch": key[4], "partition": key[5]}
-
-    def item_of(self, restore_key: Any) -> tuple:
-        """The item that rebuilds the sample of ``restore_key`` (its recorded choices replayed)."""
+    def read_of(self, restore_key: Any, handover: bool = False) -> Read:
+        """The read that rebuilds the sample of ``restore_key`` (its recorded choices replayed)."""
         _key_parts(restore_key, f"ElasticPlan {self.group!r}")
-        return ("handover", (tuple(restore_key[0]), tuple(restore_key[1])))
-
-    def is_handover(self, item: tuple) -> bool:
-        return item[0] == "handover"
-
-    def row_id(self, item: tuple) -> Any:
-        """Diagnostics: ``[position, epoch]`` of the read."""
-        key = self.key(item)
-        return [key[3], key[4]]
+        return _read(tuple(restore_key[0]), tuple(restore_key[1]), handover)
 
     def stall_limit(self, dataset: int) -> int:
         """Drops in a row from one dataset after which it can never yield on this rank: twice the positions of the

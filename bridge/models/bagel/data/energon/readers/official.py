@@ -22,15 +22,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ...state import Savable, StateError
-from ..cooking import Draws, global_random
+from ..cooking import global_random
 from ..layout import META_PART, T2I, VLM, load_manifest
+from .plan import Read, Skip
 from .selection import select_files, shuffled_range, vlm_lines
 
 __all__ = ["OfficialPlan", "Rows", "Unit", "official_units", "select_files", "shard_units"]
@@ -208,9 +209,8 @@ class OfficialPlan(Savable):
     endless, the same order each pass, as official). Raises ValueError when this worker's unit slice is empty (the
     official reader would hang).
 
-    Items: ``("row", position, row, dataset, index, suffix)`` (``suffix``: the row's coordinate within its unit), or
-    ``("skip", row_id, reason, detail)`` for a unit declared in parquet_info but absent from its file (the official
-    reader skips it; nothing is read).
+    A read's key is ``(unit position, row in the unit)``; a unit declared in parquet_info but absent from its file is a
+    ``Skip`` (the official reader skips it; nothing is read).
     """
 
     prefetch: ClassVar[bool] = False  # draws from the global RNG at the moment of the read
@@ -254,15 +254,9 @@ class OfficialPlan(Savable):
                 and 0 <= value[0] <= len(self.units) and value[1] >= 0):
             raise StateError(f"OfficialPlan {self.group}: bad cursor {value!r} for {len(self.units)} units")
 
-    def row_id(self, item: tuple) -> Any:
-        """The official ``data_indexes``: the unit position (vlm) or ``[position, *row suffix]``."""
-        if item[0] == "skip":
-            return item[1]
-        pos, suffix = item[1], item[5]
-        return pos if self.group == VLM else [pos, *suffix]
-
-    def next_item(self) -> tuple:
-        """The next row of this worker's units in the official order (wraps when ``repeat``, else StopIteration)."""
+    def next_read(self) -> Read | Skip:
+        """The next row of this worker's units in the official order (wraps when ``repeat``, else StopIteration);
+        a unit declared in parquet_info but absent from its file is a ``Skip``."""
         while True:
             pos, row = self.cursor
             if pos >= len(self.units):
@@ -274,44 +268,34 @@ class OfficialPlan(Savable):
             unit = self.units[pos]
             if unit.rows is None:
                 self.cursor = [pos + 1, 0]
-                return ("skip", self._row_key(pos, ()), "missing_row_group", unit.label)
+                return Skip(self._row_key(pos, ()), "missing_row_group", unit.label)
             if row >= len(unit.rows):
                 self.cursor = [pos + 1, 0]
                 continue
-            suffix, ds, idx = unit.rows[row]
             self.cursor = [pos, row + 1]
-            return ("row", pos, row, ds, idx, suffix)
+            return self._read(pos, row)
+
+    def _read(self, pos: int, row: int, replay: tuple | None = None) -> Read:
+        """Row ``row`` of unit ``pos``: key ``(pos, row)``, the official ``data_indexes`` (the unit position, vlm, or
+        ``[position, *row suffix]``)."""
+        suffix, ds, idx = self.units[pos].rows[row]  # type: ignore[index]
+        row_id = self._row_key(pos, suffix)
+        return Read(ds, idx, (pos, row), row_id, {"data_indexes": row_id}, replay)
 
     def _row_key(self, pos: int, suffix: tuple) -> Any:
         return pos if self.group == VLM else [pos, *suffix]
 
-    def coordinate(self, item: tuple) -> tuple[int, int]:
-        return item[3], item[4]
+    def rng(self, read: Read) -> Any:
+        """The global ``random`` (as the official classes draw)."""
+        return global_random()
 
-    def draws(self, item: tuple) -> Draws:
-        """The global ``random`` (as the official classes draw), or the recorded choices of a rebuilt sample."""
-        return Draws(replay=item[6]) if len(item) > 6 else Draws(rng=global_random())
-
-    def key(self, item: tuple) -> tuple:
-        return (item[1], item[2])
-
-    def finish(self, sample: Any, item: tuple) -> None:
-        """Official ``data_indexes`` and the read's key ``(position, row)``."""
-        sample.data_indexes = {"data_indexes": self._row_key(item[1], item[5]), "worker_id": self.worker_id,
-                               "dataset_name": self.group}
-        sample.__restore_key__ = self.key(item)
-
-    def item_of(self, restore_key: Any) -> tuple:
-        """The item that rebuilds ``restore_key`` (``((position, row), rng choices)``) with its choices replayed."""
+    def read_of(self, restore_key: Any) -> Read:
+        """The read that rebuilds ``restore_key`` (``((position, row), rng choices)``) with its choices replayed."""
         try:
             (pos, row), choices = restore_key
-            suffix, ds, idx = self.units[pos].rows[row]
+            return self._read(pos, row, tuple(choices))
         except (TypeError, ValueError, IndexError):
             raise StateError(f"OfficialPlan {self.group}: bad restore key {restore_key!r:.120}") from None
-        return ("row", pos, row, ds, idx, suffix, tuple(choices))
-
-    def is_handover(self, item: tuple) -> bool:
-        return False
 
     def stall_limit(self, dataset: int) -> int:
         """A whole pass over this worker's units without a usable row never ends (the official reader would spin):

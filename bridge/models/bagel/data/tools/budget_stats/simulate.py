@@ -8,18 +8,18 @@ defaults, "fits all").
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ...config.budgets import FLEX_BLOCK, image_grids, table_side
+from ...config.budgets import FLEX_BLOCK, image_grids, loop_refuses_overflow, mandatory_overflow, table_side
 from ...config import PackerConfig
 from ...config.lengths import is_overlength, mandatory_tokens
-from ...packing.step import PackBudgets, PackLoop
 from .estimate import GroupStats
+from .straggler import simulate_ranks
 
 __all__ = ["Candidate", "SimResult", "candidate_budgets", "simulate_packing"]
 
@@ -55,54 +55,18 @@ class SimResult:
     pack_lengths: list[int] = field(default_factory=list)
 
 
-class _NoPack(Exception):
-    """``max_draws`` samples drawn without completing the packs asked for."""
-
-
-class _Replay:
-    """The simulator's ``packing.step.PackTarget``: a sample is its estimate (tokens) from a cycled per-group
-    stream, packing it adds the estimate; group draws come from ``rng``."""
-
-    def __init__(self, streams: Sequence[Sequence[int]], rng: random.Random, max_draws: int) -> None:
-        self.streams, self.rng, self.max_draws = streams, rng, max_draws
-        self.pos = [0] * len(streams)
-        self.curr = self.n = self.consumed = 0
-        self.drops: Counter[str] = Counter()
-
-    def random(self) -> float:
-        return self.rng.random()
-
-    def next_sample(self, group: int) -> int:
-        if self.consumed >= self.max_draws:
-            raise _NoPack
-        s = self.streams[group]
-        v = s[self.pos[group] % len(s)]
-        self.pos[group] += 1
-        self.consumed += 1
-        return v
-
-    def estimate(self, sample: int) -> int:
-        return sample
-
-    def add(self, group: int, sample: int, est: int) -> None:
-        self.curr += est
-        self.n += 1
-
-    def drop(self, reason: str, group: int, sample: int, est: int, curr: int) -> None:
-        self.drops[reason] += 1
-
-
 def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float], mandatory: Sequence[bool],
                      names: Sequence[str], packer: PackerConfig, *, packs: int = 200, seed: int = 0,
                      max_draws: int = 200_000) -> SimResult:
     """Replay the official loop on per-group length streams (tokens, cycled) for ``packs`` packs.
 
-    The loop is ``BagelPacker``'s own (``packing.step.PackLoop``, spec §5): one sample per mandatory group
-    first, weighted group draws (``random.Random(seed)``), the overflow buffer, the flush; only lengths are
-    packed and CFG dropout is left out (packed length = estimate). A group with an empty stream is never drawn
-    (weight 0). A mandatory group with no sample under the limit, or ``max_draws`` samples drawn without the
-    packs, gives ``impossible`` (so do lossless budgets the packer refuses). ``packer.lossless`` is honoured
-    (the flush's candidate is carried, not dropped).
+    The length-level simulator (:func:`.straggler.simulate_ranks`) at DP 1 with ``packer.strategy: official``:
+    ``BagelPacker``'s own loop (``packing.step.PackLoop``, spec §5), one sample per mandatory group first, weighted
+    group draws (``random.Random(seed)``), the overflow buffer, the flush; only lengths are packed and CFG dropout
+    is left out (packed length = estimate). A group with an empty stream is never drawn (weight 0). A mandatory
+    group with no sample under the limit, or ``max_draws`` samples drawn without the packs, gives ``impossible``
+    (so do lossless budgets the packer refuses, ``config.budgets.loop_refuses_overflow``). ``packer.lossless`` is
+    honoured (the flush's candidate is carried, not dropped).
     """
     limit = packer.max_num_tokens_per_sample
     for s, m, n in zip(streams, mandatory, names):
@@ -113,33 +77,23 @@ def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float],
     draw_weights = list(weights) if all(streams) else [w if s else 0 for w, s in zip(weights, streams)]
     if not any(s for s in streams) or not sum(draw_weights) > 0:
         return SimResult(impossible="no usable samples")
-    worst = mandatory_tokens(sum(map(bool, mandatory)), limit)
-    if packer.lossless and worst > packer.max_num_tokens:  # what config.budgets refuses for a job
+    official = replace(packer, strategy="official")
+    worst = mandatory_overflow(official, sum(map(bool, mandatory)))
+    if worst and loop_refuses_overflow(official):  # what config.budgets refuses for a job
         return SimResult(impossible=f"packer.lossless: {sum(map(bool, mandatory))} mandatory groups x "
                                     f"(max_num_tokens_per_sample {limit} - 1) = {worst} tokens > max_num_tokens "
                                     f"{packer.max_num_tokens}: mandatory samples alone could overflow a pack")
-    loop: PackLoop[int] = PackLoop(PackBudgets.of(packer), draw_weights, mandatory, lossless=packer.lossless)
-    replay = _Replay(streams, random.Random(seed), max_draws)
-    buffer: list[tuple[int, int]] = []
-    carry: list[tuple[int, int]] = []  # packer.lossless: the flushed candidates kept for the next pack
-    res = SimResult()
-    counts: list[int] = []
-    while len(res.pack_lengths) < packs:
-        replay.curr = replay.n = 0
-        try:
-            loop.fill(replay, buffer, carry)
-        except _NoPack:
-            res.impossible = f"no pack after {max_draws} draws"
-            break
-        res.pack_lengths.append(replay.curr)
-        counts.append(replay.n)
-    res.consumed, res.drops = replay.consumed, dict(replay.drops)
-    res.over_limit = replay.drops["overlength"] + replay.drops["overlength_mandatory"]
-    res.flushed = replay.drops["flush_drop"] + replay.drops["flush_drop_buffered"]
+    sources = [itertools.cycle([(x, 0.0) for x in s]) for s in streams]
+    sim = simulate_ranks(lambda _: sources, draw_weights, mandatory, official, dp=1, packs=packs,
+                         rank_rng=lambda _: random.Random(seed), max_draws=max_draws)
+    run = sim.ranks[0]
+    res = SimResult(consumed=run.consumed, drops=sim.drops, pack_lengths=run.tokens, impossible=sim.stopped)
+    res.over_limit = res.drops.get("overlength", 0) + res.drops.get("overlength_mandatory", 0)
+    res.flushed = res.drops.get("flush_drop", 0) + res.drops.get("flush_drop_buffered", 0)
     if res.pack_lengths:
         res.packs = len(res.pack_lengths)
         res.fill = sum(res.pack_lengths) / res.packs / packer.max_num_tokens
-        res.samples_per_pack = sum(counts) / len(counts)
+        res.samples_per_pack = sum(run.samples) / len(run.samples)
         res.impossible = None if res.packs == packs else res.impossible
     res.dropped_share = (res.over_limit + res.flushed) / max(res.consumed, 1)
     return res

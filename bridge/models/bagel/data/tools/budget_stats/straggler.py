@@ -1,8 +1,9 @@
-"""Straggler prediction: data-parallel ranks packing on their own, simulated at the length level.
+"""The length-level simulator, and the straggler prediction: data-parallel ranks packing on their own.
 
-:func:`simulate_ranks` runs the packer's own loop for ``dp`` ranks (``packing.step.PackLoop`` for
-``packer.strategy: official``, ``packing.balance.BalancedLoop`` for ``balanced``), each rank on its own
-streams and its own group draws, where a sample is its estimate (tokens) and its cost (FLOPs,
+:func:`simulate_ranks` (the one simulator of ``bagel-data stats``: the budget advisor,
+:func:`.simulate.simulate_packing`, is its DP 1) runs the packer's own loop for ``dp`` ranks
+(``packing.step.PackLoop`` for ``packer.strategy: official``, ``packing.balance.BalancedLoop`` for ``balanced``),
+each rank on its own streams and its own group draws, where a sample is its estimate (tokens) and its cost (FLOPs,
 ``packing.cost.CostModel.cost``); step ``s`` is pack ``s`` of every rank. It reports what a step loses to the
 slowest rank, tokens per pack, how long samples wait, the group mix against the draw and the loop's CPU time
 per pack. ``scripts/bench_balance.py`` calls it; ``bagel-data stats`` through :func:`predict` (both strategies
@@ -23,13 +24,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from ...config import PackerConfig
-from ...config.lengths import is_overlength, mandatory_tokens
+from ...config.budgets import loop_refuses_overflow, mandatory_overflow
+from ...config.lengths import is_overlength
 from ...packing.balance import BalancedLoop, PoolBook
-from ...packing.cost import CostModel
+from ...packing.cost import CostModel, straggler_ratio
 from ...packing.step import PackBudgets, PackLoop
 from .estimate import GroupStats
 
-__all__ = ["Prediction", "RankRun", "StragglerResult", "cycled", "predict", "simulate_ranks", "straggler_ratio"]
+__all__ = ["Prediction", "RankRun", "StragglerResult", "cycled", "predict", "simulate_ranks"]
 
 #: A simulated sample: (estimate in tokens, cost in FLOPs), or (estimate, cost, packed length in tokens) when the
 #: packed length is shorter than the official estimate (images no plan item uses, quirk §13.14).
@@ -46,27 +48,23 @@ def cycled(samples: Sequence[Sample], rng: random.Random) -> Iterator[Sample]:
         yield from order
 
 
-def straggler_ratio(costs: Sequence[Sequence[float]]) -> tuple[float, float]:
-    """(mean over steps of max / mean over ranks, share of step time lost: ``sum(max - mean) / sum(max)``) of a
-    ``[rank][step]`` cost table (a step lasts as long as its slowest rank)."""
+def _ratio(costs: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """``packing.cost.straggler_ratio`` of a ``[rank][step]`` cost table."""
     steps = list(zip(*costs))
-    if not steps:
-        return 1.0, 0.0
-    ratios, lost, total = [], 0.0, 0.0
-    for step in steps:
-        mx, mean = max(step), sum(step) / len(step)
-        ratios.append(mx / mean if mean > 0 else 1.0)
-        lost += mx - mean
-        total += mx
-    return statistics.fmean(ratios), (lost / total if total > 0 else 0.0)
+    return straggler_ratio([max(st) for st in steps], [sum(st) / len(st) for st in steps])
+
+
+class _NoPack(Exception):
+    """A rank drew ``max_draws`` samples without completing its packs."""
 
 
 class _Rank:
-    """One simulated rank: ``packing.step.PackTarget`` and ``packing.balance.BalanceTarget`` over its streams."""
+    """One simulated rank: ``packing.step.PackTarget`` and ``packing.balance.BalanceTarget`` over its streams
+    (the one adapter of the length-level loops); ``max_draws``: samples it may draw (None: no limit)."""
 
-    def __init__(self, sources: Sequence[Iterator[Sample]], rng: random.Random) -> None:
-        self.sources, self.rng = sources, rng
-        self.curr = 0
+    def __init__(self, sources: Sequence[Iterator[Sample]], rng: random.Random, max_draws: int | None = None) -> None:
+        self.sources, self.rng, self.max_draws = sources, rng, max_draws
+        self.curr = self.n = self.consumed = 0
         self.pack_cost = 0.0
         self.pack_index = 0
         self.kept = [Counter() for _ in sources]  # per group: samples / tokens drawn and not dropped
@@ -80,7 +78,10 @@ class _Rank:
         return self.rng.random()
 
     def next_sample(self, group: int) -> list:
+        if self.max_draws is not None and self.consumed >= self.max_draws:
+            raise _NoPack
         est, cost, *length = next(self.sources[group])
+        self.consumed += 1
         return [est, cost, self.pack_index, group, length[0] if length else est]
 
     @staticmethod
@@ -97,6 +98,7 @@ class _Rank:
 
     def add(self, group: int, sample: list, est: int, note: int = 0) -> None:
         self.curr += est
+        self.n += 1
         self.pack_cost += sample[1]
         self.waits.append(self.pack_index - sample[2])
         if est >= self.long_tokens:
@@ -113,10 +115,13 @@ class _Rank:
 
 @dataclass
 class RankRun:
-    """One rank's packs: ``costs`` (FLOPs) and ``tokens`` per pack, warm-up included."""
+    """One rank's packs: ``costs`` (FLOPs), ``tokens`` and ``samples`` per pack, warm-up included; ``consumed``:
+    samples drawn."""
 
-    costs: list[float]
-    tokens: list[int]
+    costs: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    samples: list[int] = field(default_factory=list)
+    consumed: int = 0
 
 
 @dataclass
@@ -131,7 +136,8 @@ class StragglerResult:
     or more); ``mix_dev``: the largest difference, over groups,
     between a group's share of the packed samples (or tokens) and its share of the samples drawn and kept (the
     weighted draw); ``shares``: per group (packed samples share, packed tokens share); ``drops`` by reason;
-    ``cpu_us_per_pack``: the loop's CPU time per pack (microseconds; sample streams included).
+    ``cpu_us_per_pack``: the loop's CPU time per pack (microseconds; sample streams included); ``stopped``: why a
+    rank built fewer packs (``max_draws`` reached), None when every rank built them all.
     """
 
     strategy: str
@@ -150,6 +156,7 @@ class StragglerResult:
     drops: dict[str, int] = field(default_factory=dict)
     cpu_us_per_pack: float = 0.0
     ranks: list[RankRun] = field(default_factory=list)
+    stopped: str | None = None
 
     def wait_quantile(self, q: float, long: bool = False) -> int:
         """The ``q`` quantile of :attr:`waits` (or :attr:`waits_long`; packs; 0 without samples)."""
@@ -167,12 +174,14 @@ def _loop(packer: PackerConfig, weights: Sequence[float], mandatory: Sequence[bo
 
 def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], weights: Sequence[float],
                    mandatory: Sequence[bool], packer: PackerConfig, *, dp: int, packs: int, warmup: int = 0,
-                   seed: int = 0) -> StragglerResult:
+                   seed: int = 0, rank_rng: Callable[[int], random.Random] | None = None,
+                   max_draws: int | None = None) -> StragglerResult:
     """Simulate ``dp`` ranks building ``warmup + packs`` packs each with ``packer.strategy``'s loop.
 
     ``make_sources(rank)``: that rank's per-group streams of (estimate, cost) samples (infinite iterators;
-    :func:`cycled` over a dataset's estimates). Group draws come from ``random.Random(seed * 1_000_003 +
-    rank)``. The budgets are trusted (``config.validate.validate_data`` checks them).
+    :func:`cycled` over a dataset's estimates). Group draws come from ``rank_rng(rank)`` (default
+    ``random.Random(seed * 1_000_003 + rank)``). A rank that draws ``max_draws`` samples stops (``stopped``). The
+    budgets are trusted (``config.validate.validate_data`` checks them).
     """
     loop = _loop(packer, weights, mandatory)
     n = len(weights)
@@ -181,21 +190,27 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
     packed = [Counter() for _ in range(n)]
     cpu = 0.0
     for r in range(dp):
-        rank = _Rank(make_sources(r), random.Random(seed * 1_000_003 + r))
+        rng = rank_rng(r) if rank_rng is not None else random.Random(seed * 1_000_003 + r)
+        rank = _Rank(make_sources(r), rng, max_draws)
         rank.long_tokens = packer.max_num_tokens_per_sample // 2
         buffer: list = []
         carry: list = []
         book = PoolBook(metrics=[])
-        run = RankRun([], [])
+        run = RankRun()
         t0 = time.process_time()
-        for p in range(warmup + packs):
-            rank.curr, rank.pack_cost, rank.pack_index = 0, 0.0, p
-            if isinstance(loop, BalancedLoop):
-                loop.fill(rank, buffer, book)
-            else:
-                loop.fill(rank, buffer, carry)
-            run.costs.append(rank.pack_cost)
-            run.tokens.append(rank.curr)
+        try:
+            for p in range(warmup + packs):
+                rank.curr, rank.n, rank.pack_cost, rank.pack_index = 0, 0, 0.0, p
+                if isinstance(loop, BalancedLoop):
+                    loop.fill(rank, buffer, book)
+                else:
+                    loop.fill(rank, buffer, carry)
+                run.costs.append(rank.pack_cost)
+                run.tokens.append(rank.curr)
+                run.samples.append(rank.n)
+        except _NoPack:
+            res.stopped = f"no pack after {max_draws} draws"
+        run.consumed = rank.consumed
         cpu += time.process_time() - t0
         res.ranks.append(run)
         res.waits += rank.waits
@@ -208,9 +223,9 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
             kept[g]["tokens"] += (rank.packed[g]["tokens"] + rank.kept[g]["flushed_tokens"]
                                   + sum(s[0] for gg, s in (*buffer, *carry) if gg == g))
             packed[g].update(rank.packed[g])
-    res.ratio, res.lost = straggler_ratio([run.costs[warmup:] for run in res.ranks])
+    res.ratio, res.lost = _ratio([run.costs[warmup:] for run in res.ranks])
     if warmup:
-        res.cold_ratio, res.cold_lost = straggler_ratio([run.costs[:warmup] for run in res.ranks])
+        res.cold_ratio, res.cold_lost = _ratio([run.costs[:warmup] for run in res.ranks])
     all_costs = [c for run in res.ranks for c in run.costs[warmup:]]
     all_tokens = [t for run in res.ranks for t in run.tokens[warmup:]]
     res.cost_per_pack = statistics.fmean(all_costs) if all_costs else 0.0
@@ -253,8 +268,8 @@ def predict(groups: Sequence[GroupStats], packer: PackerConfig, *, dps: Sequence
     if not sum(weights) > 0:
         return "no usable samples"
     mandatory = [g.group.is_mandatory for g in groups]
-    worst = mandatory_tokens(sum(mandatory), limit)
-    if worst > packer.max_num_tokens:  # the budget checks refuse strategy balanced there
+    worst = mandatory_overflow(packer, sum(mandatory))
+    if worst and loop_refuses_overflow(dataclasses.replace(packer, strategy="balanced")):  # the budget checks' rule
         return (f"{sum(mandatory)} mandatory samples of up to max_num_tokens_per_sample - 1 tokens ({worst}) could "
                 f"overflow max_num_tokens {packer.max_num_tokens}: strategy balanced refuses these budgets")
 
