@@ -120,10 +120,10 @@ def test_bench_quick(name, demo_setup, short_tmp_path):
 
 
 def test_gpu_check_dry_run(demo_setup):
-    """The GPU check's CPU smoke path: demo loader, mask build, eager FlexAttention, flex-vs-SDPA, exact masks, and
-    the training step (the recipe for Bridge's pretrain(), trained on CPU with the same forward step)."""
+    """The GPU check's CPU smoke path end to end (its one dry run in the suite): demo loader, to_device, mask
+    build, eager FlexAttention, flex-vs-SDPA, exact masks, and the training step (the recipe for Bridge's pretrain(), trained on CPU with the same forward step)."""
     pairs = check("gpu_check.py", ["--dry-run", DATA_OPTION["gpu_check.py"], str(demo_setup[0])])
-    assert pairs["ok"] == "true", pairs
+    assert list(pairs)[0] == "copy_ms" and list(pairs)[-1] == "ok" and pairs["ok"] == "true", pairs
     # the training step: the reference model's recipe, dataset provider and forward step, optimizer steps on CPU;
     # loss_first / loss_last: step 1's batch before training and again at the last step (every step reads a new pack)
     assert int(pairs["train_steps"]) >= 2 and float(pairs["loss_last"]) < float(pairs["loss_first"]), pairs
