@@ -57,6 +57,25 @@ def print_loss_lines(log: Path, note: str = "") -> None:
         print("   ", note, flush=True)
 
 
+#: The drop reasons of video records (``energon.cooking.common.DROP_REASONS``)
+VIDEO_DROPS = ("missing_video", "video_decode_error", "video_tag_missing", "no_frame_sampler")
+
+
+def print_video_line(log: Path) -> None:
+    """Video in the mix: how many video records the demo's vlm_sft dataset holds (its manifest) and how many of
+    the records run A read were dropped for a video reason (the job's summary line; 0 = every one was cooked)."""
+    sys.path.insert(0, str(REPO))
+    from bridge.models.bagel.data.energon.cooking.video import video_lines_of
+
+    lines, files = video_lines_of(str(REPO / "demo_data" / "energon" / "vlm_sft" / "demo_vlm"))
+    summary = [x.split("summary: ", 1)[1] for x in log.read_text().splitlines() if "summary: " in x]
+    drops = json.loads(summary[-1]).get("drops", {}) if summary else {}
+    dropped = {k: v for k, v in drops.items() if k in VIDEO_DROPS}
+    print(f"    video in the mix: vlm_sft holds {lines} video records ({files} mp4 files, {lines - files} frame "
+          f"folders), cooked as the official reader does (frame_sampler_args); dropped for a video reason in run A: "
+          f"{sum(dropped.values())}{f' {dropped}' if dropped else ''}", flush=True)
+
+
 def same_final_model(ckpt_a: Path, ckpt_b: Path, step: int) -> bool | None:
     """Whether both runs ended with the same parameters (every tensor, bit for bit); None without a model."""
     import torch
@@ -92,6 +111,7 @@ def main() -> int:
         print((out / "a.log").read_text()[-3000:])
         return 1
     print_loss_lines(out / "a.log")
+    print_video_line(out / "a.log")
     print(f"== run B: same job, checkpoint every {args.save_interval} steps, crash after step {args.crash_after}",
           flush=True)
     rc = torchrun(args.nproc, [*common, f"train.save={out}/ckpt_b", f"train.save_interval={args.save_interval}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
                  *DEMO_BUDGETS], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "resume verdict: identical" in proc.stdout
+    # video in the mix (issue 40): the demo's vlm_sft videos (mp4 and frame folders), none dropped
+    assert re.search(r"video in the mix: vlm_sft holds [1-9]\d* video records \([1-9]\d* mp4 files, [1-9]\d* frame "
+                     r"folders\).*dropped for a video reason in run A: 0$", proc.stdout, re.M), proc.stdout[-3000:]
     assert "step loss and the final model" in proc.stdout and "| loss " in proc.stdout  # the demo trains the model
     return out
 
