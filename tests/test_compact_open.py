@@ -192,9 +192,10 @@ def test_the_index_written_by_the_patches_is_energons_own(t2i, tmp_path):
     assert rows(public) == rows(t2i) and len(rows(t2i)) == N_ROWS
 
 
-def test_the_watchdog_names_an_energon_shard_only_through_the_patches(t2i):
+def test_the_watchdog_names_an_energon_shard_through_the_patches(t2i):
     """``patches.shard_in_frame`` reads an Energon tar reader's ``tar_filepaths`` / ``tar_file_id`` (Energon 7.4's
-    names) on a tested Energon only; elsewhere the watchdog names no shard."""
+    names), checked name by name, so it also names the shard on an untested Energon (the compatibility part's
+    data-watch test on the oldest one); a frame without those names is no reader's: None."""
     shard = EPath(t2i) / "shards" / "shard-000000.tar"
     reader = type("ITarReaderLike", (), {"tar_filepaths": [shard], "base_path": EPath(t2i)})()
     pointer = type("Pointer", (), {"tar_file_id": 0})()
@@ -202,7 +203,9 @@ def test_the_watchdog_names_an_energon_shard_only_through_the_patches(t2i):
     assert patches.shard_in_frame({"self": reader, "sample_pointer": pointer}) == (str(shard), str(EPath(t2i)))
     assert patches.shard_in_frame({"self": reader, "tar_file_id": 3}) is None
     with patches.forced(False):
-        assert patches.shard_in_frame({"self": reader, "tar_file_id": 0}) is None
+        assert patches.shard_in_frame({"self": reader, "tar_file_id": 0}) == (str(shard), str(EPath(t2i)))
+    other = type("OtherReader", (), {"paths": [shard]})()
+    assert patches.shard_in_frame({"self": other, "tar_file_id": 0}) is None
 
 
 def test_an_untested_energon_version_selects_the_public_path(monkeypatch, caplog):

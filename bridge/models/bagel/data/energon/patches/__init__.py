@@ -15,7 +15,7 @@ This package holds what avoids it, written against Energon's own classes:
 * :func:`energon_rank_state`: Energon's per-rank loader state with a race of its workers corrected (its plain
   ``save_state_rank()`` on an untested Energon);
 * :func:`shard_in_frame`: the shard file an Energon tar reader is reading in a (stuck) frame, for the data watchdog
-  (not known on an untested Energon).
+  (duck-typed, so also on an untested Energon).
 
 They are tested against Energon itself (``tests/test_compact_open.py``) on the versions in ``TESTED_ENERGON``. On any
 other Energon version :func:`active` is False and the readers step aside for Energon's public path
@@ -139,9 +139,11 @@ def energon_rank_state(loader: Any) -> Any:
 def shard_in_frame(local: dict[str, Any]) -> tuple[str, str | None] | None:
     """``(shard file, dataset path or None)`` an Energon tar reader (``ITarReader``: ``tar_filepaths`` and a
     ``tar_file_id`` or sample pointer, as Energon 7.4 names them) is opening or reading in a frame with locals
-    ``local``; None when the frame is no such reader's, or on an untested Energon."""
+    ``local``; None when the frame is no such reader's. Read-only and checked name by name (an Energon whose reader
+    names these differently yields None, never a wrong shard), so it runs on every Energon, untested ones too: the
+    data watch names the shard there as well."""
     obj = local.get("self")
-    if obj is None or not hasattr(obj, "tar_filepaths") or not active():
+    if obj is None or not hasattr(obj, "tar_filepaths"):
         return None
     tid = local.get("tar_file_id")
     for name in ("sample_pointer", "raw_sample_pointer"):
