@@ -187,3 +187,32 @@ def test_shared_memory_allocation_for_the_producer() -> None:
         plain = next(loader)
     assert not plain["padded_images"].is_shared()
     assert_same(batch, plain)
+
+
+def test_mid_size_tensors_travel_in_one_shared_block() -> None:
+    """The producer copies a batch's mid-size tensors (position ids, indexes, timesteps) into one pooled shared
+    block instead of one new segment each: same dtype, shape and values; tensors that share storage, are not
+    contiguous, are tiny or already shared travel as before (issue 43)."""
+    from bridge.models.bagel.data.packing import memory
+    from bridge.models.bagel.data.pipeline.prefetch import _Inline, _gather_shared, _to_wire
+
+    base = torch.arange(5000, dtype=torch.int64)
+    batch = {"ids": torch.arange(30000, dtype=torch.int64), "t": [torch.rand(7001), torch.rand(3, 2000).half()],
+             "alias_a": base, "alias_b": base.view(50, 100), "strided": torch.rand(100, 200).t(),
+             "tiny": torch.arange(10), "n": 3}
+    memory.use_shared_memory(True)
+    try:
+        shared = memory.empty((1 << 20,), torch.float32)
+        batch["shared"] = shared
+        gathered = _gather_shared(batch)
+        wire = _to_wire(batch, gathered)
+    finally:
+        memory.use_shared_memory(False)
+    for got, want in ((wire["ids"], batch["ids"]), (wire["t"][0], batch["t"][0]), (wire["t"][1], batch["t"][1])):
+        assert got.is_shared() and got.is_contiguous() and got.data_ptr() % 64 == 0
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    storages = {t.untyped_storage().data_ptr() for t in (wire["ids"], *wire["t"])}
+    assert len(storages) == 1, "one block for the three"
+    assert wire["alias_a"] is base and wire["alias_b"] is batch["alias_b"], "aliased tensors keep their storage"
+    assert wire["strided"] is batch["strided"] and wire["shared"] is shared and wire["n"] == 3
+    assert isinstance(wire["tiny"], _Inline)

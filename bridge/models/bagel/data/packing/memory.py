@@ -110,10 +110,18 @@ def pool_stats() -> dict[str, int]:
                 "shared_blocks": len(_SHM_BLOCKS), "shared_bytes": sum(b.nbytes() for b in _SHM_BLOCKS)}
 
 
+#: A free block serves a request of at least ``1 / REUSE_SPAN`` of its size. Batches differ a lot: the demo's
+#: ``padded_images`` take 85-205 MB and its ViT tokens 20-45 MB from one batch to the next. Each new block costs
+#: its first touch (~2 ms per MB on the 2-core development VM: 0.4-1 s over the first batches with a span of
+#: 2), while a larger block only holds address space beyond the part a request writes.
+REUSE_SPAN = 4
+
+
 def _capacity(nbytes: int) -> int:
-    """Block size for a request: rounded up to a quarter of its power of two, so similar sizes share blocks."""
-    step = max(POOL_MIN_BYTES, 1 << max(0, nbytes.bit_length() - 3))
-    return -(-nbytes // step) * step
+    """Block size for a request: its power of two (at least ``POOL_MIN_BYTES``), so that with ``REUSE_SPAN`` the
+    block serves requests from a quarter of that size up to all of it (a batch mix of 85-205 MB takes one
+    256 MB block instead of three)."""
+    return max(POOL_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
 def _trim_locked() -> None:
@@ -133,10 +141,10 @@ def _give_back(block: np.ndarray) -> None:
 
 
 def _take(nbytes: int) -> np.ndarray:
-    """A free block of at least ``nbytes`` (at most twice as big), or a new one."""
+    """A free block of at least ``nbytes`` (at most ``REUSE_SPAN`` times as big), or a new one."""
     with _LOCK:
         i = bisect.bisect_left(_FREE, nbytes, key=lambda e: e[0])
-        if i < len(_FREE) and _FREE[i][0] <= 2 * nbytes:
+        if i < len(_FREE) and _FREE[i][0] <= REUSE_SPAN * nbytes:
             _STATS["hits"] += 1
             return _FREE.pop(i)[2]
         _STATS["misses"] += 1
@@ -202,7 +210,7 @@ def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> to
         storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
         return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
     with _LOCK:
-        fits = [b for b in _SHM_BLOCKS if nbytes <= b.nbytes() <= 2 * nbytes and _shared_free(b)]
+        fits = [b for b in _SHM_BLOCKS if nbytes <= b.nbytes() <= REUSE_SPAN * nbytes and _shared_free(b)]
         if fits:
             block = min(fits, key=lambda b: b.nbytes())
             _STATS["hits"] += 1
