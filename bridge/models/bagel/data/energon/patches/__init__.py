@@ -12,8 +12,8 @@ This package holds what avoids it, written against Energon's own classes:
   its wrapper chain (O(1), no sample read);
 * ``index``: ``write_index`` — a converted dataset's ``.nv-meta`` index from the converter's own records (Energon's
   ``prepare_dataset`` on an untested Energon);
-* :func:`energon_rank_state`: Energon's per-rank loader state with a race of its workers corrected (its plain
-  ``save_state_rank()`` on an untested Energon);
+* :func:`energon_rank_state`: Energon's per-rank loader state with a race of its workers corrected (duck-typed:
+  on every Energon whose state has the shape it checks, 7.3 and 7.4 tested);
 * :func:`shard_in_frame`: the shard file an Energon tar reader is reading in a (stuck) frame, for the data watchdog
   (duck-typed, so also on an untested Energon).
 
@@ -107,8 +107,8 @@ def restore_key_prefix(loader: Any) -> tuple | None:
 
 
 def energon_rank_state(loader: Any) -> Any:
-    """``loader.save_state_rank()`` of an Energon ``SavableDataLoader``, with a race of its workers corrected (on a
-    tested Energon; else Energon's answer as it is).
+    """``loader.save_state_rank()`` of an Energon ``SavableDataLoader``, with a race of its workers corrected
+    (duck-typed: where the state and the loader's dataset do not have the shape below, Energon's answer as it is).
 
     Energon (checked: 7.x, ``savable_loader.SavableDatasetWrapper``) answers a save from each worker's command
     thread, which the worker starts inside its ``__iter__`` just before taking the command lock. A worker that
@@ -118,17 +118,20 @@ def energon_rank_state(loader: Any) -> Any:
     first sample. No started worker answers ``state=None``: the sentinel is the only checkpoint without a state.
     Such a worker has emitted nothing since the loader (re)started, so its true checkpoint is its initial one:
     the restored state and skip count (``dataset.get_initial_checkpoint()``), or ``state=None, offset=0``
-    (a fresh start). Other answers, and loaders without workers, are returned unchanged.
+    (a fresh start). Other answers, and loaders without workers, are returned unchanged. Read-only on Energon's
+    objects, so it applies on every Energon (also where :func:`active` is False: the compatibility part runs 7.3,
+    whose loader has the same race).
     """
     state = loader.save_state_rank()
     workers = getattr(state, "worker_states", None)
-    if not workers or not getattr(loader, "num_workers", 0) or not active():
+    dataset = getattr(loader, "dataset", None)
+    if not workers or not getattr(loader, "num_workers", 0) or not hasattr(dataset, "get_initial_checkpoint"):
         return state
     stale = [i for i, ws in enumerate(workers) if hasattr(ws, "offset") and ws.state is None and ws.offset != 0]
     if stale:
         from megatron.energon.savable_loader import SavableDatasetCheckpoint
 
-        initial = loader.dataset.get_initial_checkpoint()
+        initial = dataset.get_initial_checkpoint()
         for i in stale:
             workers[i] = initial[i] if initial is not None else SavableDatasetCheckpoint(state=None, offset=0)
         logger.debug("Energon loader state: worker(s) %s had not started iterating; their initial checkpoint "
