@@ -135,10 +135,50 @@ def test_jpeg_header_fast_path_agrees_with_pil(monkeypatch):
             cases.append(bytes(bad))
     fast = [units._jpeg_size(c) is not None for c in cases]
     got = [(units.image_problem(c, 10 ** 9), units.image_problem(c, 1000)) for c in cases]
+    # t2i images reach the check as views into Arrow's buffers (formats.binary_values): the same verdicts
+    views = [memoryview(pa.array([c]).buffers()[2] or b"").cast("B") for c in cases]
+    assert [units._jpeg_size(v) for v in views] == [units._jpeg_size(c) for c in cases]
+    assert [(units.image_problem(v, 10 ** 9), units.image_problem(v, 1000)) for v in views] == got
     monkeypatch.setattr(units, "_jpeg_size", lambda data: None)  # PIL alone
     want = [(units.image_problem(c, 10 ** 9), units.image_problem(c, 1000)) for c in cases]
     assert got == want
     assert sum(fast) > len(cases) // 2 and all(fast[i * 124] for i in range(len(kinds)) if i != 4)  # Exif: PIL's
+
+
+def test_binary_values_are_the_column_values_without_copies():
+    """``formats.binary_values`` gives what ``to_pylist`` gives (nulls, empty values, sliced and multi-chunk columns,
+    32- and 64-bit offsets), as unsigned-byte views sharing Arrow's memory; other types fall back to ``to_pylist``."""
+    from bridge.models.bagel.data.converter.formats import binary_values
+
+    vals = [b"\xff\xd8\xffabc", None, b"", b"x" * 1000, None, b"\x00\x80"]
+    for typ in (pa.binary(), pa.large_binary()):
+        arr = pa.array(vals, typ)
+        for col in (arr, arr.slice(1, 4), arr.slice(3), pa.chunked_array([arr.slice(0, 2), arr.slice(2)], typ)):
+            got = binary_values(col)
+            assert [None if v is None else bytes(v) for v in got] == col.to_pylist()
+            views = [v for v in got if v is not None]
+            assert views and all(isinstance(v, memoryview) and v.format == "B" for v in views)
+        assert binary_values(arr)[0][0] == 0xFF  # indexes like bytes (Arrow's own buffer view is signed)
+    for col in (pa.array(vals, pa.binary_view()), pa.nulls(3)):
+        assert binary_values(col) == col.to_pylist()
+
+
+def test_gathered_writes_hash_and_write_every_piece(tmp_path):
+    """``units._Out.gather``: pieces of any size and kind (bytes, views, more than one ``writev`` takes), written in
+    order with their sha256, the count of bytes written right."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    pieces = [rng.bytes(int(rng.integers(0, 3000))) for _ in range(2000)] + [rng.bytes(700_000)]
+    pieces = [memoryview(p) if i % 3 == 0 else p for i, p in enumerate(pieces)]
+    out = units._Out(str(tmp_path / "f"), hashed=True)
+    for i in range(0, len(pieces), 7):
+        out.gather(pieces[i:i + 7])
+    out.write(b"end")
+    out.close()
+    want = b"".join(bytes(p) for p in pieces) + b"end"
+    assert (tmp_path / "f.tmp").read_bytes() == want and out.written == len(want)
+    assert out.sha256.hexdigest() == hashlib.sha256(want).hexdigest()
 
 
 def test_energon_index_is_what_prepare_dataset_writes(tmp_path):

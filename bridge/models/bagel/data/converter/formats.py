@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -35,11 +36,12 @@ class ConvertError(Exception):
 
 @dataclass
 class RawSample:
-    """One row: the official coordinate (manifest ``samples`` entry), meta.json dict, ``(image index, bytes)``."""
+    """One row: the official coordinate (manifest ``samples`` entry), meta.json dict, ``(image index, bytes)``
+    (t2i: a read-only ``memoryview`` into the row group's Arrow buffer, :func:`binary_values`)."""
 
     coord: list[int]
     meta: dict[str, Any]
-    images: list[tuple[int, bytes]]
+    images: list[tuple[int, bytes | memoryview]]
 
 
 @dataclass(frozen=True)
@@ -199,11 +201,40 @@ class T2IReader:
         self.total = sum(e["num_rows"] for e in entries)
 
 
+def binary_values(column: pa.ChunkedArray | pa.Array) -> list[memoryview | bytes | None]:
+    """The values of a binary parquet column as read-only views into Arrow's buffers (no copy), None for nulls.
+
+    ``binary`` / ``large_binary`` chunks: one unsigned-byte ``memoryview`` (format ``B``, so indexing gives ints
+    0-255 like ``bytes``) per value, sliced by the chunk's offsets; other types (``binary_view``, ``null``):
+    ``to_pylist()`` (``bytes`` / None). ``to_pylist()`` copies every value into a new ``bytes`` object: ~8 % of a
+    one-process t2i conversion (``scripts/bench_convert.py``), for bytes that are only hashed and written. The views
+    keep the row group's table alive; they are valid as long as a caller holds them.
+    """
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    out: list[memoryview | bytes | None] = []
+    for chunk in chunks:
+        if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
+            out += chunk.to_pylist()
+            continue
+        n = len(chunk)
+        _, offsets_buf, data_buf = chunk.buffers()
+        offsets = np.frombuffer(offsets_buf, dtype=np.int64 if pa.types.is_large_binary(chunk.type) else np.int32,
+                                count=n + 1, offset=chunk.offset * (8 if pa.types.is_large_binary(chunk.type) else 4))
+        data = memoryview(data_buf if data_buf is not None else b"").cast("B")
+        bounds = offsets.tolist()
+        views: list[memoryview | None] = [data[bounds[i]:bounds[i + 1]] for i in range(n)]
+        if chunk.null_count:
+            for i in np.flatnonzero(chunk.is_null().to_numpy(zero_copy_only=False)).tolist():
+                views[i] = None
+        out += views
+    return out
+
+
 def _iter_t2i(unit: SourceUnit) -> Iterator[RawSample]:
     pf, k, fi, rel = _open_parquet(unit.path), 0, unit.file_index, unit.rel
     for g in unit.row_groups:
         tbl = _read_row_group(unit.path, pf, g, ["image", "captions"])
-        for r, (img, cap) in enumerate(zip(tbl.column("image").to_pylist(), tbl.column("captions").to_pylist())):
+        for r, (img, cap) in enumerate(zip(binary_values(tbl.column("image")), tbl.column("captions").to_pylist())):
             if isinstance(cap, bytes):
                 cap = cap.decode("utf-8", errors="replace")
             meta = {"group": T2I, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},

@@ -48,9 +48,12 @@ IMAGE_OVER_LIMIT = "image above the pixel limit"
 TAR_BLOCK, TAR_RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE
 _ZEROS = bytes(TAR_RECORD)
 _MAX_WARNINGS = 20  # warning texts a unit record keeps (all are counted)
-#: Bytes of tar members joined into one write (and one sha256 update) of a shard: a few calls per MB instead of
-#: three per member (``BufferedWriter.write`` and ``hash.update`` per call cost more than the copy at 30 KB members).
-_CHUNK = 4 << 20
+#: Bytes of tar members (headers, data, padding) gathered into one ``os.writev`` of a shard: a few system calls per
+#: MB, no joined copy, and the pieces still in the CPU cache from their hashing when the kernel copies them (a
+#: joined 4 MB chunk, hashed and written after the join, cost a third more copying: docs/performance.md, issue 43).
+#: At most ``_GATHER_PIECES`` pieces per call (below every system's ``IOV_MAX``).
+_GATHER = 256 << 10
+_GATHER_PIECES = 512
 
 
 def _template() -> bytes:
@@ -118,7 +121,7 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
             if q != pos:
                 return None
         elif marker in _JPEG_SKIP:
-            head = data[body_at:body_at + 14]
+            head = bytes(data[body_at:body_at + 14])
             if ((marker == 0xE0 and head.startswith(b"JFIF") and length - 2 < 7)
                     or (marker == 0xEE and head.startswith(b"Adobe") and length - 2 < 7)
                     or (marker == 0xE1 and head.startswith(b"Exif\0\0"))
@@ -204,19 +207,53 @@ def unit_checksums_path(staging: str, index: int) -> str:
 
 
 class _Out:
-    """A file written under ``<final>.tmp``; tracks the path being written, the bytes written so far and, with
-    ``hashed``, their sha256."""
+    """A file written under ``<final>.tmp`` (unbuffered); tracks the path being written, the bytes written so far and,
+    with ``hashed``, their sha256.
+
+    :meth:`write` writes at once; :meth:`gather` hashes pieces as they come and writes them with one ``os.writev``
+    per ``_GATHER`` bytes (:meth:`flush` writes the rest).
+    """
 
     def __init__(self, final: str, hashed: bool = False) -> None:
         self.final, self.tmp, self.written = final, final + ".tmp", 0
-        self.f = open(self.tmp, "wb", buffering=1 << 20)
+        self.f = open(self.tmp, "wb", buffering=0)
         self.sha256 = hashlib.sha256() if hashed else None
+        self.pending: list[bytes | memoryview] = []
+        self.pending_bytes = 0
 
     def write(self, b: bytes) -> None:
-        self.f.write(b)
-        self.written += len(b)
-        if self.sha256 is not None:
-            self.sha256.update(b)
+        self.gather((b,))
+        self.flush()
+
+    def gather(self, pieces: Iterable[bytes | memoryview]) -> None:
+        sha = self.sha256
+        for piece in pieces:
+            if sha is not None:
+                sha.update(piece)
+            self.pending.append(piece)
+            self.pending_bytes += len(piece)
+        if self.pending_bytes >= _GATHER or len(self.pending) >= _GATHER_PIECES:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every gathered piece (``os.writev``, continued after a short write). Raises ``OSError``."""
+        pieces, fd = self.pending, self.f.fileno()
+        while pieces:
+            batch = pieces[:_GATHER_PIECES]
+            n = os.writev(fd, batch)
+            self.written += n
+            done = 0
+            while done < len(batch) and n >= len(batch[done]):
+                n -= len(batch[done])
+                done += 1
+            del pieces[:done]
+            if n:  # a short write ended inside a piece: its rest goes first in the next call
+                pieces[0] = memoryview(pieces[0])[n:]
+        self.pending_bytes = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.f.close()
 
 
 class _UnitWriter:
@@ -242,8 +279,7 @@ class _UnitWriter:
             rel = shard_relpath(shard)
             out = self._open(os.path.join(job.staging, rel), hashed=True)
             starts: list[int] = []
-            pieces: list[bytes] = []  # the members' headers, bytes and padding, written and hashed per chunk
-            pos = 0  # shard offset after the last member: ``pos - out.written`` bytes wait in ``pieces``
+            pos = 0  # shard offset after the last member
             for j in range(count):
                 s = next(it)
                 on_sample(s)
@@ -251,26 +287,24 @@ class _UnitWriter:
                 starts.append(start)
                 parts = [(META_PART, s.meta_json)] + [(image_part(i), b) for i, b in s.images]
                 self.sums.append(sample_checksum(parts))
+                pieces: list[bytes | memoryview] = []  # the members' headers, bytes and padding
                 for name, data in parts:
                     size = len(data)
                     head = tar_header(f"{key}.{name}", size)
                     pad = -size % TAR_BLOCK
                     pieces += (head, data, _ZEROS[:pad]) if pad else (head, data)
                     pos += len(head) + size + pad
+                out.gather(pieces)  # hashed now (the bytes are in the cache from the sample checksum)
                 self.rows.append((shard, key, j, start, pos - start))
                 n += 1
-                if pos - out.written >= _CHUNK:
-                    out.write(b"".join(pieces))
-                    pieces.clear()
             end = pos
             pos += 2 * TAR_BLOCK  # end-of-archive blocks, then padding to a whole tar record
-            pieces += (_ZEROS[:2 * TAR_BLOCK], _ZEROS[:-pos % TAR_RECORD])
-            out.write(b"".join(pieces))
-            out.f.close()
+            out.gather((_ZEROS[:2 * TAR_BLOCK], _ZEROS[:-pos % TAR_RECORD]))
+            out.close()
             self.shards.append({"path": rel, "count": count, "bytes": out.written, "sha256": out.sha256.hexdigest()})
             idx = self._open(os.path.join(job.staging, rel + ".idx"))  # Energon's itar index: sample starts + end
             idx.write(struct.pack(f"{len(starts) + 1}Q", *starts, end))
-            idx.f.close()
+            idx.close()
         if next(it, None) is not None:
             raise RuntimeError(f"{job.unit.rel}: more rows than its metadata declares ({job.unit.num_samples})")
         self.current = None
@@ -280,7 +314,7 @@ class _UnitWriter:
         buf = io.BytesIO()
         np.save(buf, np.array(self.sums, dtype="<u8"), allow_pickle=False)
         out.write(buf.getvalue())
-        out.f.close()
+        out.close()
         self.current = None
 
     def write_index(self) -> None:
@@ -305,7 +339,7 @@ class _UnitWriter:
         final = unit_record_path(self.job.staging, self.job.index)
         out = self._open(final)
         out.write(json.dumps(record, sort_keys=True).encode())
-        out.f.close()
+        out.close()
         os.replace(out.tmp, final)
 
     def discard(self) -> None:

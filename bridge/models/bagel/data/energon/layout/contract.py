@@ -129,9 +129,9 @@ def image_truncation(data: bytes) -> str | None:
 
     Such bytes open and decode under the official ``ImageFile.LOAD_TRUNCATED_IMAGES = True``: PIL fills the missing
     rows (grey), silently. Bytes only (O(1), no pixel decode): the converter checks every stored image with it, the
-    readers every image they cook.
+    readers every image they cook. ``data``: ``bytes`` or a ``memoryview`` of unsigned bytes.
     """
-    tail = data[-4096:].rstrip(b"\0 \t\r\n")  # the end is all that is read: no copy of the image
+    tail = bytes(data[-4096:]).rstrip(b"\0 \t\r\n")  # the end is all that is read: no copy of the image
     if data[:3] == b"\xff\xd8\xff":
         return None if tail.endswith(b"\xff\xd9") else f"JPEG of {len(data)} bytes without its end marker FF D9"
     if data[:8] == b"\x89PNG\r\n\x1a\n":
