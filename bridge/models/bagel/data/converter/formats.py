@@ -206,9 +206,9 @@ def binary_values(column: pa.ChunkedArray | pa.Array) -> list[memoryview | bytes
 
     ``binary`` / ``large_binary`` chunks: one unsigned-byte ``memoryview`` (format ``B``, so indexing gives ints
     0-255 like ``bytes``) per value, sliced by the chunk's offsets; other types (``binary_view``, ``null``):
-    ``to_pylist()`` (``bytes`` / None). ``to_pylist()`` copies every value into a new ``bytes`` object: ~8 % of a
-    one-process t2i conversion (``scripts/bench_convert.py``), for bytes that are only hashed and written. The views
-    keep the row group's table alive; they are valid as long as a caller holds them.
+    ``to_pylist()`` (``bytes`` / None). ``to_pylist()`` copies every value into a new ``bytes`` object, for bytes
+    that are only checked, hashed and written (docs/performance.md, "Conversion"). The views keep the row group's
+    buffers alive; they are valid as long as a caller holds them.
     """
     chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
     out: list[memoryview | bytes | None] = []
@@ -216,10 +216,9 @@ def binary_values(column: pa.ChunkedArray | pa.Array) -> list[memoryview | bytes
         if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
             out += chunk.to_pylist()
             continue
-        n = len(chunk)
+        n, offset_type = len(chunk), np.dtype(np.int64 if pa.types.is_large_binary(chunk.type) else np.int32)
         _, offsets_buf, data_buf = chunk.buffers()
-        offsets = np.frombuffer(offsets_buf, dtype=np.int64 if pa.types.is_large_binary(chunk.type) else np.int32,
-                                count=n + 1, offset=chunk.offset * (8 if pa.types.is_large_binary(chunk.type) else 4))
+        offsets = np.frombuffer(offsets_buf, dtype=offset_type, count=n + 1, offset=chunk.offset * offset_type.itemsize)
         data = memoryview(data_buf if data_buf is not None else b"").cast("B")
         bounds = offsets.tolist()
         views: list[memoryview | None] = [data[bounds[i]:bounds[i + 1]] for i in range(n)]

@@ -89,7 +89,7 @@ _JPEG_SOF = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xC
 _JPEG_SKIP = frozenset((0xC4, 0xCC, 0xDC, 0xDD, 0xDF, 0xFE, *range(0xE0, 0xF0)))
 
 
-def _jpeg_size(data: bytes) -> tuple[int, int] | None:
+def _jpeg_size(data: bytes | memoryview) -> tuple[int, int] | None:
     """``(width, height)`` of a plain JPEG whose header ``PIL.Image.open`` reads without complaint, else None.
 
     Walks the marker segments up to the start of scan as PIL's ``JpegImageFile._open`` does and applies the same
@@ -135,7 +135,7 @@ def _jpeg_size(data: bytes) -> tuple[int, int] | None:
     return None
 
 
-def image_problem(data: bytes, max_pixels: int) -> tuple[str, str] | None:
+def image_problem(data: bytes | memoryview, max_pixels: int) -> tuple[str, str] | None:
     """``(reason, detail)`` when an encoded image is empty, has no readable header, exceeds ``max_pixels`` or is cut
     short (``TRUNCATED_IMAGE``: ``layout.image_truncation``, the format's end marker).
 

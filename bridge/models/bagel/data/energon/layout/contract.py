@@ -123,7 +123,7 @@ def image_index(part: str) -> int | None:
 TRUNCATED_IMAGE = "truncated_image"
 
 
-def image_truncation(data: bytes) -> str | None:
+def image_truncation(data: bytes | memoryview) -> str | None:
     """Why the encoded image ``data`` is cut short, or None: a JPEG without its end-of-image marker ``FF D9``, or a
     PNG without its final ``IEND`` chunk, after any trailing NUL / whitespace padding. Other formats: None.
 
