@@ -2,32 +2,13 @@
 
 The official packer estimates a sample as ``num_tokens + 2 * len(sequence_plan)`` (spec §5: the +2 per
 plan item are bos/eos or start/end-of-image), where an image contributes ``H * W // stride**2`` tokens
-after the group's :class:`~.transforms.ImageTransform`. Everything here derives from that rule:
-
-* :func:`image_tokens` / :func:`estimate` — the per-image and per-sample estimates (which items a sample lays out
-  is :mod:`.outcomes`, shared with the cookers and ``bagel-data stats``); :func:`is_overlength` — the packer's
-  per-sample drop rule on such an estimate (``estimate``, ``is_overlength`` and ``mandatory_tokens`` live in
-  :mod:`.lengths`, shared with the packer, and are re-exported here); :func:`group_bounds` — a group's
-  smallest and largest-image estimates from its transforms;
-* :func:`transform_extremes` — the largest / smallest output a transform can produce (grid side in
-  patches, tokens), found by evaluating the exact resize rule over a grid of input sizes;
-  :func:`image_grids` / :func:`table_side` — which position table each of a group's transforms indexes
-  and how large that table must be;
-* :func:`budget_issues` — the rules :data:`GROUP_RULES` and :data:`PACKER_RULES`, one list read by config
-  validation and ``bagel-data stats``: what cannot work (an error: ``validate.validate_data`` raises it with the
-  other config problems) and what may drop much (a warning, logged once by :func:`log_warnings`), for a
-  ``PackerConfig`` and the grouped YAML:
-
-  - latent grid side > ``max_latent_size`` (VAE images of t2i/edit, extrapolated position ids index past
-    the ``max_latent_size**2`` table: case B4), ViT grid side > ``max_num_patch_per_side`` (vlm and the
-    edit ViT copy), a transform stride that is not a multiple of the patch size;
-  - every sample a group can produce over ``max_num_tokens_per_sample`` (error), or its largest image
-    over it (warning: case B3, a mandatory group whose data are all large never yields a batch);
-  - ``mandatory groups x (max_num_tokens_per_sample - 1) > max_num_tokens``: mandatory samples are never
-    checked against ``max_num_tokens`` (official quirk), so one pack can exceed it (case B6,
-    :func:`mandatory_overflow`; an error also in the official order when the loop refuses it,
-    :func:`loop_refuses_overflow`: the simulators of ``bagel-data stats`` apply the same rule);
-  - ``max_num_tokens`` not a multiple of 128 with flex attention (warning).
+after the group's :class:`~.transforms.ImageTransform`. Everything here derives from that rule: the per-image and
+per-sample estimates and a group's bounds (which items a sample lays out is :mod:`.outcomes`; ``estimate``,
+``is_overlength`` and ``mandatory_tokens`` live in :mod:`.lengths`, shared with the packer, and are re-exported
+here), what a transform can produce and which position table it indexes, and :func:`budget_issues`: the rules
+:data:`GROUP_RULES` and :data:`PACKER_RULES` (cases B3, B4, B6), one list read by config validation (an error is
+raised by ``validate.validate_data`` with the other config problems) and ``bagel-data stats`` (a warning, what may
+drop much, is logged once by :func:`log_warnings`).
 
 Units: "tokens" are packed sequence positions; sides are in pixels (``*_px``) or patches/latents.
 """
@@ -71,8 +52,7 @@ _warned: set[str] = set()
 def image_tokens(transform: ImageTransform, width: int, height: int, img_num: int = 1) -> int:
     """Tokens of one image of ``width`` x ``height`` input pixels after ``transform``: ``H*W // stride**2``.
 
-    ``img_num`` divides the pixel budget (vlm records with several images). Raises ValueError for a
-    non-positive size.
+    ``img_num`` divides the pixel budget (vlm records with several images). Raises ValueError for a non-positive size.
     """
     h, w = transform.target_size(width, height, img_num)
     return h * w // transform.stride ** 2
@@ -80,19 +60,14 @@ def image_tokens(transform: ImageTransform, width: int, height: int, img_num: in
 
 @dataclass(frozen=True)
 class TransformExtremes:
-    """What a transform can produce over all input sizes (for ``img_num`` images per record).
-
-    ``max_side``: the largest output side in patches (``px // stride``); ``max_side_px`` in pixels;
-    ``max_tokens`` / ``min_tokens``: the largest / smallest ``H*W // stride**2``; ``max_hw``: an output
-    (H, W) in pixels reaching ``max_tokens``.
-    """
+    """What a transform can produce over all input sizes (for ``img_num`` images per record)."""
 
     stride: int
-    max_side: int
-    max_side_px: int
-    max_tokens: int
-    min_tokens: int
-    max_hw: tuple[int, int]
+    max_side: int            # the largest output side in patches (px // stride)
+    max_side_px: int         # the same in pixels
+    max_tokens: int          # the largest H*W // stride**2
+    min_tokens: int          # the smallest
+    max_hw: tuple[int, int]  # an output (H, W) in pixels reaching max_tokens
 
 
 def _probe_sides(max_size: float, min_size: float, stride: int) -> list[int]:
@@ -133,20 +108,18 @@ def _extremes(max_size: float, min_size: float, stride: int, max_pixels: float, 
 def transform_extremes(transform: ImageTransform, img_num: int = 1) -> TransformExtremes:
     """Largest / smallest output of ``transform`` over input sizes 1 px .. 16 x ``max_image_size`` (cached).
 
-    The resize rule (spec §9.1) bounds the long side by ``max_image_size`` (snapped to the stride) and
-    scales the short side up to ``min_image_size``; the probe grid includes the inputs that reach those
-    bounds (squares at max_image_size, extreme aspect ratios), so ``max_side`` / ``max_tokens`` are reached
-    by real inputs.
+    The resize rule (spec §9.1) bounds the long side by ``max_image_size`` (snapped to the stride) and scales the short
+    side up to ``min_image_size``; the probe grid includes the inputs that reach those bounds (squares at
+    max_image_size, extreme aspect ratios), so ``max_side`` / ``max_tokens`` are reached by real inputs.
     """
     return _extremes(transform.max_size, transform.min_size, transform.stride, transform.max_pixels, img_num)
 
 
 @dataclass(frozen=True)
 class ImageGrid:
-    """One transform of a group (``args_key`` in the grouped YAML) and the position table its images index:
-    ``kind`` "latent" (VAE images of t2i / edit; packer knobs ``vae_image_downsample`` px per latent,
-    ``max_latent_size`` latents per side) or "ViT" (vlm, the edit ViT copy; ``vit_patch_size``,
-    ``max_num_patch_per_side``)."""
+    """One transform of a group (``args_key`` in the grouped YAML) and the position table its images index: ``kind``
+    "latent" (VAE images of t2i / edit; packer knobs ``vae_image_downsample`` px per latent, ``max_latent_size`` latents
+    per side) or "ViT" (vlm, the edit ViT copy; ``vit_patch_size``, ``max_num_patch_per_side``)."""
 
     args_key: str
     transform: ImageTransform
@@ -178,14 +151,12 @@ def table_side(transform: ImageTransform, patch: int) -> int:
 
 @dataclass(frozen=True)
 class GroupBounds:
-    """Transform-derived bounds of one group's sample estimates (tokens, including the +2 per plan item).
+    """Transform-derived bounds of one group's sample estimates (tokens, including the +2 per plan item)."""
 
-    ``smallest``: the smallest estimate any sample can have (smallest images, empty texts where the
-    reader allows them); ``largest_image``: the estimate of the simplest sample built from the largest
-    images the transform can produce (longer texts and more images only add to it).
-    """
-
+    #: The smallest estimate any sample can have (smallest images, empty texts where the reader allows them).
     smallest: int
+    #: The estimate of the simplest sample built from the largest images the transform can produce (longer texts and
+    #: more images only add to it), and how it is made up.
     largest_image: int
     detail: str
 
@@ -193,9 +164,8 @@ class GroupBounds:
 def group_bounds(group: GroupConfig) -> GroupBounds | None:
     """Bounds of ``group``'s estimates from its transforms, or None without ``image_transform_args``.
 
-    t2i: 1 text + 1 VAE image (2 items); unified_edit: context VAE + ViT copy, 1 text, target VAE
-    (4 items, the shortest edit); vlm_sft: 1 ViT image + 1 answer text (the smallest sample is text only,
-    at least one token: 3).
+    t2i: 1 text + 1 VAE image (2 items); unified_edit: context VAE + ViT copy, 1 text, target VAE (4 items, the shortest
+    edit); vlm_sft: 1 ViT image + 1 answer text (the smallest sample is text only, at least one token: 3).
     """
     t = group.transform()
     if t is None:
@@ -241,44 +211,14 @@ def video_bounds(group: GroupConfig) -> tuple[int, str] | None:
 
 @dataclass(frozen=True)
 class BudgetIssue:
-    """One finding: ``level`` is "error" (cannot work) or "warning" (may drop much / waste); ``key`` the
-    config key to change; ``message`` says what happens and what to change."""
+    """One finding of the budget checks."""
 
-    level: str
-    key: str
-    message: str
+    level: str    # "error" (cannot work) or "warning" (may drop much / waste)
+    key: str      # the config key to change
+    message: str  # what happens and what to change
 
     def __str__(self) -> str:
         return f"{self.level}: {self.message}"
-
-
-def _grid_issue(issues: list[BudgetIssue], grid: ImageGrid, packer: PackerConfig, *, where: str, pw: str) -> None:
-    """The issues of one transform against the position table it indexes (appended to ``issues``)."""
-    key, t, kind = grid.args_key, grid.transform, grid.kind
-    patch, table = getattr(packer, grid.patch_knob), getattr(packer, grid.table_knob)
-    patch_key, table_key = f"{pw}.{grid.patch_knob}", f"{pw}.{grid.table_knob}"
-    if t.stride % patch:
-        issues.append(BudgetIssue("error", key, f"{where}: {key}.image_stride {t.stride} is not a multiple of "
-                                  f"{patch_key} {patch}: image sides would not split into whole {kind} patches; "
-                                  f"set image_stride to {patch}"))
-        return
-    if t.stride != patch:
-        issues.append(BudgetIssue("warning", key, f"{where}: {key}.image_stride {t.stride} differs from {patch_key} "
-                                  f"{patch}: the packer's token estimates (H*W/stride^2) undercount the "
-                                  f"{kind} tokens by {(t.stride // patch) ** 2}x"))
-    ex = transform_extremes(t)
-    side = table_side(t, patch)  # exact: the stride is a multiple of the patch
-    if side > table and not packer.interpolate_pos:
-        issues.append(BudgetIssue("error", table_key, (
-            f"{where}: {key} (max_image_size {t.max_size}, stride {t.stride}) produces images up to "
-            f"{ex.max_side_px} px = {side} {kind} patches per side, but {table_key} is {table}: {kind} position "
-            f"ids reach {(side - 1) * table + side - 1} in a {table}x{table} = "
-            f"{table * table}-entry table (out of range / aliased rows). Set {table_key} >= {side}, or "
-            f"max_image_size <= {table * patch}, or interpolate_pos: true")))
-
-
-def _groups(groups: Sequence[GroupConfig | ResolvedGroup]) -> list[GroupConfig]:
-    return [g.group if isinstance(g, ResolvedGroup) else g for g in groups]
 
 
 def mandatory_overflow(packer: PackerConfig, mandatory_groups: int) -> int:
@@ -309,8 +249,28 @@ class _Check:
 def _grid_rule(c: _Check, g: GroupConfig) -> list[BudgetIssue]:
     """Each transform of ``g`` against the position table it indexes (case B4)."""
     issues: list[BudgetIssue] = []
+    where = f"{c.source}: group {g.name!r}"
     for grid in image_grids(g):
-        _grid_issue(issues, grid, c.packer, where=f"{c.source}: group {g.name!r}", pw=c.pw)
+        key, t, kind = grid.args_key, grid.transform, grid.kind
+        patch, table = getattr(c.packer, grid.patch_knob), getattr(c.packer, grid.table_knob)
+        patch_key, table_key = f"{c.pw}.{grid.patch_knob}", f"{c.pw}.{grid.table_knob}"
+        if t.stride % patch:
+            issues.append(BudgetIssue("error", key, f"{where}: {key}.image_stride {t.stride} is not a multiple of "
+                                      f"{patch_key} {patch}: image sides would not split into whole {kind} patches; "
+                                      f"set image_stride to {patch}"))
+            continue
+        if t.stride != patch:
+            issues.append(BudgetIssue("warning", key, f"{where}: {key}.image_stride {t.stride} differs from "
+                                      f"{patch_key} {patch}: the packer's token estimates (H*W/stride^2) undercount "
+                                      f"the {kind} tokens by {(t.stride // patch) ** 2}x"))
+        side = table_side(t, patch)  # exact: the stride is a multiple of the patch
+        if side > table and not c.packer.interpolate_pos:
+            issues.append(BudgetIssue("error", table_key, (
+                f"{where}: {key} (max_image_size {t.max_size}, stride {t.stride}) produces images up to "
+                f"{transform_extremes(t).max_side_px} px = {side} {kind} patches per side, but {table_key} is "
+                f"{table}: {kind} position ids reach {(side - 1) * table + side - 1} in a {table}x{table} = "
+                f"{table * table}-entry table (out of range / aliased rows). Set {table_key} >= {side}, or "
+                f"max_image_size <= {table * patch}, or interpolate_pos: true")))
     return issues
 
 
@@ -361,8 +321,7 @@ def _mandatory_overflow_rule(c: _Check) -> list[BudgetIssue]:
         f"not checked against {pw}.max_num_tokens (official behaviour): one pack can reach "
         f"{worst} > max_num_tokens {p.max_num_tokens} (negative flex padding; the job's "
         f"batch-contract check stops the run at the first such pack). Set {pw}.max_num_tokens_per_sample "
-        f"<= {fit}, or {pw}.max_num_tokens >= {worst}, or make fewer groups "
-        "is_mandatory"))]
+        f"<= {fit}, or {pw}.max_num_tokens >= {worst}, or make fewer groups is_mandatory"))]
 
 
 def _flex_block_rule(c: _Check) -> list[BudgetIssue]:
@@ -373,29 +332,25 @@ def _flex_block_rule(c: _Check) -> list[BudgetIssue]:
     up = -(-p.max_num_tokens // FLEX_BLOCK) * FLEX_BLOCK
     return [BudgetIssue("warning", f"{pw}.max_num_tokens", (
         f"{pw}.max_num_tokens {p.max_num_tokens} is not a multiple of {FLEX_BLOCK} with use_flex: every pack is "
-        f"padded to it and FlexAttention works in {FLEX_BLOCK}-token blocks; use {up} or "
-        f"{up - FLEX_BLOCK}"))]
+        f"padded to it and FlexAttention works in {FLEX_BLOCK}-token blocks; use {up} or {up - FLEX_BLOCK}"))]
+
+
+def _video_rule(c: _Check, g: GroupConfig) -> list[BudgetIssue]:
+    """A video record of ``g`` (issue 40: its largest frame count at its largest frames) over
+    ``max_num_tokens_per_sample`` (warning: such samples are dropped)."""
+    video, pw, limit = video_bounds(g), c.pw, c.packer.max_num_tokens_per_sample
+    if video is None or not is_overlength(video[0], limit=limit, mandatory=g.is_mandatory):
+        return []
+    return [BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
+        f"{c.source}: group {g.name!r}: a video record of {video[1]} is estimated at >= {video[0]} tokens, over "
+        f"{pw}.max_num_tokens_per_sample {limit} (kept: {'<' if g.is_mandatory else '<='} {limit}); such samples "
+        f"are dropped. Raise {pw}.max_num_tokens_per_sample or lower frame_sampler_args.max_num_frames; "
+        "`bagel-data stats` counts the affected samples"))]
 
 
 #: The budget rules, in message order: per group, then for the whole packer. ``budget_issues`` (config validation,
 #: ``bagel-data stats``' findings and advice) runs them all; the simulators of ``bagel-data stats`` refuse budgets
 #: by the same :func:`mandatory_overflow` / :func:`loop_refuses_overflow`.
-def _video_rule(c: _Check, g: GroupConfig) -> list[BudgetIssue]:
-    """A video record of ``g`` (issue 40: its largest frame count at its largest frames) over
-    ``max_num_tokens_per_sample`` (warning: such samples are dropped)."""
-    video = video_bounds(g)
-    if video is None or not is_overlength(video[0], limit=c.packer.max_num_tokens_per_sample,
-                                          mandatory=g.is_mandatory):
-        return []
-    pw, limit = c.pw, c.packer.max_num_tokens_per_sample
-    bound = f"< {limit}" if g.is_mandatory else f"<= {limit}"
-    return [BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
-        f"{c.source}: group {g.name!r}: a video record of {video[1]} is estimated at >= {video[0]} tokens, over "
-        f"{pw}.max_num_tokens_per_sample {limit} (kept: {bound}); such samples are dropped. Raise "
-        f"{pw}.max_num_tokens_per_sample or lower frame_sampler_args.max_num_frames; `bagel-data stats` "
-        f"counts the affected samples"))]
-
-
 GROUP_RULES = (_grid_rule, _sample_limit_rule, _video_rule)
 PACKER_RULES = (_mandatory_overflow_rule, _flex_block_rule)
 
@@ -407,7 +362,8 @@ def budget_issues(packer: PackerConfig, groups: Sequence[GroupConfig | ResolvedG
     ``source`` names the grouped YAML in messages, ``packer_where`` the packer's key prefix (``packer`` in a
     data config, ``data.packer`` in a job config). ``packer`` is assumed valid (``PackerConfig.validate``).
     """
-    c = _Check(packer, _groups(groups), source, packer_where, official)
+    c = _Check(packer, [g.group if isinstance(g, ResolvedGroup) else g for g in groups], source, packer_where,
+               official)
     issues = [i for g in c.groups for rule in GROUP_RULES for i in rule(c, g)]
     issues += [i for rule in PACKER_RULES for i in rule(c)]
     issues.sort(key=lambda i: i.level != "error")

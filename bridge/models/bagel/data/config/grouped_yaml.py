@@ -12,15 +12,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
 from ..transforms import ImageTransform
 from ..yaml_errors import yaml_problem
 
-__all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "is_int", "is_number", "load_grouped_yaml",
-           "is_url", "read_mapping", "resolve_path"]
+__all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "field_problems", "is_int", "is_number",
+           "load_grouped_yaml", "is_url", "read_mapping", "resolve_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +101,17 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+#: A rule of ``field_problems``: the keys it checks, what their values must be (message text), the test they pass.
+FieldRule = tuple[tuple[str, ...], str, Callable[[Any], bool]]
+
+
+def field_problems(obj: Any, rules: Iterable[FieldRule], prefix: str = "") -> list[str]:
+    """``"<prefix><key>: must be <what>, got <value!r>"`` for every key of ``rules`` whose value (the attribute of
+    ``obj``) fails the rule's test, in rule and key order."""
+    return [f"{prefix}{key}: must be {what}, got {getattr(obj, key)!r}"
+            for keys, what, ok in rules for key in keys if not ok(getattr(obj, key))]
+
+
 class _StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate mapping keys (YAML would silently keep the last one)."""
 
@@ -163,19 +174,21 @@ def read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tupl
     return data, source
 
 
-def _check_transform_args(args: Any, where: str) -> dict | None:
+def _transform_args(args: Any, where: str, problems: list[str]) -> dict | None:
+    """``args`` when they are valid ``ImageTransform`` arguments, else None (a problem added when not None)."""
     if args is None:
         return None
     if not isinstance(args, dict):
-        raise ConfigError(f"{where}: must be a mapping of ImageTransform arguments, got {type(args).__name__}")
-    unknown = sorted(set(args) - _TRANSFORM_KEYS)
-    if unknown:
-        raise ConfigError(f"{where}: unknown ImageTransform argument(s) {unknown} (known: {sorted(_TRANSFORM_KEYS)})")
-    try:
-        ImageTransform(**args)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    return args
+        problems.append(f"{where}: must be a mapping of ImageTransform arguments, got {type(args).__name__}")
+    elif unknown := sorted(set(args) - _TRANSFORM_KEYS):
+        problems.append(f"{where}: unknown ImageTransform argument(s) {unknown} (known: {sorted(_TRANSFORM_KEYS)})")
+    else:
+        try:
+            ImageTransform(**args)
+            return args
+        except (TypeError, ValueError) as exc:
+            problems.append(f"{where}: {exc}")
+    return None
 
 
 def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
@@ -187,14 +200,6 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
         raise ConfigError(f"{where}: must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)
     problems: list[str] = []
-
-    def check(fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-            return None
-
     names = raw.pop("dataset_names", None)
     if names is None:
         problems.append(f"{where}: missing required key 'dataset_names'")
@@ -208,10 +213,8 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
         problems.append(f"{where}: key {key!r} is not an official grouped-YAML key this loader supports "
                         f"(known: {', '.join(GROUP_KEYS)})")
         raw.pop(key)
-    if name != "vlm_sft":
-        for key in _VLM_ONLY_KEYS:
-            if key in raw:
-                problems.append(f"{where}: key {key!r} applies only to vlm_sft (the official {name} class rejects it)")
+    problems += [f"{where}: key {key!r} applies only to vlm_sft (the official {name} class rejects it)"
+                 for key in _VLM_ONLY_KEYS if name != "vlm_sft" and key in raw]
     flags = {}
     for key, default in (("is_mandatory", False), ("resume_data_status", True), ("shuffle_lines", False)):
         flags[key] = raw.pop(key, default)
@@ -223,10 +226,8 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
     shuffle_seed = raw.pop("shuffle_seed", 0)
     if not is_int(shuffle_seed):
         problems.append(f"{where}: key 'shuffle_seed' must be of type int, got {shuffle_seed!r}")
-    image_args = check(_check_transform_args, raw.pop("image_transform_args", None),
-                       f"{where}: key 'image_transform_args'")
-    vit_args = check(_check_transform_args, raw.pop("vit_image_transform_args", None),
-                     f"{where}: key 'vit_image_transform_args'")
+    image_args, vit_args = (_transform_args(raw.pop(key, None), f"{where}: key {key!r}", problems)
+                            for key in ("image_transform_args", "vit_image_transform_args"))
     frame_args = raw.pop("frame_sampler_args", None)
     if frame_args is not None:
         if not isinstance(frame_args, dict):

@@ -44,9 +44,8 @@ def config_parts(path: str | os.PathLike | None, overrides: Sequence[str], path_
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides: expected key=value, got {bad}")
-    for o in overrides:
-        parts.append(OmegaConf.from_dotlist([o]))
-        names.append(f"override {o!r}")
+    parts += [OmegaConf.from_dotlist([o]) for o in overrides]
+    names += [f"override {o!r}" for o in overrides]
     return parts, names
 
 

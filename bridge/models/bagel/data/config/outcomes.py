@@ -66,29 +66,25 @@ class Outcome(NamedTuple):
     items: tuple[Item, ...]
     unplaced: int = 0
 
-    def _fixed(self) -> int:
-        return self.unplaced + sum(i.tokens for i in self.items if not isinstance(i.tokens, Text))
+    def _estimate(self, text: Callable[[Text], float]) -> float:
+        """``lengths.estimate`` of the items, each text counting ``text(its Text)`` tokens."""
+        fixed = self.unplaced + sum(i.tokens for i in self.items if not isinstance(i.tokens, Text))
+        return estimate(fixed, len(self.items)) + sum(text(i.tokens) for i in self.items if isinstance(i.tokens, Text))
 
     @property
     def lo(self) -> int:
         """The packer's estimate (``lengths.estimate``) with every text at its shortest."""
-        return estimate(self._fixed() + sum(i.tokens.lo for i in self.items if isinstance(i.tokens, Text)),
-                        len(self.items))
+        return self._estimate(lambda t: t.lo)
 
     @property
     def hi(self) -> int:
         """The estimate with every text at its longest."""
-        return estimate(self._fixed() + sum(i.tokens.hi for i in self.items if isinstance(i.tokens, Text)),
-                        len(self.items))
+        return self._estimate(lambda t: t.hi)
 
     @property
     def mean(self) -> float:
         """The estimate's expectation over the texts' choices."""
-        mean = 0.0
-        for i in self.items:
-            if isinstance(i.tokens, Text):
-                mean += i.tokens.mean
-        return estimate(self._fixed(), len(self.items)) + mean
+        return self._estimate(lambda t: t.mean)
 
 
 def summary(outcomes: Sequence[Outcome]) -> tuple[int, int, float]:
@@ -156,10 +152,9 @@ def may_concat(start: int, end: int) -> bool:
 
 
 def edit_parts(n: int, start: int, end: int, concat: bool) -> list[EditImage | EditText]:
-    """The layout of a draw, in plan order. Always first the context: image ``start`` clean. Concatenated: the
-    joined instructions then image ``end`` noised, ``end`` pulled back by one when it is the last image.
-    Stepwise: per step ``i`` in ``start+1 .. end`` its instruction, then image ``i`` noised, and clean unless
-    it is ``end``."""
+    """The layout of a draw, in plan order. Always first the context: image ``start`` clean. Concatenated: the joined
+    instructions then image ``end`` noised, ``end`` pulled back by one when it is the last image. Stepwise: per step
+    ``i`` in ``start+1 .. end`` its instruction, then image ``i`` noised, and clean unless it is ``end``."""
     parts: list[EditImage | EditText] = [EditImage(start, False, True)]
     if concat:
         end = end - 1 if end == n - 1 else end

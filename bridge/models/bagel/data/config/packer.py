@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
-from .grouped_yaml import ConfigError, is_int, is_number
+from .grouped_yaml import ConfigError, FieldRule, field_problems, is_int, is_number
 
 __all__ = ["OFFICIAL_NON_PACKER_KEYS", "PACKER_BUDGET_KEYS", "STRATEGIES", "BalanceConfig", "CostConfig",
            "PackerConfig"]
@@ -36,6 +36,16 @@ PACKER_BUDGET_KEYS: tuple[str, ...] = ("expected_num_tokens", "max_num_tokens", 
 OFFICIAL_NON_PACKER_KEYS: tuple[str, ...] = ("grouped_datasets", "data_status", "local_rank", "num_workers",
                                              "world_size")
 
+#: What ``PackerConfig.problems`` checks key by key (``grouped_yaml.field_problems``).
+_PACKER_RULES: tuple[FieldRule, ...] = (
+    (("expected_num_tokens", "max_num_tokens_per_sample", "max_num_tokens", "prefer_buffer_before",
+      "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side", "max_consecutive_drops"),
+     "a positive integer", lambda v: is_int(v) and v > 0),
+    (("max_buffer_size",), "a non-negative integer", lambda v: is_int(v) and v >= 0),
+    (("interpolate_pos", "use_flex", "lossless"), "a bool", lambda v: isinstance(v, bool)),
+    (("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"), "a probability in [0, 1]",
+     lambda v: is_number(v) and 0.0 <= v <= 1.0),
+)
 #: The risky packer budgets already warned about in this process (``PackerConfig.validate``).
 _WARNED: set[tuple[int, int, int]] = set()
 
@@ -44,20 +54,20 @@ _WARNED: set[tuple[int, int, int]] = set()
 class CostConfig:
     """The model whose compute one pack costs (``packing.cost.CostModel``; ``data.packer.cost.*``).
 
-    Defaults: BAGEL-7B, i.e. Qwen2-7B (hidden 3584, 28 layers, 28 heads, 4 KV heads, FFN 18944) with
-    SigLIP-so400m/14 cut to 26 layers as BAGEL runs it (hidden 1152, FFN 4304). The FLOPs these give are
-    derived in ``packing/cost.py``. ``vae_flops_per_token``: FLOPs of the (frozen, forward-only) VAE encoder per
-    latent token, 0 = not counted (not derived here: measure it for your VAE and image sizes).
+    Defaults: BAGEL-7B, i.e. Qwen2-7B with SigLIP-so400m/14 cut to 26 layers as BAGEL runs it; the FLOPs these give
+    are derived in ``packing/cost.py``.
     """
 
-    hidden_size: int = 3584
+    hidden_size: int = 3584           # the LLM (Qwen2-7B)
     num_layers: int = 28
     num_attention_heads: int = 28
-    num_query_groups: int = 4
+    num_query_groups: int = 4         # KV heads
     ffn_hidden_size: int = 18944
-    vit_hidden_size: int = 1152
+    vit_hidden_size: int = 1152       # the ViT (SigLIP-so400m/14, 26 layers)
     vit_num_layers: int = 26
     vit_ffn_hidden_size: int = 4304
+    #: FLOPs of the (frozen, forward-only) VAE encoder per latent token, 0 = not counted (not derived here: measure
+    #: it for your VAE and image sizes).
     vae_flops_per_token: float = 0.0
 
 
@@ -65,11 +75,10 @@ class CostConfig:
 class BalanceConfig:
     """Knobs of ``packer.strategy: balanced`` (``packing.balance``; ``data.packer.balance.*``).
 
-    ``target_tokens``: the mean real tokens a balanced pack aims at; every pack's cost target is this many
-    tokens at the stream's mean cost per token (None = ``(expected_num_tokens + max_num_tokens) / 2``).
-    ``lookahead``: packs' worth of cost the look-ahead buffer is refilled to before each pack (at most
-    ``max_buffer_size`` samples). ``max_wait``: packs after which a waiting sample is packed whenever the token cap
-    allows, even past the cost target.
+    ``target_tokens``: the mean real tokens a balanced pack aims at; every pack's cost target is this many tokens at the
+    stream's mean cost per token (None = ``(expected_num_tokens + max_num_tokens) / 2``). ``lookahead``: packs' worth of
+    cost the look-ahead buffer is refilled to before each pack (at most ``max_buffer_size`` samples). ``max_wait``:
+    packs after which a waiting sample is packed whenever the token cap allows, even past the cost target.
     """
 
     target_tokens: int | None = None
@@ -84,20 +93,24 @@ class PackerConfig:
     The one place these knobs and their defaults live: ``BagelPacker`` and its ``PackLayout`` take this object.
     """
 
-    expected_num_tokens: int = 32768
-    max_num_tokens_per_sample: int = 16384
-    max_num_tokens: int = 36864
-    prefer_buffer_before: int = 16384
-    max_buffer_size: int = 50
+    #: The budgets; tokens are packed sequence positions.
+    expected_num_tokens: int = 32768        # tokens: soft target, a pack is yielded once its length reaches it
+    max_num_tokens_per_sample: int = 16384  # tokens: a sample estimated above it is dropped (overlength)
+    max_num_tokens: int = 36864             # tokens: hard cap of a pack (with use_flex also its padded length)
+    prefer_buffer_before: int = 16384       # tokens: while a pack is shorter, buffered samples go first
+    max_buffer_size: int = 50               # samples the overflow buffer holds
+    #: Interpolated instead of extrapolated latent position ids; flex split metadata instead of dense masks.
     interpolate_pos: bool = False
     use_flex: bool = False
+    #: CFG dropout probabilities of the conditioning text / ViT / VAE items.
     text_cond_dropout_prob: float = 0.1
     vit_cond_dropout_prob: float = 0.4
     vae_cond_dropout_prob: float = 0.1
-    vae_image_downsample: int = 16
-    max_latent_size: int = 32
-    vit_patch_size: int = 14
-    max_num_patch_per_side: int = 70
+    #: Image geometry, checked against the groups' transforms (``budgets``).
+    vae_image_downsample: int = 16          # px per VAE latent (the VAE stride)
+    max_latent_size: int = 32               # latents per side of the latent position table
+    vit_patch_size: int = 14                # px per ViT patch
+    max_num_patch_per_side: int = 70        # patches per side of the ViT position table
     #: Not an official knob: a group whose samples are dropped as over-length this many times in a row, with
     #: none packed, raises ``DataStallError`` (the official loop would spin forever).
     max_consecutive_drops: int = 100
@@ -134,34 +147,20 @@ class PackerConfig:
 
     def problems(self, where: str = "packer") -> list[str]:
         """Every value the packer cannot work with, one message per key (empty when valid)."""
-        out: list[str] = []
-        for name in ("expected_num_tokens", "max_num_tokens_per_sample", "max_num_tokens", "prefer_buffer_before",
-                     "vae_image_downsample", "max_latent_size", "vit_patch_size", "max_num_patch_per_side",
-                     "max_consecutive_drops"):
-            v = getattr(self, name)
-            if not is_int(v) or v <= 0:
-                out.append(f"{where}.{name}: must be a positive integer, got {v!r}")
-        if not is_int(self.max_buffer_size) or self.max_buffer_size < 0:
-            out.append(f"{where}.max_buffer_size: must be a non-negative integer, got {self.max_buffer_size!r}")
-        for name in ("interpolate_pos", "use_flex", "lossless"):
-            if not isinstance(getattr(self, name), bool):
-                out.append(f"{where}.{name}: must be a bool, got {getattr(self, name)!r}")
-        for name in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):
-            v = getattr(self, name)
-            if not is_number(v) or not 0.0 <= v <= 1.0:
-                out.append(f"{where}.{name}: must be a probability in [0, 1], got {v!r}")
+        out = field_problems(self, _PACKER_RULES, f"{where}.")
         if out:  # the cross-checks below need valid numbers
             return out
         if self.prefer_buffer_before >= self.max_num_tokens:
             out.append(f"{where}.prefer_buffer_before ({self.prefer_buffer_before}) must be smaller than "
                        f"max_num_tokens ({self.max_num_tokens})")
-        if self.expected_num_tokens > self.max_num_tokens:
-            out.append(f"{where}.expected_num_tokens ({self.expected_num_tokens}) exceeds max_num_tokens "
-                       f"({self.max_num_tokens}): packs could never reach the target")
-        if self.max_num_tokens_per_sample > self.max_num_tokens:
-            out.append(f"{where}.max_num_tokens_per_sample ({self.max_num_tokens_per_sample}) exceeds "
-                       f"max_num_tokens ({self.max_num_tokens}): such samples could never be packed")
-        return out
+        return out + self.over_cap(where, (
+            ("expected_num_tokens", self.expected_num_tokens, "packs could never reach the target"),
+            ("max_num_tokens_per_sample", self.max_num_tokens_per_sample, "such samples could never be packed")))
+
+    def over_cap(self, where: str, checks: Iterable[tuple[str, int, str]]) -> list[str]:
+        """One message per ``(key, value, consequence)`` of ``checks`` whose value exceeds ``max_num_tokens``."""
+        return [f"{where}.{key} ({value}) exceeds max_num_tokens ({self.max_num_tokens}): {why}"
+                for key, value, why in checks if value > self.max_num_tokens]
 
     def validate(self, where: str = "packer") -> None:
         """Raise one ConfigError naming every invalid key (``problems``); warn about a risky combination."""

@@ -1,12 +1,9 @@
 """The data config: ``BagelDataConfig`` (``data.*``), its validation split ``ValidDataConfig``, the orders and
 their defaults (re-exported by ``config``).
 
-The config is split by concern: the grouped YAML (``configs/example.yaml``) is parsed in ``grouped_yaml``, the
-dataset-info registry in ``registry`` (both keep the official BAGEL formats, spec ``bagel_packer.md`` §3), the
-packer knobs live in ``packer`` (``PackerConfig`` and the names the stages import are re-exported here) and a
-file's paths and overrides become config parts in ``loading``. ``BagelDataConfig`` is an OmegaConf-structured
-dataclass, so YAML files and ``key=value`` overrides (merged by ``structured_merge``) are type-checked and unknown
-keys are rejected.
+``BagelDataConfig`` is an OmegaConf-structured dataclass, so YAML files and ``key=value`` overrides (merged by
+``structured_merge``) are type-checked and unknown keys are rejected. The packer's names the stages import are
+re-exported here.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..watchdog.watch import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S
-from .grouped_yaml import ConfigError, is_int
+from .grouped_yaml import ConfigError, FieldRule, field_problems, is_int, is_number
 from .packer import (OFFICIAL_NON_PACKER_KEYS, PACKER_BUDGET_KEYS, STRATEGIES, BalanceConfig, CostConfig,
                      PackerConfig)
 
@@ -46,17 +43,31 @@ DEFAULT_PARTITIONS = 8192
 #: the validation split's ``valid.groups`` / ``valid.dataset_info`` resolve exactly as training's do).
 DATA_PATH_KEYS: tuple[str, ...] = ("groups", "dataset_info", "valid.groups", "valid.dataset_info")
 
+_NON_NEGATIVE_INT = ("a non-negative integer", lambda v: is_int(v) and v >= 0)
+_BOOL = ("a bool (true/false)", lambda v: isinstance(v, bool))
+#: What ``BagelDataConfig.problems`` checks key by key (``grouped_yaml.field_problems``).
+_DATA_RULES: tuple[FieldRule, ...] = (
+    (("seed", "num_workers"), *_NON_NEGATIVE_INT),
+    (("partitions",), "a positive integer", lambda v: is_int(v) and v >= 1),
+    (("data_seed",), "a non-negative integer or null", lambda v: v is None or (is_int(v) and v >= 0)),
+    (("order",), f"one of {list(ORDERS)}", lambda v: v in ORDERS or v in REMOVED_ORDERS),
+    (("prefetch",), *_NON_NEGATIVE_INT),
+    (("prefetch_start",), f"one of {list(PREFETCH_STARTS)}", lambda v: v in PREFETCH_STARTS),
+    (("verify_checksums",), "true or false", lambda v: isinstance(v, bool)),
+    (("fresh_stream", "resume_budget_change"), *_BOOL),
+    (("stall_warn_s", "timeout_s"), "a number of seconds >= 0 (0 disables)", lambda v: is_number(v) and not v < 0),
+)
+
 
 @dataclass
 class ValidDataConfig:
     """The validation split (``data.valid``): its own grouped-datasets YAML and registry, in training's vocabulary.
 
-    ``groups``: the official grouped YAML (a path or the mapping), required. ``dataset_info``: the registry (a path
-    or the mapping); null = training's ``data.dataset_info`` (validation groups usually name held-out datasets of
-    the same registry). Every other knob (packer, seed, order, partitions, workers, tokenizer) is training's: the
-    validation stream is the training builder's stream over these groups, rebuilt from ``data.seed`` at every
-    evaluation (``pipeline.valid.BagelValidLoader``). Validated by the same pass as training
-    (``validate.validate_data``).
+    ``groups``: the official grouped YAML (a path or the mapping), required. ``dataset_info``: the registry (a path or
+    the mapping); null = training's ``data.dataset_info`` (validation groups usually name held-out datasets of the same
+    registry). Every other knob (packer, seed, order, partitions, workers, tokenizer) is training's: the validation
+    stream is the training builder's stream over these groups, rebuilt from ``data.seed`` at every evaluation
+    (``pipeline.valid.BagelValidLoader``). Validated by the same pass as training (``validate.validate_data``).
     """
 
     groups: Any = "???"
@@ -124,37 +135,13 @@ class BagelDataConfig:
                            f"{value!r:.80}")
         if self.valid is not None and not isinstance(self.valid, ValidDataConfig):
             out.append(f"valid: must be null or a mapping {{groups, dataset_info}}, got {self.valid!r:.80}")
-        if not is_int(self.seed) or self.seed < 0:
-            out.append(f"seed: must be a non-negative integer, got {self.seed!r}")
-        if not is_int(self.num_workers) or self.num_workers < 0:
-            out.append(f"num_workers: must be a non-negative integer, got {self.num_workers!r}")
-        if not is_int(self.partitions) or self.partitions < 1:
-            out.append(f"partitions: must be a positive integer, got {self.partitions!r}")
-        if self.data_seed is not None and (not is_int(self.data_seed) or self.data_seed < 0):
-            out.append(f"data_seed: must be a non-negative integer or null, got {self.data_seed!r}")
         if self.order in REMOVED_ORDERS:
             out.append(f"order: {self.order!r} is not an order any more: {REMOVED_ORDERS[self.order]}")
-        elif self.order not in ORDERS:
-            out.append(f"order: must be one of {list(ORDERS)}, got {self.order!r}")
         elif self.order == "official" and is_int(self.num_workers) and self.num_workers < 1:
             out.append("num_workers: order 'official' needs num_workers >= 1 (the official DataLoader workers "
                        "it emulates; with 0 the official loader draws from the training process's own RNG, "
                        "which cannot be reproduced)")
-        if not is_int(self.prefetch) or self.prefetch < 0:
-            out.append(f"prefetch: must be a non-negative integer, got {self.prefetch!r}")
-        if self.prefetch_start not in PREFETCH_STARTS:
-            out.append(f"prefetch_start: must be one of {list(PREFETCH_STARTS)}, got {self.prefetch_start!r}")
-        if not isinstance(self.verify_checksums, bool):
-            out.append(f"verify_checksums: must be true or false, got {self.verify_checksums!r}")
-        if not isinstance(self.fresh_stream, bool):
-            out.append(f"fresh_stream: must be a bool (true/false), got {self.fresh_stream!r}")
-        if not isinstance(self.resume_budget_change, bool):
-            out.append(f"resume_budget_change: must be a bool (true/false), got {self.resume_budget_change!r}")
-        for key in ("stall_warn_s", "timeout_s"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                out.append(f"{key}: must be a number of seconds >= 0 (0 disables), got {value!r}")
-        return out
+        return out + field_problems(self, _DATA_RULES)
 
     def validate(self) -> None:
         """Raise one ConfigError naming every invalid key of this config (its files: ``validate.validate_data``)."""
@@ -166,36 +153,30 @@ class BagelDataConfig:
     @property
     def groups_source(self) -> str:
         """How messages name ``groups``: its path, or ``data.groups (mapping)``."""
-        return "data.groups (mapping)" if isinstance(self.groups, Mapping) else str(self.groups)
+        return _source(self.groups, "groups")
 
     @property
     def dataset_info_source(self) -> str:
         """How messages name ``dataset_info``: its path, or ``data.dataset_info (mapping)``."""
-        return "data.dataset_info (mapping)" if isinstance(self.dataset_info, Mapping) else str(self.dataset_info)
+        return _source(self.dataset_info, "dataset_info")
 
     @property
     def valid_groups_source(self) -> str:
         """How messages name ``valid.groups``: its path, or ``data.valid.groups (mapping)`` (``data.valid (not set)``
         without ``valid``)."""
-        if self.valid is None:
-            return "data.valid (not set)"
-        groups = self.valid.groups
-        return "data.valid.groups (mapping)" if isinstance(groups, Mapping) else str(groups)
+        return "data.valid (not set)" if self.valid is None else _source(self.valid.groups, "valid.groups")
 
     @property
     def valid_dataset_info_source(self) -> str:
         """How messages name the validation registry: ``valid.dataset_info``'s path or ``data.valid.dataset_info
         (mapping)``; training's (``dataset_info_source``) when it is null."""
         info = None if self.valid is None else self.valid.dataset_info
-        if info is None:
-            return self.dataset_info_source
-        return "data.valid.dataset_info (mapping)" if isinstance(info, Mapping) else str(info)
+        return self.dataset_info_source if info is None else _source(info, "valid.dataset_info")
 
     def valid_config(self) -> "BagelDataConfig":
         """The data config of the validation stream: this config with ``valid.groups`` / ``valid.dataset_info``
-        (training's registry when null) as its groups and registry, no prefetch process (an evaluation reads a
-        few batches and then stops), never ``fresh_stream``, no ``valid`` of its own. ``ValueError`` without
-        ``valid``."""
+        (training's registry when null) as its groups and registry, no prefetch process (an evaluation reads a few
+        batches and then stops), never ``fresh_stream``, no ``valid`` of its own. ``ValueError`` without ``valid``."""
         if self.valid is None:
             raise ValueError("valid_config: data.valid is not set")
         info = self.valid.dataset_info if self.valid.dataset_info is not None else self.dataset_info
@@ -211,6 +192,11 @@ class BagelDataConfig:
     def from_omegaconf(cls, cfg: Any, *, source: str = "<config>") -> "BagelDataConfig":
         """Build from a DictConfig or plain mapping, checked against this schema."""
         return to_config([cfg], source)
+
+
+def _source(value: Any, key: str) -> str:
+    """How messages name the file key ``data.<key>``: its path, or ``data.<key> (mapping)``."""
+    return f"data.{key} (mapping)" if isinstance(value, Mapping) else str(value)
 
 
 def structured_merge(schema: type, parts: Sequence[Any], source: str | Sequence[str]) -> Any:

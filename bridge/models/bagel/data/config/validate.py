@@ -18,25 +18,28 @@
    emulated in process; or ``prefetch`` > 0), that the temp dir leaves room for the unix sockets through which
    they hand tensors over (``socket_path_problem``).
 
-Each problem names its file and key; all of them are raised together as one ``ConfigError`` (``.problems``
-holds the list). The job, ``bagel-data inspect`` / ``stats``, the providers and ``build_bagel_train_loader``
-call this once and pass the resulting ``ValidatedData`` on, so the YAML is read and the budgets are checked
-exactly once per process.
+Each problem names its file and key; all of them are raised together as one ``ConfigError`` (``.problems`` holds the
+list). The job, ``bagel-data inspect`` / ``stats``, the providers and ``build_bagel_train_loader`` call this once and
+pass the resulting ``ValidatedData`` on, so the YAML is read and the budgets are checked exactly once per process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import logging
 import os
 import tempfile
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
 from .budgets import BudgetIssue, budget_issues, log_warnings
-from .grouped_yaml import ConfigError, GroupConfig, is_int, is_number, is_url, load_grouped_yaml
+from .grouped_yaml import (ConfigError, FieldRule, GroupConfig, field_problems, is_int, is_number, is_url,
+                           load_grouped_yaml)
 from .packer import STRATEGIES, BalanceConfig, CostConfig, PackerConfig
 from .registry import DatasetInfoEntry, ResolvedGroup, load_dataset_info, resolve_groups
 from .schema import BagelDataConfig
@@ -58,11 +61,12 @@ def package_version() -> str:
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass
 class _Problems:
     """Collects the messages of ``ConfigError``s raised inside ``check()`` blocks, to raise them together."""
 
-    def __init__(self) -> None:
-        self.messages: list[str] = []
+    messages: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
     def check(self) -> Iterator[None]:
@@ -201,40 +205,30 @@ def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, pr
     return None
 
 
+#: What ``strategy_problems`` checks key by key in ``packer.cost`` / ``packer.balance`` (``field_problems``).
+_COST_RULES: tuple[FieldRule, ...] = (
+    (("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size"),
+     "a positive integer", lambda v: is_int(v) and v > 0),
+    (("vit_hidden_size", "vit_num_layers", "vit_ffn_hidden_size"), "a non-negative integer (0 = no ViT cost)",
+     lambda v: is_int(v) and v >= 0),
+    (("vae_flops_per_token",), "a number >= 0 (0 = not counted)", lambda v: is_number(v) and not v < 0),
+)
+_BALANCE_RULES: tuple[FieldRule, ...] = (
+    (("target_tokens",), "a positive integer or null", lambda v: v is None or (is_int(v) and v > 0)),
+    (("lookahead",), "a number of packs >= 1 (3.0 by default)", lambda v: is_number(v) and v >= 1.0),
+    (("max_wait",), "a positive integer (packs)", lambda v: is_int(v) and v >= 1),
+)
+
+
 def _cost_problems(cost: CostConfig, where: str) -> list[str]:
     """Every value of ``packer.cost`` the cost model (``packing.cost.CostModel``) cannot work with."""
-    out: list[str] = []
-    for name in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size"):
-        v = getattr(cost, name)
-        if not is_int(v) or v <= 0:
-            out.append(f"{where}.{name}: must be a positive integer, got {v!r}")
-    for name in ("vit_hidden_size", "vit_num_layers", "vit_ffn_hidden_size"):
-        v = getattr(cost, name)
-        if not is_int(v) or v < 0:
-            out.append(f"{where}.{name}: must be a non-negative integer (0 = no ViT cost), got {v!r}")
-    v = cost.vae_flops_per_token
-    if not is_number(v) or v < 0:
-        out.append(f"{where}.vae_flops_per_token: must be a number >= 0 (0 = not counted), got {v!r}")
+    out = field_problems(cost, _COST_RULES, f"{where}.")
     if out:
         return out
-    if cost.hidden_size % cost.num_attention_heads:
-        out.append(f"{where}.hidden_size ({cost.hidden_size}) must be a multiple of num_attention_heads "
-                   f"({cost.num_attention_heads})")
-    if cost.num_attention_heads % cost.num_query_groups:
-        out.append(f"{where}.num_attention_heads ({cost.num_attention_heads}) must be a multiple of "
-                   f"num_query_groups ({cost.num_query_groups})")
-    return out
-
-
-def _balance_problems(balance: BalanceConfig, where: str) -> list[str]:
-    """Every invalid value of ``packer.balance``."""
-    out: list[str] = []
-    if balance.target_tokens is not None and (not is_int(balance.target_tokens) or balance.target_tokens <= 0):
-        out.append(f"{where}.target_tokens: must be a positive integer or null, got {balance.target_tokens!r}")
-    if not is_number(balance.lookahead) or not balance.lookahead >= 1.0:
-        out.append(f"{where}.lookahead: must be a number of packs >= 1 (3.0 by default), got {balance.lookahead!r}")
-    if not is_int(balance.max_wait) or balance.max_wait < 1:
-        out.append(f"{where}.max_wait: must be a positive integer (packs), got {balance.max_wait!r}")
+    for key, divisor in (("hidden_size", "num_attention_heads"), ("num_attention_heads", "num_query_groups")):
+        if getattr(cost, key) % getattr(cost, divisor):
+            out.append(f"{where}.{key} ({getattr(cost, key)}) must be a multiple of {divisor} "
+                       f"({getattr(cost, divisor)})")
     return out
 
 
@@ -247,7 +241,8 @@ def strategy_problems(packer: PackerConfig, where: str = "packer") -> list[str]:
     out: list[str] = []
     if packer.strategy not in STRATEGIES:
         out.append(f"{where}.strategy: must be one of {list(STRATEGIES)}, got {packer.strategy!r}")
-    for sub, cls, check in (("balance", BalanceConfig, _balance_problems), ("cost", CostConfig, _cost_problems)):
+    for sub, cls, check in (("balance", BalanceConfig, lambda b, w: field_problems(b, _BALANCE_RULES, f"{w}.")),
+                            ("cost", CostConfig, _cost_problems)):
         value = getattr(packer, sub)
         if isinstance(value, cls):
             out += check(value, f"{where}.{sub}")
@@ -258,33 +253,25 @@ def strategy_problems(packer: PackerConfig, where: str = "packer") -> list[str]:
     if packer.max_buffer_size < 1:
         out.append(f"{where}.max_buffer_size: strategy 'balanced' packs from a look-ahead buffer of this many "
                    f"samples; it must be at least 1 (50, the default, or more), got {packer.max_buffer_size}")
-    if packer.balanced_target_tokens > packer.max_num_tokens:
-        out.append(f"{where}.balance.target_tokens ({packer.balanced_target_tokens}) exceeds max_num_tokens "
-                   f"({packer.max_num_tokens}): no pack could reach it")
-    return out
+    return out + packer.over_cap(where, [("balance.target_tokens", packer.balanced_target_tokens,
+                                          "no pack could reach it")])
 
 
 def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: bool = True,
                   prior_problems: Sequence[str] = ()) -> ValidatedData:
     """Validate ``config`` and every file it names once; raise one ``ConfigError`` listing every problem.
 
-    ``budgets``: ``"error"`` (budget errors are problems; warnings are logged once per process) or
-    ``"report"`` (budget issues are returned in ``warnings`` only, none raised or logged). ``readers=False``
-    skips step 4 (for tools that read metadata only). ``prior_problems``: what the caller found in its own
-    keys (the job's ``train.*``: ``job.config.validate_job``), reported first in the same error. Returns
-    ``ValidatedData``.
+    ``budgets``: ``"error"`` (budget errors are problems; warnings are logged once per process) or ``"report"`` (budget
+    issues are returned in ``warnings`` only, none raised or logged). ``readers=False`` skips step 4 (for tools that
+    read metadata only). ``prior_problems``: what the caller found in its own keys (the job's ``train.*``:
+    ``job.config.validate_job``), reported first in the same error. Returns ``ValidatedData``.
     """
     if budgets not in ("error", "report"):
         raise ValueError(f"validate_data: budgets must be 'error' or 'report', got {budgets!r}")
-    problems = _Problems()
-    for message in prior_problems:
-        problems.add(message)
+    problems = _Problems(list(prior_problems))
     with problems.check():
         config.validate()
-    for message in truncated_images_problems(config):
-        problems.add(message)
-    for message in strategy_problems(config.packer):
-        problems.add(message)
+    problems.messages += truncated_images_problems(config) + strategy_problems(config.packer)
     paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems.messages)
     resolved, issues = _split_problems(config, config.groups, config.dataset_info, config.groups_source,
                                        config.dataset_info_source, problems, paths_ok=paths_ok, readers=readers,
@@ -299,18 +286,13 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
             config, valid.groups, valid.dataset_info if valid.dataset_info is not None else config.dataset_info,
             config.valid_groups_source, config.valid_dataset_info_source, valid_problems, paths_ok=valid_ok,
             readers=readers, budgets=budgets)
-        for message in valid_problems.messages:  # named as the validation split's, beside training's
-            problems.add(f"data.valid: {message}")
+        problems.messages += [f"data.valid: {m}" for m in valid_problems.messages]  # beside training's
         issues += valid_issues
     workers = bool(config.num_workers) and config.order != "official"  # the official order's are emulated
     if readers and (workers or config.prefetch):
-        problem = socket_path_problem(workers=workers, prefetch=bool(config.prefetch))
-        if problem:
-            problems.add(problem)
+        problems.messages += filter(None, [socket_path_problem(workers=workers, prefetch=bool(config.prefetch))])
     problems.raise_if_any(config.groups_source)
-    if budgets == "report":
-        return ValidatedData(config, resolved, issues, valid_resolved)
-    return ValidatedData(config, resolved, log_warnings(issues), valid_resolved)
+    return ValidatedData(config, resolved, issues if budgets == "report" else log_warnings(issues), valid_resolved)
 
 
 def _split_problems(config: BagelDataConfig, groups_value: Any, info_value: Any, groups_source: str,
@@ -337,9 +319,8 @@ def _split_problems(config: BagelDataConfig, groups_value: Any, info_value: Any,
     if groups is not None and not config.packer.problems() and not strategy_problems(config.packer):
         issues = budget_issues(config.packer, groups, source=groups_source, official=config.order == "official")
         if budgets == "error":
-            for issue in issues:
-                if issue.level == "error":
-                    problems.add(f"packer budgets cannot work with these groups: {issue.message}")
+            problems.messages += [f"packer budgets cannot work with these groups: {issue.message}"
+                                  for issue in issues if issue.level == "error"]
     return resolved, issues
 
 
@@ -357,9 +338,6 @@ def truncated_images_problems(config: BagelDataConfig) -> list[str]:
 
 def _nested_schema(hint: Any) -> type | None:
     """The dataclass a field holds (``X`` or ``X | None``), None for a free-form field (``Any``, ``dict``)."""
-    import dataclasses
-    import typing
-
     if dataclasses.is_dataclass(hint):
         return hint
     inner = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -375,10 +353,6 @@ def unknown_key_problems(schema: type, part: Any, source: str, prefix: str = "")
     Free-form fields (``Any``, ``dict``: ``model``, an inline ``dataset_info``) are not looked into. The part
     returned merges cleanly where only unknown keys were wrong, so the launch's other problems are found too.
     """
-    import dataclasses
-    import difflib
-    import typing
-
     from omegaconf import DictConfig, OmegaConf
 
     data = OmegaConf.to_container(part, resolve=False) if isinstance(part, DictConfig) else part
@@ -408,11 +382,8 @@ def key_origin(parts: Sequence[Any], names: Sequence[str], dotted: str) -> str |
     whose value is in force; None when none sets it (a default)."""
     from omegaconf import OmegaConf
 
-    origin = None
-    for part, name in zip(parts, names):
-        if OmegaConf.select(part, dotted, default="\0missing") != "\0missing":
-            origin = name
-    return origin
+    return next((name for part, name in reversed(list(zip(parts, names)))
+                 if OmegaConf.select(part, dotted, default="\0missing") != "\0missing"), None)
 
 
 def path_problems(paths: Mapping[str, tuple[Any, str | None]]) -> tuple[list[str], set[str]]:

@@ -1,4 +1,4 @@
-"""Converter from the official BAGEL raw formats to Energon crude WebDatasets (layout: see ``energon/layout/contract.py``).
+"""Converter from the official BAGEL raw formats to Energon crude WebDatasets (layout: ``energon/layout/contract.py``).
 
 Every row the official reader can read becomes exactly one sample, keyed ``%08d`` by its index, with the
 original image bytes and a ``meta.json`` holding the official coordinate; the manifest maps coordinates to
@@ -9,6 +9,7 @@ sample indices so a reader can reproduce the official unit order. Output is dete
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -41,25 +42,26 @@ __all__ = ["ConvertError", "ConvertWriteError", "ConvertSummary", "convert_group
 #: Image check: images with more pixels than this are counted (PIL's own ``Image.MAX_IMAGE_PIXELS`` default,
 #: above which PIL warns about a decompression bomb; the official reader's PIL decodes them all the same).
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+
+
 @dataclass
 class ConvertSummary:
-    """Result of converting one sub-dataset (or, with ``num_parts > 1``, this part of it).
-
-    ``skipped``: rows the official reader never reads, by reason; ``bad_images``: stored images that are
-    empty, have no readable header or exceed the pixel limit, by reason (kept unchanged in the dataset);
-    ``status``: "published", or what is left before ``bagel-data convert merge`` can publish a part.
-    """
+    """Result of converting one sub-dataset (or, with ``num_parts > 1``, this part of it)."""
 
     group: str
     dataset_name: str
-    path: str
+    path: str                   # the dataset directory
     samples: int = 0
     shards: int = 0
-    bytes: int = 0
+    bytes: int = 0              # of the shards
+    #: Rows the official reader never reads, by reason.
     skipped: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     num_warnings: int = 0
+    #: Stored images that are empty, have no readable header or exceed the pixel limit, by reason (kept unchanged
+    #: in the dataset).
     bad_images: dict[str, int] = field(default_factory=dict)
+    #: "published", or what is left before ``bagel-data convert merge`` can publish a part.
     status: str = "published"
 
 
@@ -102,8 +104,8 @@ def _write_error(e: BaseException, what: str, done: str = "") -> ConvertWriteErr
                              f"to resume")
 
 
-def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: int, part: int, num_parts: int,
-                     progress: bool, overwrite: bool) -> ConvertSummary:
+def _convert_planned(plan: dict[str, Any], ds_dir: str, *, workers: int, part: int, num_parts: int, progress: bool,
+                     overwrite: bool) -> ConvertSummary:
     group, name = plan["group"], plan["dataset_name"]
     mine = part_units(plan, part, num_parts)
     # a rerun (requeued job, resumed config); or the same conversion published by an earlier release (no checksums,
@@ -125,15 +127,15 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
                            if "format 2" in older else "", MANIFEST_FORMAT)
         else:
             logger.info("%s: already converted from the same sources and options; nothing to do", ds_dir)
-        return dataclasses.replace(_summary(man, ds_dir, [], [], man["skipped"]), status="already converted")
+        return dataclasses.replace(_summary(man, ds_dir), status="already converted")
     try:
         staging, merged = open_staging(ds_dir, plan, overwrite, num_parts)
         if not merged:
             jobs = plan_jobs(plan, staging)
             todo = [jobs[k] for k in mine if not os.path.exists(unit_record_path(staging, k))]
-            done_rows = sum(jobs[k].unit.num_samples for k in mine) - sum(j.unit.num_samples for j in todo)
-            show = progress and sys.stderr.isatty()
-            with tqdm(total=sum(jobs[k].unit.num_samples for k in mine), initial=done_rows, disable=not show,
+            rows = sum(jobs[k].unit.num_samples for k in mine)
+            with tqdm(total=rows, initial=rows - sum(j.unit.num_samples for j in todo),
+                      disable=not (progress and sys.stderr.isatty()),
                       desc=f"{group}/{name}" + (f" part {part}/{num_parts}" if num_parts > 1 else ""),
                       unit="row") as bar:
                 run_jobs(todo, workers, bar)
@@ -146,14 +148,14 @@ def _convert_planned(plan: dict[str, Any], ds_dir: str, total: int, *, workers: 
     if num_parts > 1 and not merged:
         records, missing = load_records(staging, len(plan["units"]))
         mine_set = set(mine)
-        return ConvertSummary(group, name, ds_dir, samples=sum(r["num_samples"] for r in records
-                                                                if r["unit"] in mine_set),
-                              shards=sum(len(r["shards"]) for r in records if r["unit"] in mine_set),
-                              bytes=sum(sh["bytes"] for r in records if r["unit"] in mine_set for sh in r["shards"]),
-                              skipped=_skip_counts(plan["manifest"]["skipped"]), status=(
-                                  f"part {part}/{num_parts} done; {len(missing)} of {len(plan['units'])} units "
-                                  f"left" if missing else f"part {part}/{num_parts} done; all parts done, run merge"
-                                  + (" --overwrite (replaces the published dataset)" if has_files(ds_dir) else "")))
+        ours = [r for r in records if r["unit"] in mine_set]
+        left = (f"{len(missing)} of {len(plan['units'])} units left" if missing else "all parts done, run merge"
+                + (" --overwrite (replaces the published dataset)" if has_files(ds_dir) else ""))
+        return ConvertSummary(group, name, ds_dir, samples=sum(r["num_samples"] for r in ours),
+                              shards=sum(len(r["shards"]) for r in ours),
+                              bytes=sum(sh["bytes"] for r in ours for sh in r["shards"]),
+                              skipped=_skip_counts(plan["manifest"]["skipped"]),
+                              status=f"part {part}/{num_parts} done; {left}")
     return merge_dataset(ds_dir, overwrite=True)
 
 
@@ -175,7 +177,7 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
         if os.path.exists(manifest_path(staging)):  # merged before; only the publish was left
             man = load_manifest(staging)
             publish(staging, ds_dir)
-            return _summary(man, ds_dir, [], [], man["skipped"])
+            return _summary(man, ds_dir)
         raise ConvertError(f"{staging}: no staged conversion to merge (run `bagel-data convert ...` first)") from None
     group, name, n_units = plan["group"], plan["dataset_name"], len(plan["units"])
     records, missing = load_records(staging, n_units)
@@ -219,19 +221,20 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
         logger.warning("%s/%s: %d stored images: %s (e.g. %s); kept as they are, the reader decides", group, name,
                        count, reason, examples.get(reason))
     bad = sum(r["num_warnings"] for r in records) - sum(len(r["warnings"]) for r in records)
-    summary = _summary(man, ds_dir, warnings_, records, plan["manifest"]["skipped"], extra_warnings=bad)
+    summary = _summary(man, ds_dir, warnings_, extra_warnings=bad)
     logger.info("converted %s/%s: %d samples in %d shards (%d bytes), skipped %s, bad images %s, %d warnings -> %s",
                 group, name, summary.samples, summary.shards, summary.bytes, summary.skipped, summary.bad_images,
                 summary.num_warnings, ds_dir)
     return summary
 
 
-def _summary(man: dict[str, Any], ds_dir: str, warnings_: list[str], records: list[dict[str, Any]],  # noqa: ARG001
-             skipped: list[dict[str, Any]], extra_warnings: int = 0) -> ConvertSummary:
+def _summary(man: dict[str, Any], ds_dir: str, warnings_: list[str] | None = None,
+             extra_warnings: int = 0) -> ConvertSummary:
+    warnings_ = warnings_ or []
     return ConvertSummary(man["group"], man["dataset_name"], ds_dir, samples=man["num_samples"],
                           shards=len(man["shards"]),
                           bytes=sum(os.path.getsize(os.path.join(ds_dir, sh["path"])) for sh in man["shards"]),
-                          skipped=_skip_counts(skipped), warnings=warnings_,
+                          skipped=_skip_counts(man["skipped"]), warnings=warnings_,
                           num_warnings=len(warnings_) + extra_warnings,
                           bad_images=dict(man.get("image_checks", {}).get("problems", {})))
 
@@ -264,13 +267,12 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
                   max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ConvertSummary:
     """Convert one official sub-dataset of ``group`` into ``<out_dir>/<group>/<dataset_name>/``.
 
-    Inputs per group: t2i_pretrain ``data_dir``; unified_edit ``data_dir`` + ``parquet_info_path`` (or an
-    already merged ``parquet_info`` dict) whose keys are the paths as the official reader joins them,
-    ``os.path.join(data_dir, file)``; relative keys may also be given relative to ``parquet_info_root`` (or
-    to ``source_root`` / the working directory); vlm_sft ``jsonl_path`` + ``image_dir``.
-    ``source_root`` is what stored paths are relative to; default: the parent of ``data_dir`` (t2i/edit) or
-    the parent of the common directory of the jsonl and ``image_dir`` (vlm). ``dataset_name`` defaults to the
-    basename of ``data_dir`` (t2i/edit) or the jsonl stem (vlm).
+    Inputs per group: t2i_pretrain ``data_dir``; unified_edit ``data_dir`` + ``parquet_info_path`` (or an already merged
+    ``parquet_info`` dict) whose keys are the paths as the official reader joins them, ``os.path.join(data_dir, file)``;
+    relative keys may also be given relative to ``parquet_info_root`` (or to ``source_root`` / the working directory);
+    vlm_sft ``jsonl_path`` + ``image_dir``. ``source_root`` is what stored paths are relative to; default: the parent of
+    ``data_dir`` (t2i/edit) or the parent of the common directory of the jsonl and ``image_dir`` (vlm). ``dataset_name``
+    defaults to the basename of ``data_dir`` (t2i/edit) or the jsonl stem (vlm).
 
     ``workers``: processes converting work units (one parquet file / ``samples_per_shard`` jsonl lines each).
     ``part``/``num_parts``: convert only this deterministic, disjoint part of the units (staged in
@@ -297,9 +299,8 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
                 if not parquet_info_path:
                     raise ConvertError(f"{group}: parquet_info_path (or parquet_info) is required")
                 parquet_info = _load_parquet_info(parquet_info_path)
-            info_file = parquet_info_path or "<parquet_info>"
-            roots = [r for r in (parquet_info_root, root) if r]
-            reader = EditReader(data_dir, parquet_info, info_file, roots, root, log)
+            reader = EditReader(data_dir, parquet_info, parquet_info_path or "<parquet_info>",
+                                [r for r in (parquet_info_root, root) if r], root, log)
         fingerprints = [os.path.join(data_dir, f["file"].rsplit("/", 1)[-1]) for f in log.manifest["files"]]
     elif group == VLM:
         if not jsonl_path or not image_dir:
@@ -314,8 +315,8 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
     else:
         raise ConvertError(f"unknown group {group!r} (expected one of {GROUPS})")
     plan = make_plan(group, name, reader, log, root, samples_per_shard, max_image_pixels, fingerprints)
-    return _convert_planned(plan, dataset_dir(out_dir, group, name), reader.total, workers=workers, part=part,
-                            num_parts=num_parts, progress=progress, overwrite=overwrite)
+    return _convert_planned(plan, dataset_dir(out_dir, group, name), workers=workers, part=part, num_parts=num_parts,
+                            progress=progress, overwrite=overwrite)
 
 
 def merge_all(out_dir: str | os.PathLike, *, overwrite: bool = False) -> list[ConvertSummary]:
@@ -369,6 +370,10 @@ def _load_mapping(path: str, what: str) -> dict[str, Any]:
     return data
 
 
+#: The ``dataset_info`` key each group's entries need besides ``data_dir``.
+_ENTRY_NEEDS = {EDIT: "parquet_info_path", VLM: "jsonl_path"}
+
+
 def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir: str | os.PathLike, *,
                         source_root: str | None = None, samples_per_shard: int = DEFAULT_SAMPLES_PER_SHARD,
                         progress: bool = True, overwrite: bool = False, **kw: Any) -> list[ConvertSummary]:
@@ -381,15 +386,11 @@ def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir:
     Writes ``<out_dir>/dataset_info.json``: the input with ``energon_path`` (absolute) on every converted entry.
     ``kw``: ``workers``, ``part``, ``num_parts``, ``max_image_pixels`` as for :func:`convert_group`.
     """
-    # Parsed here with pyyaml: no shared config module existed when this was written.
     info = _load_mapping(dataset_info_path, "dataset_info")
     groups = _load_mapping(grouped_yaml_path, "grouped dataset YAML")
     root = os.path.abspath(source_root or os.getcwd())
     out_dir = os.fspath(out_dir)
-
-    def resolve(p: str) -> str:
-        return os.path.join(root, p)
-
+    resolve = functools.partial(os.path.join, root)
     summaries: list[ConvertSummary] = []
     result = json.loads(json.dumps(info))
     for group, gcfg in groups.items():
@@ -403,26 +404,23 @@ def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir:
             entry = (info.get(group) or {}).get(name)
             if not isinstance(entry, dict) or "data_dir" not in entry:
                 raise ConvertError(f"{dataset_info_path}: no entry {group}.{name} with a data_dir")
+            if group in _ENTRY_NEEDS and not entry.get(_ENTRY_NEEDS[group]):
+                raise ConvertError(f"{dataset_info_path}: {group}.{name} needs {_ENTRY_NEEDS[group]}")
             entries[name] = entry
-        merged_info: dict[str, Any] = {}
+        merged_info: dict[str, Any] = {}  # the parquet_info files of all edit datasets, merged
         if group == EDIT:
-            for name, entry in entries.items():
-                if not entry.get("parquet_info_path"):
-                    raise ConvertError(f"{dataset_info_path}: {group}.{name} needs parquet_info_path")
+            for entry in entries.values():
                 merged_info.update(_load_parquet_info(resolve(entry["parquet_info_path"])))
         for name, entry in entries.items():
-            one: dict[str, Any] = dict(dataset_name=name, source_root=root, samples_per_shard=samples_per_shard,
-                                       progress=progress, overwrite=overwrite, **kw)
             if group == VLM:
-                if not entry.get("jsonl_path"):
-                    raise ConvertError(f"{dataset_info_path}: {group}.{name} needs jsonl_path")
-                s = convert_group(group, out_dir, jsonl_path=resolve(entry["jsonl_path"]),
-                                  image_dir=resolve(entry["data_dir"]), **one)
-            elif group == EDIT:
-                s = convert_group(group, out_dir, data_dir=resolve(entry["data_dir"]), parquet_info=merged_info,
-                                  parquet_info_path=resolve(entry["parquet_info_path"]), parquet_info_root=root, **one)
+                paths = {"jsonl_path": resolve(entry["jsonl_path"]), "image_dir": resolve(entry["data_dir"])}
             else:
-                s = convert_group(group, out_dir, data_dir=resolve(entry["data_dir"]), **one)
+                paths = {"data_dir": resolve(entry["data_dir"])}
+            if group == EDIT:
+                paths.update(parquet_info=merged_info, parquet_info_path=resolve(entry["parquet_info_path"]),
+                             parquet_info_root=root)
+            s = convert_group(group, out_dir, dataset_name=name, source_root=root, samples_per_shard=samples_per_shard,
+                              progress=progress, overwrite=overwrite, **paths, **kw)
             result[group][name]["energon_path"] = os.path.abspath(s.path)
             summaries.append(s)
     os.makedirs(out_dir, exist_ok=True)

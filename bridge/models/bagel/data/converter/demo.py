@@ -1,10 +1,9 @@
 """Embedded demo dataset: procedural raw data in the three official BAGEL formats, converted to Energon.
 
-``make_demo_data(out, seed)`` writes ``out/raw/`` (t2i parquet, unified_edit parquet + parquet_info, vlm jsonl
-+ images), converts it into ``out/energon/<group>/<name>/`` and writes ``out/dataset_info.yaml`` (official
-dataset_info layout + ``energon_path``) and ``out/groups.yaml`` (official grouped format), so a training config
-can point at them. Deterministic (seeded ``numpy.random.Generator``), a few MB, a few seconds; idempotent via
-a stamp file.
+``make_demo_data(out, seed)`` writes ``out/raw/`` (t2i parquet, unified_edit parquet + parquet_info, vlm jsonl +
+images), converts it into ``out/energon/<group>/<name>/`` and writes ``out/dataset_info.yaml`` (official dataset_info
+layout + ``energon_path``) and ``out/groups.yaml`` (official grouped format), so a training config can point at them.
+Deterministic (seeded ``numpy.random.Generator``), a few MB, a few seconds; idempotent via a stamp file.
 
 Video: the vlm jsonl ends with a few short procedural clips (a square sliding over a colour-cycling gradient), half
 as frame folders (JPEGs, PIL only) and half as H.264 mp4s. The mp4s are written with PyAV and read with decord (both
@@ -50,6 +49,13 @@ def _fmt(rng: np.random.Generator) -> tuple[str, bool]:
     return ("JPEG", False) if u < 0.55 else ("PNG", False) if u < 0.8 else ("PNG", True)
 
 
+def _random_image(rng: np.random.Generator) -> tuple[ds.Scene, str, bytes]:
+    """A random scene (transparent background in some PNGs), its format (:func:`_fmt`) and its encoded bytes."""
+    fmt, transparent = _fmt(rng)
+    scene = ds.random_scene(rng, transparent=transparent)
+    return scene, fmt, ds.encode(ds.render(scene), fmt)
+
+
 def _write_parquet(path: str, schema: pa.Schema, groups: list[dict[str, list]]) -> None:
     with pq.ParquetWriter(path, schema) as w:
         for cols in groups:
@@ -67,9 +73,8 @@ def _gen_t2i(rng: np.random.Generator, d: str, n_files: int, rows: int) -> int:
         for a, b in zip(bounds, bounds[1:]):
             imgs, caps = [], []
             for _ in range(b - a):
-                fmt, transparent = _fmt(rng)
-                scene = ds.random_scene(rng, transparent=transparent and fmt == "PNG")
-                imgs.append(ds.encode(ds.render(scene), fmt))
+                scene, _, data = _random_image(rng)
+                imgs.append(data)
                 caps.append(json.dumps(ds.captions(rng, scene)))
             groups.append({"image": imgs, "captions": caps})
         _write_parquet(os.path.join(d, f"part-{f:04d}.parquet"), schema, groups)
@@ -166,15 +171,12 @@ def _gen_vlm(rng: np.random.Generator, img_dir: str, jsonl: str, n_lines: int) -
     for i in range(n_lines):
         u = rng.random()
         k = 0 if u < 0.06 else 1 if u < 0.7 else int(rng.integers(2, 4))  # text-only / single / multi-image
-        names, scenes = [], []
-        for _ in range(k):
-            fmt, transparent = _fmt(rng)
-            scene = ds.random_scene(rng, transparent=transparent and fmt == "PNG")
-            name = f"img_{n_img:05d}.{'jpg' if fmt == 'JPEG' else 'png'}"
-            with open(os.path.join(img_dir, name), "wb") as fh:
-                fh.write(ds.encode(ds.render(scene), fmt))
-            names.append(name)
-            scenes.append(scene)
+        images = [_random_image(rng) for _ in range(k)]
+        scenes, names = [sc for sc, _, _ in images], []
+        for _, fmt, data in images:
+            names.append(f"img_{n_img:05d}.{'jpg' if fmt == 'JPEG' else 'png'}")
+            with open(os.path.join(img_dir, names[-1]), "wb") as fh:
+                fh.write(data)
             n_img += 1
         if k == 0:
             a, b = ds.pick(rng, ["blue", "red"]), "yellow"

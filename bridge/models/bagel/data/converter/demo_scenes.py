@@ -138,14 +138,14 @@ def captions(rng: np.random.Generator, scene: Scene) -> dict[str, str]:
     things = [f"{article(s.colour)} {s.describe()}" for s in scene.shapes]
     caps = {
         "caption": f"{_list_words(things).capitalize()} on {scene.background_words()}.",
-        "detailed": " ".join(f"{article(s.colour).capitalize()} {s.describe()} {position_words(s)}." for s in scene.shapes)
-                    + f" The background is {scene.background_words()}.",
+        "detailed": " ".join(f"{article(s.colour).capitalize()} {s.describe()} {position_words(s)}."
+                             for s in scene.shapes) + f" The background is {scene.background_words()}.",
         "short": f"{len(scene.shapes)} shape{'s' if len(scene.shapes) > 1 else ''}: "
                  + ", ".join(s.describe() for s in scene.shapes),
     }
     keys = list(caps)
     n = int(rng.integers(1, 4))
-    chosen = [keys[0]] + [keys[i] for i in sorted(rng.choice([1, 2], size=n - 1, replace=False))] if n > 1 else [keys[0]]
+    chosen = [keys[0]] + ([keys[i] for i in sorted(rng.choice([1, 2], size=n - 1, replace=False))] if n > 1 else [])
     return {k: caps[k] for k in chosen}
 
 

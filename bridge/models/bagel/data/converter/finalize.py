@@ -82,9 +82,7 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[
         files[0]["first_sample"], files[0]["num_samples"] = 0, files[0]["num_lines"]
     shards = [{"path": sh["path"], "count": sh["count"], "bytes": sh["bytes"], "sha256": sh["sha256"]}
               for r in records for sh in r["shards"]]
-    images: Counter = Counter()
-    for r in records:
-        images.update(r["image_problems"])
+    images = sum((Counter(r["image_problems"]) for r in records), Counter())
     man = {**base, "format": MANIFEST_FORMAT, "group": plan["group"], "dataset_name": plan["dataset_name"],
            "source_root": plan["source_root"], "num_samples": sum(r["num_samples"] for r in records),
            "samples_per_shard": plan["samples_per_shard"], "files": files, "shards": shards,
@@ -151,10 +149,7 @@ def plan_digest_path(ds_dir: str) -> str:
 
 def write_plan_digest(staging: str, plan_bytes: bytes) -> None:
     """Record the plan's sha256 in the staged dataset (published with it)."""
-    path = plan_digest_path(staging)
-    with open(path + ".tmp", "w", encoding="ascii") as f:
-        f.write(hashlib.sha256(plan_bytes).hexdigest() + "\n")
-    os.replace(path + ".tmp", path)
+    _write(plan_digest_path(staging), hashlib.sha256(plan_bytes).hexdigest().encode() + b"\n")
 
 
 def from_plan(ds_dir: str, plan_bytes: bytes) -> bool:
@@ -168,9 +163,8 @@ def from_plan(ds_dir: str, plan_bytes: bytes) -> bool:
 
 
 def published_problem(ds_dir: str) -> str | None:
-    """What is missing or cut short in a published dataset (manifest or its sidecar, a shard, its ``.tar.idx``, a
-    shard shorter than its index says), or None: the cheap O(files + shards) check a rerun makes before calling
-    it done."""
+    """What is missing or cut short in a published dataset (manifest or its sidecar, a shard, its ``.tar.idx``, a shard
+    shorter than its index says), or None: the cheap O(files + shards) check a rerun makes before calling it done."""
     try:
         shards = load_manifest(ds_dir)["shards"]
     except ManifestError as e:

@@ -22,7 +22,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..energon.layout import EDIT, SKIP_NOT_IN_PARQUET_INFO, SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, NUM_VIDEO_FILES, NUM_VIDEO_LINES, VLM
+from ..energon.layout import (EDIT, NUM_VIDEO_FILES, NUM_VIDEO_LINES, SKIP_NOT_IN_PARQUET_INFO,
+                              SKIP_ROW_GROUP_BEYOND_INFO, T2I, VIDEO_ERROR_KEY, VLM)
 
 logger = logging.getLogger(__name__)
 
@@ -46,30 +47,24 @@ class RawSample:
 
 @dataclass(frozen=True)
 class SourceUnit:
-    """One work unit of a conversion: the stored rows of one parquet file, or a range of jsonl lines.
+    """One work unit of a conversion: the stored rows of one parquet file, or a range of jsonl lines. ``num_samples``
+    is known from parquet metadata / the line count before anything is read, so shard layout and sample keys are
+    fixed up front."""
 
-    ``path`` is the source file as opened, ``rel`` its stored (source-root relative) form, ``file_index`` its
-    position in the sorted listing (vlm: 0), ``row_groups`` the row groups read in order (t2i/edit),
-    ``start`` the first line (vlm) and ``num_samples`` how many samples the unit yields (known from parquet
-    metadata / the line count before anything is read, so shard layout and sample keys are fixed up front).
-    """
-
-    path: str
-    rel: str
-    file_index: int
-    row_groups: tuple[int, ...]
-    start: int
+    path: str                    # the source file as opened
+    rel: str                     # its stored (source-root relative) form
+    file_index: int              # its position in the sorted listing (vlm: 0)
+    row_groups: tuple[int, ...]  # the row groups read, in order (t2i/edit)
+    start: int                   # the first line (vlm)
     num_samples: int
 
 
 @dataclass
 class ScanLog:
-    """What a reader learned besides the samples: manifest fields, skipped rows, conversion warnings.
-
-    ``skipped``: ``{"file_index", "row_group" (None: the whole file), "rows", "reason"}`` per file/row group.
-    """
+    """What a reader learned besides the samples: manifest fields, skipped rows, conversion warnings."""
 
     manifest: dict[str, Any] = field(default_factory=dict)
+    #: ``{"file_index", "row_group" (None: the whole file), "rows", "reason"}`` per file/row group.
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -96,7 +91,12 @@ def _parquet_names(data_dir: str) -> list[str]:
     if not os.path.isdir(data_dir):
         what = "is not a directory" if os.path.exists(data_dir) else "does not exist"
         raise ConvertError(f"{data_dir}: parquet data directory {what}")
-    return sorted(n for n in os.listdir(data_dir) if n.endswith(".parquet") and os.path.isfile(os.path.join(data_dir, n)))
+    return sorted(n for n in os.listdir(data_dir)
+                  if n.endswith(".parquet") and os.path.isfile(os.path.join(data_dir, n)))
+
+
+def _row_group_sizes(md: pq.FileMetaData) -> list[int]:
+    return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
 
 
 def _open_parquet(path: str) -> pq.ParquetFile:
@@ -183,22 +183,18 @@ class T2IReader:
     }
 
     def __init__(self, data_dir: str, source_root: str, log: ScanLog) -> None:
-        self.data_dir, self.source_root, self.log = data_dir, source_root, log
-        self.files: list[tuple[int, str]] = []
-        entries = []
+        entries, self.units = [], []
         for fi, name in enumerate(_parquet_names(data_dir)):
             path = os.path.join(data_dir, name)
             pf = _open_parquet(path)
             _check_columns(path, pf, self.columns)
-            rgs = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
-            entries.append({"file": relpath(path, source_root), "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs})
-            self.files.append((fi, path))
-        if not self.files:
+            rgs = _row_group_sizes(pf.metadata)
+            entries.append({"file": relpath(path, source_root), "file_index": fi, "num_rows": sum(rgs),
+                            "row_groups": rgs})
+            self.units.append(SourceUnit(path, entries[-1]["file"], fi, tuple(range(len(rgs))), 0, sum(rgs)))
+        if not self.units:
             raise ConvertError(f"{data_dir}: no *.parquet files")
         log.manifest.update(files=entries, data_dir=relpath(data_dir, source_root))
-        self.units = [SourceUnit(path, e["file"], fi, tuple(range(len(e["row_groups"]))), 0, e["num_rows"])
-                      for (fi, path), e in zip(self.files, entries)]
-        self.total = sum(e["num_rows"] for e in entries)
 
 
 def binary_values(column: pa.ChunkedArray | pa.Array) -> list[memoryview | bytes | None]:
@@ -279,7 +275,6 @@ class EditReader:
 
     def __init__(self, data_dir: str, parquet_info: Mapping[str, Any], info_file: str, info_roots: list[str],
                  source_root: str, log: ScanLog) -> None:
-        self.source_root, self.log = source_root, log
         names = _parquet_names(data_dir)
         declared = match_parquet_info(parquet_info, data_dir, names, info_roots, info_file)
         if not declared:
@@ -292,39 +287,33 @@ class EditReader:
             n_decl = declared.get(name)
             if n_decl is None:
                 try:  # the official reader never opens this file; count its rows for the skip report only
-                    md = pq.ParquetFile(path).metadata
-                    rgs = [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+                    rgs = _row_group_sizes(pq.ParquetFile(path).metadata)
                 except Exception as e:
                     log.warn(f"{path}: unlisted in parquet_info and unreadable ({type(e).__name__}: {e})")
                     rgs = []
                     log.skipped.append({"file_index": fi, "row_group": None, "rows": 0,
                                         "reason": SKIP_NOT_IN_PARQUET_INFO})
-                self._skip_rows(fi, rgs, range(len(rgs)), SKIP_NOT_IN_PARQUET_INFO)
-                entries.append({"file": rel, "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs,
-                                "declared_row_groups": None})
-                continue
-            pf = _open_parquet(path)
-            _check_columns(path, pf, self.columns)
-            rgs = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+                skip_from, reason = 0, SKIP_NOT_IN_PARQUET_INFO
+            else:
+                pf = _open_parquet(path)
+                _check_columns(path, pf, self.columns)
+                rgs = _row_group_sizes(pf.metadata)
+                skip_from, reason = n_decl, SKIP_ROW_GROUP_BEYOND_INFO
+                for g in range(len(rgs), n_decl):
+                    missing.append({"file": rel, "file_index": fi, "row_group": g})
+                    log.warn(f"{path}: parquet_info declares {n_decl} row groups but the file has {len(rgs)}; "
+                             f"row group {g} does not exist (the official reader skips that unit)")
+                stored = tuple(range(min(n_decl, len(rgs))))
+                self.units.append(SourceUnit(path, rel, fi, stored, 0, sum(rgs[g] for g in stored)))
             entries.append({"file": rel, "file_index": fi, "num_rows": sum(rgs), "row_groups": rgs,
                             "declared_row_groups": n_decl})
-            self._skip_rows(fi, rgs, range(n_decl, len(rgs)), SKIP_ROW_GROUP_BEYOND_INFO)
-            for g in range(len(rgs), n_decl):
-                missing.append({"file": rel, "file_index": fi, "row_group": g})
-                log.warn(f"{path}: parquet_info declares {n_decl} row groups but the file has {len(rgs)}; "
-                         f"row group {g} does not exist (the official reader skips that unit)")
-            stored = tuple(range(min(n_decl, len(rgs))))
-            self.units.append(SourceUnit(path, rel, fi, stored, 0, sum(rgs[g] for g in stored)))
+            log.skipped += [{"file_index": fi, "row_group": g, "rows": rgs[g], "reason": reason}
+                            for g in range(skip_from, len(rgs))]
         if not self.units:
             log.warn(f"{data_dir}: no file of this directory is listed in {info_file}")
         log.manifest.update(files=entries, missing_row_groups=missing, data_dir=relpath(data_dir, source_root),
                             parquet_info={e["file"]: e["declared_row_groups"] for e in entries
                                           if e["declared_row_groups"] is not None})
-        self.total = sum(u.num_samples for u in self.units)
-
-    def _skip_rows(self, fi: int, rgs: list[int], groups: range, reason: str) -> None:
-        for g in groups:
-            self.log.skipped.append({"file_index": fi, "row_group": g, "rows": rgs[g], "reason": reason})
 
 
 def _iter_edit(unit: SourceUnit) -> Iterator[RawSample]:
@@ -385,13 +374,11 @@ class VlmReader:
                 raise ConvertError(f"{image_dir}: image directory does not exist, and the jsonl names images below it "
                                    f"(e.g. line {line + 1}): check --image-dir / the entry's data_dir")
             log.warn(f"{image_dir}: image directory does not exist; no line names an image below it")
-        self.image_dir, self.log = image_dir, log
-        self.rel_file, self.rel_image_dir = relpath(jsonl_path, source_root), relpath(image_dir, source_root)
-        self.total = len(lines)
-        log.manifest.update(files=[{"file": self.rel_file, "num_lines": len(lines)}], num_lines=len(lines),
+        self.image_dir, self.rel_image_dir = image_dir, relpath(image_dir, source_root)
+        rel_file, step = relpath(jsonl_path, source_root), max(1, lines_per_unit)
+        log.manifest.update(files=[{"file": rel_file, "num_lines": len(lines)}], num_lines=len(lines),
                             image_dir=self.rel_image_dir, **_count_video_lines(lines))
-        step = max(1, lines_per_unit)
-        self.units = [SourceUnit(jsonl_path, self.rel_file, 0, (), a, min(step, len(lines) - a))
+        self.units = [SourceUnit(jsonl_path, rel_file, 0, (), a, min(step, len(lines) - a))
                       for a in range(0, len(lines), step)]
 
 
@@ -454,10 +441,8 @@ def _iter_vlm(unit: SourceUnit, image_dir: str, rel_image_dir: str, warn: Callab
                 errors[str(idx)] = _os_error_message(e, os.path.join(rel_image_dir, name))
         for idx, msg in errors.items():
             warn(f"{unit.rel} line {i + 1}: image {idx}: {msg}")  # 1-based, as editors number lines
-        meta = {"group": VLM, "source": {"file": unit.rel, "line": i}, "raw_line": line,
-                "image_dir": rel_image_dir, "image_names": names, "image_errors": errors}
-        if video is not None:
-            meta["video"] = video
+        meta = {"group": VLM, "source": {"file": unit.rel, "line": i}, "raw_line": line, "image_dir": rel_image_dir,
+                "image_names": names, "image_errors": errors, **({"video": video} if video is not None else {})}
         yield RawSample([i], meta, images)
 
 

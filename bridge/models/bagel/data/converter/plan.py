@@ -45,14 +45,10 @@ def make_plan(group: str, name: str, reader: T2IReader | EditReader | VlmReader,
                       "start": u.start, "num_samples": u.num_samples, "first_sample": n, "first_shard": sh,
                       "shard_counts": counts})
         n, sh = n + u.num_samples, sh + len(counts)
-    sources = []
-    for p in fingerprints:
-        st = os.stat(p)
-        sources.append([relpath(p, root), st.st_size, st.st_mtime_ns])
+    sources = [[relpath(p, root), (st := os.stat(p)).st_size, st.st_mtime_ns] for p in fingerprints]
     vlm = isinstance(reader, VlmReader)
     return {"plan_format": _PLAN_FORMAT, "manifest_format": MANIFEST_FORMAT, "checksums": CHECKSUM_ALGORITHM,
-            "group": group, "dataset_name": name,
-            "source_root": root,
+            "group": group, "dataset_name": name, "source_root": root,
             "samples_per_shard": samples_per_shard, "max_image_pixels": max_image_pixels, "sources": sources,
             "image_dir": os.path.abspath(reader.image_dir) if vlm else "",
             "rel_image_dir": reader.rel_image_dir if vlm else "", "units": units,

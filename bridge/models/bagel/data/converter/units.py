@@ -1,21 +1,20 @@
 """One work unit of a conversion: its samples into tar shards, their Energon ``.tar.idx``, an index fragment.
 
-A unit (one parquet file, or one range of jsonl lines, see ``formats.SourceUnit``) owns a fixed, precomputed
-range of sample indices and shard numbers, so it can run in any process, in any order, on any machine, and
-always writes the same bytes. Everything is written under temporary names in the staging directory and
-published with ``os.replace``; the unit's record ``.convert/unit-NNNNNN.json`` is published last, so
-"the record exists" == "the unit is done" (a killed run redoes only the units without a record).
+A unit (``formats.SourceUnit``) owns a fixed, precomputed range of sample indices and shard numbers, so it can run
+in any process, in any order, on any machine, and always writes the same bytes. Everything is written under
+temporary names in the staging directory and published with ``os.replace``; the unit's record
+``.convert/unit-NNNNNN.json`` is published last, so "the record exists" == "the unit is done".
 
-Tar members are written directly (a 512-byte GNU header built from a template, then the bytes, then the
-padding): the same bytes ``tarfile`` writes for these members (checked by the tests), without its
-per-member overhead. The offsets known while writing give Energon's ``.tar.idx`` and the ``samples`` rows of
-Energon's ``index.sqlite`` without reading the shards again. The checksums are taken from the bytes as they are
-written: each sample's :func:`~..energon.layout.sample_checksum` (into the unit's ``unit-NNNNNN.sums.npy``
+Tar members are written directly (a 512-byte GNU header built from a template, the bytes, the padding): the bytes
+``tarfile`` writes (checked by the tests) without its per-member overhead. The offsets known while writing give
+Energon's ``.tar.idx`` and the ``samples`` rows of its ``index.sqlite``; the checksums are taken from the bytes as
+they are written: each sample's :func:`~..energon.layout.sample_checksum` (the unit's ``unit-NNNNNN.sums.npy``
 fragment, concatenated in unit order by the merge) and each shard's sha256 (in the unit record).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -36,7 +35,8 @@ from ..energon.layout import (META_PART, SHARDS_DIR, TRUNCATED_IMAGE, image_part
 from .formats import SourceUnit, dumps_json, iter_unit, record_problem
 
 __all__ = ["UnitJob", "UnitWriteError", "run_unit", "tar_header", "image_problem", "unit_record_path",
-           "unit_index_path", "unit_checksums_path", "WORK_DIR", "IMAGE_EMPTY", "IMAGE_UNREADABLE", "IMAGE_OVER_LIMIT", "TAR_RECORD"]
+           "unit_index_path", "unit_checksums_path", "WORK_DIR", "IMAGE_EMPTY", "IMAGE_UNREADABLE", "IMAGE_OVER_LIMIT",
+           "TAR_RECORD"]
 
 #: Staging sub-directory holding the plan, the unit records and the index fragments (removed at publish).
 WORK_DIR = ".convert"
@@ -48,21 +48,19 @@ IMAGE_OVER_LIMIT = "image above the pixel limit"
 TAR_BLOCK, TAR_RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE
 _ZEROS = bytes(TAR_RECORD)
 _MAX_WARNINGS = 20  # warning texts a unit record keeps (all are counted)
-#: Bytes of tar members (headers, data, padding) gathered into one ``os.writev`` of a shard: a few system calls per
-#: MB, no joined copy, and the pieces still in the CPU cache from their hashing when the kernel copies them (a
-#: joined 4 MB chunk, hashed and written after the join, cost a third more copying: docs/performance.md, issue 43).
-#: At most ``_GATHER_PIECES`` pieces per call (below every system's ``IOV_MAX``).
+#: Bytes of tar members gathered into one ``os.writev`` of a shard: no joined copy, and the pieces still in the CPU
+#: cache from their hashing (docs/performance.md); at most ``_GATHER_PIECES`` pieces (below every ``IOV_MAX``).
 _GATHER = 256 << 10
 _GATHER_PIECES = 512
 
 
-def _template() -> bytes:
-    ti = tarfile.TarInfo("x")
-    ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = 0, 0, 0o644, 0, 0, "", ""
+def _gnu_header(name: str, size: int) -> bytes:
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
     return ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
 
 
-_T = _template()
+_T = _gnu_header("x", 0)
 _MODE_IDS, _MTIME_ETC, _TAIL = _T[100:124], _T[136:148], _T[156:]
 _CHK_BASE = sum(_MODE_IDS) + sum(_MTIME_ETC) + sum(_TAIL) + 8 * 0x20  # checksum field counts as 8 spaces
 
@@ -75,9 +73,7 @@ def tar_header(name: str, size: int) -> bytes:
     """
     raw = name.encode("utf-8")
     if len(raw) >= 100 or size >= 8 ** 11 or not raw.isascii():
-        ti = tarfile.TarInfo(name)
-        ti.size, ti.mtime, ti.mode, ti.uid, ti.gid, ti.uname, ti.gname = size, 0, 0o644, 0, 0, "", ""
-        return ti.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")
+        return _gnu_header(name, size)
     size_field = b"%011o\0" % size
     chk = _CHK_BASE + sum(raw) + sum(size_field)
     return raw + _ZEROS[:100 - len(raw)] + _MODE_IDS + size_field + _MTIME_ETC + b"%06o\0 " % chk + _TAIL
@@ -207,12 +203,9 @@ def unit_checksums_path(staging: str, index: int) -> str:
 
 
 class _Out:
-    """A file written under ``<final>.tmp`` (unbuffered); tracks the path being written, the bytes written so far and,
-    with ``hashed``, their sha256.
-
+    """A file written under ``<final>.tmp`` (unbuffered), the bytes written so far and, with ``hashed``, their sha256.
     :meth:`write` writes at once; :meth:`gather` hashes pieces as they come and writes them with one ``os.writev``
-    per ``_GATHER`` bytes (:meth:`flush` writes the rest).
-    """
+    per ``_GATHER`` bytes (:meth:`flush` writes the rest)."""
 
     def __init__(self, final: str, hashed: bool = False) -> None:
         self.final, self.tmp, self.written = final, final + ".tmp", 0
@@ -270,6 +263,12 @@ class _UnitWriter:
         self.tmps.append((self.current.tmp, final))
         return self.current
 
+    def _write_file(self, final: str, data: bytes) -> None:
+        """``data`` into ``<final>.tmp`` (published with the rest)."""
+        out = self._open(final)
+        out.write(data)
+        out.close()
+
     def write_samples(self, samples: Iterable[Any], on_sample: Callable[[Any], None]) -> None:
         job = self.job
         n = job.first_sample
@@ -302,19 +301,16 @@ class _UnitWriter:
             out.gather((_ZEROS[:2 * TAR_BLOCK], _ZEROS[:-pos % TAR_RECORD]))
             out.close()
             self.shards.append({"path": rel, "count": count, "bytes": out.written, "sha256": out.sha256.hexdigest()})
-            idx = self._open(os.path.join(job.staging, rel + ".idx"))  # Energon's itar index: sample starts + end
-            idx.write(struct.pack(f"{len(starts) + 1}Q", *starts, end))
-            idx.close()
+            # Energon's itar index: sample starts + end
+            self._write_file(os.path.join(job.staging, rel + ".idx"), struct.pack(f"{len(starts) + 1}Q", *starts, end))
         if next(it, None) is not None:
             raise RuntimeError(f"{job.unit.rel}: more rows than its metadata declares ({job.unit.num_samples})")
         self.current = None
 
     def write_checksums(self) -> None:
-        out = self._open(unit_checksums_path(self.job.staging, self.job.index))
         buf = io.BytesIO()
         np.save(buf, np.array(self.sums, dtype="<u8"), allow_pickle=False)
-        out.write(buf.getvalue())
-        out.close()
+        self._write_file(unit_checksums_path(self.job.staging, self.job.index), buf.getvalue())
         self.current = None
 
     def write_index(self) -> None:
@@ -337,22 +333,16 @@ class _UnitWriter:
         for tmp, final in self.tmps:
             os.replace(tmp, final)
         final = unit_record_path(self.job.staging, self.job.index)
-        out = self._open(final)
-        out.write(json.dumps(record, sort_keys=True).encode())
-        out.close()
-        os.replace(out.tmp, final)
+        self._write_file(final, json.dumps(record, sort_keys=True).encode())
+        os.replace(final + ".tmp", final)
 
     def discard(self) -> None:
         if self.current is not None:
-            try:
-                self.current.f.close()  # flushing may fail again (disk still full)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):  # flushing may fail again (disk still full)
+                self.current.f.close()
         for tmp, _ in self.tmps:
-            try:
+            with contextlib.suppress(OSError):
                 os.remove(tmp)
-            except OSError:
-                pass
 
 
 def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict[str, Any]:
