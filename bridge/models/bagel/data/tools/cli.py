@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from ..converter.convert import (
     DEFAULT_MAX_IMAGE_PIXELS, ConvertError, ConvertSummary, convert_from_config, convert_group, merge_all,
 )
 from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
+from . import text_table
 
 logger = logging.getLogger(__name__)
 
@@ -25,26 +27,19 @@ def format_summary(summaries: Sequence[ConvertSummary]) -> str:
     """A plain-text table: one line per converted dataset plus a total line (parts: a status line each)."""
     head = ("dataset", "samples", "shards", "bytes", "warnings", "skipped (by reason)", "bad images (by reason)")
 
-    def reasons(d: dict[str, int]) -> str:
-        return ", ".join(f"{r}: {n}" for r, n in sorted(d.items())) or "-"
+    def row(label: str, ss: Sequence[ConvertSummary]) -> tuple[str, ...]:
+        skipped, bad = Counter(), Counter()
+        for s in ss:
+            skipped.update(s.skipped)
+            bad.update(s.bad_images)
+        counts = [sum(getattr(s, k) for s in ss) for k in ("samples", "shards", "bytes")]
+        return (label, *map(str, counts), str(sum(max(s.num_warnings, len(s.warnings)) for s in ss)),
+                *(", ".join(f"{r}: {n}" for r, n in sorted(c.items())) or "-" for c in (skipped, bad)))
 
-    def total(attr: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for s in summaries:
-            for r, n in getattr(s, attr).items():
-                out[r] = out.get(r, 0) + n
-        return out
-
-    rows = [(f"{s.group}/{s.dataset_name}", str(s.samples), str(s.shards), str(s.bytes),
-             str(max(s.num_warnings, len(s.warnings))), reasons(s.skipped), reasons(s.bad_images)) for s in summaries]
-    rows.append(("TOTAL", str(sum(s.samples for s in summaries)), str(sum(s.shards for s in summaries)),
-                 str(sum(s.bytes for s in summaries)), str(sum(max(s.num_warnings, len(s.warnings)) for s in summaries)),
-                 reasons(total("skipped")), reasons(total("bad_images"))))
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = "  ".join(f"{{:{'<' if i in (0, 5, 6) else '>'}{w}}}" for i, w in enumerate(widths))
-    lines = [fmt.format(*head), "  ".join("-" * w for w in widths)] + [fmt.format(*r) for r in rows]
+    rows = [row(f"{s.group}/{s.dataset_name}", [s]) for s in summaries] + [row("TOTAL", summaries)]
+    lines = text_table(head, rows, left=(0, 5, 6))
     lines += [f"{s.group}/{s.dataset_name}: {s.status}" for s in summaries if s.status != "published"]
-    return "\n".join(line.rstrip() for line in lines)
+    return "\n".join(lines)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,45 +58,6 @@ def _add(sub: "argparse._SubParsersAction[argparse.ArgumentParser]", name: str, 
     verbose = argparse.ArgumentParser(add_help=False)
     verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logging")
     return sub.add_parser(name, parents=[verbose], formatter_class=_HelpFormatter, **kw)
-
-
-def _add_inspect_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``bagel-data inspect``: see ``inspection.run_inspect`` and docs/inspect.md."""
-    ins = _add(sub, "inspect", help="build the job's loader and report/draw N packed batches")
-    ins.add_argument("--config", required=True, help="job YAML (the one scripts/pretrain_bagel.py runs)")
-    ins.add_argument("--batches", type=int, default=4, help="packed batches to inspect (default 4)")
-    ins.add_argument("--out", default="runs/inspect", help="folder for batch_NNNN.png (default runs/inspect)")
-    ins.add_argument("--size", type=int, default=512, help="attention matrix side in pixels (default 512)")
-    ins.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank whose stream to inspect")
-    ins.add_argument("--dp-size", type=int, default=1, help="data-parallel size of the run")
-    ins.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
-    ins.add_argument("overrides", nargs="*", help="key=value job config overrides (as for the job)")
-
-
-def _data_errors() -> tuple[type[Exception], ...]:
-    """The one-line errors of reading a converted dataset: a damaged or missing file (``DataReadError``, naming
-    it and the remedy) and a read that did not return in ``data.timeout_s`` (``DataTimeoutError``)."""
-    from ..errors import DataReadError
-    from ..watchdog import DataTimeoutError
-
-    return DataReadError, DataTimeoutError
-
-
-def _run_inspect(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from ..config import ConfigError
-    from .inspection import run_inspect
-
-    try:  # a damaged dataset or a read that never returns: the reader's one line (DataReadError, DataTimeoutError)
-        summaries = run_inspect(args.config, overrides=args.overrides, batches=args.batches, out=args.out,
-                                size=args.size, dp_rank=args.dp_rank, dp_size=args.dp_size,
-                                progress=not args.no_progress, emit=lambda text: tqdm.write(text, file=sys.stdout))
-    except (ConfigError, ValueError, FileNotFoundError, *_data_errors()) as e:
-        logger.error("%s", e)
-        return 2
-    print(f"{len(summaries)} batches inspected; pictures in {args.out}/")
-    return 0
 
 
 def _at_least(low: int) -> Callable[[str], int]:
@@ -172,18 +128,24 @@ def _add_convert_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser
     mrg.add_argument("--overwrite", action="store_true", help="replace existing output datasets")
 
 
-def _add_stats_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``bagel-data stats``: see ``_stats``."""
+def _add_job_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """The commands over a job YAML: ``bagel-data inspect`` (``inspection.run_inspect``, docs/inspect.md), ``stats``
+    (``_stats``) and ``resize-state`` (``job.checkpoint.resize_checkpoint``)."""
+    ins = _add(sub, "inspect", help="build the job's loader and report/draw N packed batches")
+    ins.add_argument("--config", required=True, help="job YAML (the one scripts/pretrain_bagel.py runs)")
+    ins.add_argument("--batches", type=int, default=4, help="packed batches to inspect (default 4)")
+    ins.add_argument("--out", default="runs/inspect", help="folder for batch_NNNN.png (default runs/inspect)")
+    ins.add_argument("--size", type=int, default=512, help="attention matrix side in pixels (default 512)")
+    ins.add_argument("--dp-rank", type=int, default=0, help="data-parallel rank whose stream to inspect")
+    ins.add_argument("--dp-size", type=int, default=1, help="data-parallel size of the run")
+    ins.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
+    ins.add_argument("overrides", nargs="*", help="key=value job config overrides (as for the job)")
     stats = _add(sub, "stats", help="token estimates per group/dataset and a budget advisor for a job config")
     stats.add_argument("--config", required=True, help="job YAML (configs/demo.yaml format)")
     stats.add_argument("overrides", nargs="*", help="key=value job config overrides")
     stats.add_argument("--max-samples", type=int, help="read only the first N samples of each dataset (default: all)")
     stats.add_argument("--histogram", default="bagel-data-stats.png", help="PNG to write ('' = none)")
     stats.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
-
-
-def _add_resize_state_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``bagel-data resize-state``: see ``job.checkpoint.resize_checkpoint``."""
     rs = _add(sub, "resize-state", help="rewrite a checkpoint's loader state files for another DP size "
                         "(data.order: elastic), for Megatron-Bridge's pretrain(), which reads only its own rank's file")
     rs.add_argument("root", help="the checkpoint root (train.save / checkpoint.save: holds energon/iter_N/)")
@@ -194,8 +156,9 @@ def _add_resize_state_parser(sub: "argparse._SubParsersAction[argparse.ArgumentP
     rs.add_argument("--step", type=int, help="the checkpoint step (default: latest_checkpointed_iteration.txt)")
 
 
-def _add_verify_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``bagel-data verify``: see ``tools.verify``."""
+def _add_run_parsers(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """``bagel-data verify`` (``tools.verify``), ``ledger`` (``tools.ledger``) and ``demo-data`` (the small procedural
+    demo dataset)."""
     ver = _add(sub, "verify", help="check every shard and sample of converted datasets against their manifests "
                                    "(exit 0 ok, 1 damaged, 2 error, 3 datasets without checksums)")
     ver.add_argument("targets", nargs="+", metavar="DATASET_OR_CONFIG",
@@ -206,10 +169,6 @@ def _add_verify_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
     ver.add_argument("--num-parts", type=_at_least(1), default=1,
                      help="split the shards into this many disjoint parts (one per job of an array)")
     ver.add_argument("--no-progress", action="store_true", help="no progress bar (logs, array jobs)")
-
-
-def _add_ledger_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``bagel-data ledger``: see ``tools.ledger``."""
     ldg = _add(sub, "ledger", help="check that an elastic-order run read every sample exactly once (exit 0: yes, "
                          "1: no, 2: bad input)")
     ldg.add_argument("root", nargs="?", help="the checkpoint root of the run's last world (train.save: holds "
@@ -221,10 +180,6 @@ def _add_ledger_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]
                           "restarts), in launch order (instead of --run)")
     ldg.add_argument("--step", type=int, help="the checkpoint step whose loader states end the run (default: "
                      "latest_checkpointed_iteration.txt); digest rows after it are left out")
-
-
-def _add_demo_parser(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """``bagel-data demo-data``: the small procedural demo dataset."""
     demo = _add(sub, "demo-data", help="generate the small procedural demo dataset (raw + converted)")
     demo.add_argument("out", help="output folder (raw/, energon/, groups.yaml, dataset_info.yaml)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the procedural scenes")
@@ -236,13 +191,35 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
     _add_convert_parser(sub)
-    _add_inspect_parser(sub)
-    _add_stats_parser(sub)
-    _add_resize_state_parser(sub)
-    _add_verify_parser(sub)
-    _add_ledger_parser(sub)
-    _add_demo_parser(sub)
+    _add_job_parsers(sub)
+    _add_run_parsers(sub)
     return p
+
+
+def _data_errors() -> tuple[type[Exception], ...]:
+    """The one-line errors of reading a converted dataset: a damaged or missing file (``DataReadError``, naming
+    it and the remedy) and a read that did not return in ``data.timeout_s`` (``DataTimeoutError``)."""
+    from ..errors import DataReadError
+    from ..watchdog import DataTimeoutError
+
+    return DataReadError, DataTimeoutError
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..config import ConfigError
+    from .inspection import run_inspect
+
+    try:  # a damaged dataset or a read that never returns: the reader's one line (DataReadError, DataTimeoutError)
+        summaries = run_inspect(args.config, overrides=args.overrides, batches=args.batches, out=args.out,
+                                size=args.size, dp_rank=args.dp_rank, dp_size=args.dp_size,
+                                progress=not args.no_progress, emit=lambda text: tqdm.write(text, file=sys.stdout))
+    except (ConfigError, ValueError, FileNotFoundError, *_data_errors()) as e:
+        logger.error("%s", e)
+        return 2
+    print(f"{len(summaries)} batches inspected; pictures in {args.out}/")
+    return 0
 
 
 def _stats(args: argparse.Namespace) -> int:
@@ -269,10 +246,6 @@ def _verify(args: argparse.Namespace) -> int:
 
     from .verify import EXIT_ERROR, VerifyError, format_report, verify
 
-    if args.part is None and args.num_parts > 1:
-        logger.error("--num-parts %d needs --part (0 .. %d): which part this run checks", args.num_parts,
-                     args.num_parts - 1)
-        return EXIT_ERROR
     bar = tqdm(total=0, unit="B", unit_scale=True, desc="verify", disable=args.no_progress or not sys.stderr.isatty())
 
     def progress(total: int, done: int) -> None:
@@ -289,6 +262,8 @@ def _verify(args: argparse.Namespace) -> int:
         bar.close()
     print(format_report(report))
     return report.exit_code
+
+
 def _ledger(args: argparse.Namespace) -> int:
     """``bagel-data ledger``: ``ledger.check_exactly_once`` over a run's digest logs and its last checkpoint's loader
     states; exit 0 when exactly once holds, 1 when it does not (problems printed), 2 for unusable input."""
@@ -347,22 +322,23 @@ def _resize_state(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _quiet_megatron(quiet: bool) -> Iterator[None]:
-    """Megatron's import-time notes (no Transformer Engine / Apex on this machine, experimental classes) hidden
-    for the command: ~30 lines before resize-state's one line, nothing a data tool acts on (``--verbose`` shows
-    them). Logger level and warning filters are restored after, for a caller that runs ``main`` in process."""
-    if not quiet:
-        yield
-        return
-    log = logging.getLogger("megatron")
-    level = log.level
-    log.setLevel(logging.WARNING)
+def _quiet_logs(verbose: bool) -> Iterator[None]:
+    """PIL's DEBUG hidden (a line or two per image header read, thousands with -v) and, unless ``verbose``,
+    Megatron's import-time notes (no Transformer Engine / Apex on this machine, experimental classes): ~30 lines
+    before resize-state's one line, nothing a data tool acts on. Logger levels and warning filters are restored
+    after, for a caller that runs ``main`` in process."""
+    levels = {"PIL": logging.INFO, **({} if verbose else {"megatron": logging.WARNING})}
+    old = {name: logging.getLogger(name).level for name in levels}
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+            if not verbose:
+                warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
             yield
     finally:
-        log.setLevel(level)
+        for name, level in old.items():
+            logging.getLogger(name).setLevel(level)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,12 +353,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    pil = logging.getLogger("PIL")
-    pil_level = pil.level
-    pil.setLevel(logging.INFO)  # its DEBUG is a line or two per image header read, thousands with -v
-    with _quiet_megatron(not args.verbose):
+    if getattr(args, "part", 0) is None and args.num_parts > 1:  # convert FMT / verify
+        logger.error("--num-parts %d needs --part (0 .. %d): which part this run %s", args.num_parts,
+                     args.num_parts - 1, "checks" if args.cmd == "verify" else "converts")
+        return 2
+    with _quiet_logs(args.verbose):
         try:
-            return _command(args)
+            return _COMMANDS.get(args.cmd, _convert)(args)
         except KeyboardInterrupt:  # Ctrl-C: one line, not the traceback of wherever it landed
             if args.verbose:
                 raise
@@ -390,21 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                      if args.cmd == "convert" else "")
             logger.error("interrupted%s", again)
             return 130
-        finally:
-            pil.setLevel(pil_level)
 
 
-def _command(args: argparse.Namespace) -> int:
-    if args.cmd == "inspect":
-        return _run_inspect(args)
-    if args.cmd == "stats":
-        return _stats(args)
-    if args.cmd == "resize-state":
-        return _resize_state(args)
-    if args.cmd == "verify":
-        return _verify(args)
-    if args.cmd == "ledger":
-        return _ledger(args)
+def _convert(args: argparse.Namespace) -> int:
+    """``bagel-data convert FMT`` and ``demo-data``: print the summary table; exit 2 on a ConvertError."""
     try:
         if args.cmd == "demo-data":
             from ..converter.demo import make_demo_data
@@ -416,10 +382,6 @@ def _command(args: argparse.Namespace) -> int:
         elif args.fmt == "merge":
             summaries = merge_all(args.out, overwrite=args.overwrite)
         else:
-            if args.part is None and args.num_parts > 1:
-                logger.error("--num-parts %d needs --part (0 .. %d): which part this run converts",
-                             args.num_parts, args.num_parts - 1)
-                return 2
             kw = dict(samples_per_shard=args.samples_per_shard, progress=not args.no_progress, overwrite=args.overwrite,
                       workers=args.workers, part=args.part or 0, num_parts=args.num_parts,
                       max_image_pixels=args.max_image_pixels)
@@ -431,7 +393,8 @@ def _command(args: argparse.Namespace) -> int:
                 if args.fmt == "t2i":
                     summaries = [convert_group(T2I, args.out, data_dir=args.data_dir, **kw)]
                 elif args.fmt == "edit":
-                    summaries = [convert_group(EDIT, args.out, data_dir=args.data_dir, parquet_info_path=args.parquet_info,
+                    summaries = [convert_group(EDIT, args.out, data_dir=args.data_dir,
+                                               parquet_info_path=args.parquet_info,
                                                parquet_info_root=args.parquet_info_root, **kw)]
                 else:
                     summaries = [convert_group(VLM, args.out, jsonl_path=args.jsonl, image_dir=args.image_dir, **kw)]
@@ -440,6 +403,10 @@ def _command(args: argparse.Namespace) -> int:
         return 2
     print(format_summary(summaries))
     return 0
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "inspect": _run_inspect, "stats": _stats, "resize-state": _resize_state, "verify": _verify, "ledger": _ledger}
 
 
 if __name__ == "__main__":

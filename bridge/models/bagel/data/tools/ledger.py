@@ -59,21 +59,16 @@ PACKER_STAGES = ("BagelPacker", "BalancedPacker")
 
 def _packer_nodes(obj: Any) -> list[Any]:
     """The packer nodes (either stage of ``PACKER_STAGES``) of a saved state or fingerprint."""
-    return [n for stage in PACKER_STAGES for n in _nodes(obj, stage)]
+    return _nodes(obj, *PACKER_STAGES)
 
 
-def _nodes(obj: Any, stage: str) -> list[Any]:
-    """Every nested ``{"stage": stage, ...}`` dict of a saved state or fingerprint, depth first."""
-    out: list[Any] = []
+def _nodes(obj: Any, *stages: str) -> list[Any]:
+    """Every nested ``{"stage": stage, ...}`` dict (``stage`` one of ``stages``) of a saved state or fingerprint,
+    depth first."""
     if isinstance(obj, Mapping):
-        if obj.get("stage") == stage:
-            out.append(obj)
-        for v in obj.values():
-            out += _nodes(v, stage)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            out += _nodes(v, stage)
-    return out
+        own = [obj] if obj.get("stage") in stages else []
+        return own + [n for v in obj.values() for n in _nodes(v, *stages)]
+    return [n for v in obj for n in _nodes(v, *stages)] if isinstance(obj, (list, tuple)) else []
 
 
 def _identity(key: Any) -> tuple[int, int]:
@@ -91,8 +86,7 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
     are not elastic-order loader states.
     """
     report = LedgerReport()
-    first = final_states[0]
-    packer_fp = _packer_nodes(first["fingerprint"]["source"])
+    packer_fp = _packer_nodes(final_states[0]["fingerprint"]["source"])
     if not packer_fp:
         raise ValueError(f"check_exactly_once: the states hold no packer ({' / '.join(PACKER_STAGES)})")
     groups = list(packer_fp[0]["group_names"])
@@ -101,7 +95,6 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
         raise ValueError("check_exactly_once: the states are not of data.order elastic")
     orders = {g: PartitionOrder(fp["num_positions"], fp["partitions"], fp["seed"], g, fp["chunk"])
               for g, fp in zip(groups, plan_fps)}
-    taken: dict[str, set[tuple[int, int]]] = {}
     waiting: dict[str, Counter] = {g: Counter() for g in groups}
     plans: dict[str, list[Any]] = {g: [] for g in groups}
     for state in final_states:
@@ -113,32 +106,29 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
             reader = source["state"]
             report.dropped += sum(reader["drops"]["state"]["counts"].values())
             plan = reader["source"]["state"]
-            for key in plan["pending"]:
-                waiting[g][_identity(key)] += 1
+            waiting[g].update(_identity(key) for key in plan["pending"])
             plans[g].append(plan)
-    for g in groups:
-        taken[g], done = reads_taken(plans[g], orders[g])
-        if done:
-            report.complete_groups.append(g)
     packed: dict[str, Counter] = {g: Counter() for g in groups}
     for index in batch_indexes:
         packed[index["dataset_name"]][(int(index["position"]), int(index["epoch"]))] += 1
-    total_taken = total_kept = 0
     for g in groups:
+        taken, done = reads_taken(plans[g], orders[g])
+        if done:
+            report.complete_groups.append(g)
         seen = packed[g] + waiting[g]
         twice = [k for k, n in seen.items() if n > 1]
         if twice:
             report.problems.append(f"group {g!r}: {len(twice)} reads packed or waiting more than once, e.g. "
                                    f"(position, epoch) {sorted(twice)[:3]}")
-        untaken = [k for k in seen if k not in taken[g]]
+        untaken = [k for k in seen if k not in taken]
         if untaken:
             report.problems.append(f"group {g!r}: {len(untaken)} packed/waiting reads were never taken, e.g. "
                                    f"{sorted(untaken)[:3]}")
         n_packed, n_waiting = sum(packed[g].values()), sum(waiting[g].values())
-        report.groups[g] = {"taken": len(taken[g]), "packed": n_packed, "waiting": n_waiting,
+        report.groups[g] = {"taken": len(taken), "packed": n_packed, "waiting": n_waiting,
                             "selection": orders[g].num_positions}
-        total_taken += len(taken[g])
-        total_kept += n_packed + n_waiting
+    total_taken = sum(c["taken"] for c in report.groups.values())
+    total_kept = sum(c["packed"] + c["waiting"] for c in report.groups.values())
     if total_taken != total_kept + report.dropped:
         report.problems.append(f"taken {total_taken} != packed + waiting {total_kept} + dropped {report.dropped}: "
                                f"{total_taken - total_kept - report.dropped} reads unaccounted for")
@@ -183,9 +173,6 @@ def format_report(report: LedgerReport) -> str:
         lines.append(f"{g:<16} {c['selection']:>9} {c['taken']:>7} {c['packed']:>7} {c['waiting']:>7}  "
                      f"{'complete' if g in report.complete_groups else 'open'}")
     lines.append(f"dropped (counted with a reason): {report.dropped}")
-    if report.ok:
-        lines.append("exactly once: yes (every taken read packed once, dropped with a reason, or waiting)")
-    else:
-        lines.append(f"exactly once: NO ({len(report.problems)} problems)")
-        lines += [f"  - {p}" for p in report.problems]
+    lines += (["exactly once: yes (every taken read packed once, dropped with a reason, or waiting)"] if report.ok
+              else [f"exactly once: NO ({len(report.problems)} problems)", *(f"  - {p}" for p in report.problems)])
     return "\n".join(lines)

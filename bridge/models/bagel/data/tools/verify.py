@@ -20,15 +20,16 @@ same in every process) split the work like the converter's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
-import logging
+import itertools
 import multiprocessing
 import os
 import tarfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
@@ -37,11 +38,10 @@ from ..energon.layout import damage
 from ..energon.layout.shards import shard_samples
 from ..energon.layout import (CHECKSUMS_NAME, COLUMNS_NAME, GROUPS, MANIFEST_NAME, ManifestError, checksums_entry,
                               load_manifest, open_checksums, sample_checksum, sample_key)
+from . import text_table
 
 __all__ = ["DatasetReport", "ShardResult", "VerifyError", "VerifyReport", "format_report", "resolve_datasets",
            "verify"]
-
-logger = logging.getLogger(__name__)
 
 #: Bad samples a shard's result lists (all are counted).
 _MAX_LISTED = 20
@@ -116,18 +116,11 @@ class VerifyReport:
     def exit_code(self) -> int:
         if any(d.damaged for d in self.datasets):
             return EXIT_DAMAGED
-        if any(not d.verified for d in self.datasets):
-            return EXIT_UNVERIFIED
-        return EXIT_OK
+        return EXIT_UNVERIFIED if any(not d.verified for d in self.datasets) else EXIT_OK
 
 
 def _is_dataset(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST_NAME)) or os.path.isdir(os.path.join(path, ".nv-meta"))
-
-
-def _dataset_path(path: str) -> str:
-    """A dataset path as the readers name it: absolute, or an ``msc://`` URL as it is."""
-    return remote.absolute(path)
 
 
 def resolve_datasets(target: str) -> list[str]:
@@ -138,7 +131,7 @@ def resolve_datasets(target: str) -> list[str]:
     datasets its groups name); an ``msc://`` URL of one converted dataset in object storage. Raises VerifyError
     (one line)."""
     if remote.is_remote(target):
-        return [_dataset_path(target)]
+        return [remote.absolute(target)]
     if os.path.isdir(target):
         if _is_dataset(target):
             return [os.path.abspath(target)]
@@ -182,18 +175,15 @@ def _datasets_of_config(path: str) -> list[str]:
     if missing:
         raise VerifyError(f"{path}: {len(missing)} datasets have no energon_path (not converted yet; e.g. data_dir "
                           f"{missing[0].data_dir})")
-    out = []
-    for e in entries:
-        p = _dataset_path(str(e.energon_path))
+    out = list(dict.fromkeys(remote.absolute(str(e.energon_path)) for e in entries))  # as the readers name them
+    for p in out:
         if not remote.is_remote(p) and not os.path.isdir(p):
             raise VerifyError(f"{path}: dataset directory {p} does not exist")
-        if p not in out:
-            out.append(p)
     return out
 
 
 def _file_sha256(path: str) -> str | None:
-    """The sha256 of a (checksums / columns) file, or None when it cannot be read."""
+    """The sha256 of a file (a shard, the checksums file), or None when it cannot be read."""
     try:
         with remote.open_binary(path) as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
@@ -220,29 +210,21 @@ def _dataset_checks(k: int, root: str) -> tuple[DatasetReport, list[_Task]]:
     entry = checksums_entry(man)
     rep.verified = entry is not None
     if entry is not None:
-        got = _file_sha256(remote.join(root, CHECKSUMS_NAME))
-        if got != entry["sha256"]:
+        if _file_sha256(remote.join(root, CHECKSUMS_NAME)) != entry["sha256"]:
             rep.problems.append(f"{remote.join(root, CHECKSUMS_NAME)}: its sha256 differs from the one in "
                                 f"{MANIFEST_NAME}: the checksums themselves are damaged; copy the dataset again with "
                                 f"all its manifest files ({MANIFEST_NAME}, {COLUMNS_NAME}, {CHECKSUMS_NAME}), or "
                                 "convert it again (--overwrite)")
             rep.verified = False
-    tasks, first = [], 0
-    for sh in man["shards"]:
-        count = int(sh["count"])
-        tasks.append(_Task(k, root, sh["path"], first, count, sh.get("bytes"), sh.get("sha256"), rep.verified))
-        first += count
-    return rep, tasks
+    firsts = itertools.accumulate((int(sh["count"]) for sh in man["shards"]), initial=0)
+    return rep, [_Task(k, root, sh["path"], first, int(sh["count"]), sh.get("bytes"), sh.get("sha256"), rep.verified)
+                 for sh, first in zip(man["shards"], firsts)]
 
 
-_EXPECTED: dict[str, np.ndarray | None] = {}
-
-
+@functools.cache
 def _expected(root: str) -> np.ndarray | None:
     """The dataset's recorded per-sample checksums (memory-mapped, cached per process)."""
-    if root not in _EXPECTED:
-        _EXPECTED[root] = open_checksums(root)
-    return _EXPECTED[root]
+    return open_checksums(root)
 
 
 def _check_shard(task: _Task) -> ShardResult:
@@ -258,17 +240,11 @@ def _check_shard(task: _Task) -> ShardResult:
     if task.bytes is not None and size != task.bytes and problem is None:
         res.problems.append(f"shard {tar} is {size} bytes, the manifest says {task.bytes}: re-copy it from a good "
                             "copy, or convert the dataset again (--overwrite)")
+    res.bytes_read = size
     if not task.verified or task.sha256 is None:
-        res.bytes_read = size
         return res
     data = io.BytesIO(remote.read_bytes(tar)) if remote.is_remote(tar) else None  # one read of the whole object
-    if data is None:
-        with open(tar, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-    else:
-        digest = hashlib.sha256(data.getbuffer()).hexdigest()
-    res.bytes_read = size
-    if digest == task.sha256:
+    if (_file_sha256(tar) if data is None else hashlib.sha256(data.getbuffer()).hexdigest()) == task.sha256:
         return res
     expected = _expected(task.root)
     assert expected is not None
@@ -294,11 +270,10 @@ def _check_shard(task: _Task) -> ShardResult:
         if problem is None:
             res.problems.append(f"damaged shard {tar}: unreadable ({type(exc).__name__}: {exc}): re-copy it or "
                                 "convert the dataset again (--overwrite)")
-    missing = [sample_key(i) for i in range(task.first_sample, task.first_sample + task.count)
-               if sample_key(i) not in seen]
-    if missing and not res.problems:
-        for key in missing:
-            bad(key, "missing from the shard")
+    if not res.problems:  # read to its end: every sample it should hold is there
+        for key in map(sample_key, range(task.first_sample, task.first_sample + task.count)):
+            if key not in seen:
+                bad(key, "missing from the shard")
     res.harmless = not res.damaged
     return res
 
@@ -320,31 +295,21 @@ def verify(targets: Sequence[str], *, workers: int = 1, part: int = 0, num_parts
            progress: Callable[[int, int], Any] | None = None) -> VerifyReport:
     """Verify the converted datasets ``targets`` name (:func:`resolve_datasets`); ``progress(total_bytes,
     done_bytes)`` is called as shards finish. Raises VerifyError when a target names no dataset."""
-    roots: list[str] = []
-    for t in targets:
-        roots += [r for r in resolve_datasets(t) if r not in roots]
-    reports, tasks = [], []
-    for k, root in enumerate(roots):
-        rep, ts = _dataset_checks(k, root)
-        reports.append(rep)
-        tasks += ts
+    roots = dict.fromkeys(r for t in targets for r in resolve_datasets(t))  # each once, in order
+    checks = [_dataset_checks(k, root) for k, root in enumerate(roots)]
+    reports, tasks = [rep for rep, _ in checks], [t for _, ts in checks for t in ts]
     mine = _part_tasks(tasks, part, num_parts) if tasks else []
-    total = sum(t.bytes if t.bytes is not None else 0 for t in mine)
-    if progress is not None:
-        progress(total, 0)
-    if workers <= 1 or len(mine) <= 1:
-        results: Iterator[ShardResult] = map(_check_shard, mine)
-        pool = None
-    else:
-        pool = multiprocessing.get_context("fork").Pool(min(workers, len(mine)))
-        results = pool.imap_unordered(_check_shard, mine)
+    progress = progress or (lambda total, done: None)
+    total = sum(t.bytes or 0 for t in mine)
+    progress(total, 0)
+    pool = multiprocessing.get_context("fork").Pool(min(workers, len(mine))) if workers > 1 and len(mine) > 1 else None
+    results = map(_check_shard, mine) if pool is None else pool.imap_unordered(_check_shard, mine)
     try:
         done = 0
         for res in results:
             reports[res.dataset].shards.append(res)
             done += res.bytes_read
-            if progress is not None:
-                progress(total, done)
+            progress(total, done)
     finally:
         if pool is not None:
             pool.terminate()
@@ -358,14 +323,10 @@ def format_report(report: VerifyReport) -> str:
     """The summary table by dataset, then one line per problem, damaged sample and harmless difference, then the
     verdict and a machine-readable last line (``verify: key=value ...``)."""
     head = ("dataset", "shards", "samples", "checksums", "damaged shards", "bad samples", "harmless")
-    rows = []
-    for d in report.datasets:
-        rows.append((d.name, str(len(d.shards)), str(d.samples), "yes" if d.verified else "NO",
-                     str(sum(s.damaged for s in d.shards)), str(sum(s.num_bad for s in d.shards)),
-                     str(sum(s.harmless for s in d.shards))))
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
-    lines = [fmt.format(*head), "  ".join("-" * w for w in widths)] + [fmt.format(*r) for r in rows]
+    rows = [(d.name, str(len(d.shards)), str(d.samples), "yes" if d.verified else "NO",
+             str(sum(s.damaged for s in d.shards)), str(sum(s.num_bad for s in d.shards)),
+             str(sum(s.harmless for s in d.shards))) for d in report.datasets]
+    lines = text_table(head, rows)
     if report.num_parts > 1:
         lines.append(f"(part {report.part} of {report.num_parts}: the shards of the other parts are not counted here)")
     for d in report.datasets:
@@ -377,29 +338,24 @@ def format_report(report: VerifyReport) -> str:
                 f"no {MANIFEST_NAME} (an Energon dataset not converted by bagel-data): nothing to verify against"))
         for s in d.shards:
             lines += [f"DAMAGED {d.name}: {p}" for p in s.problems]
-            for key, what in s.bad_samples:
-                lines.append(f"DAMAGED {d.name}: shard {os.path.join(d.root, s.path)}: sample {key}: {what}")
+            shard = os.path.join(d.root, s.path)
+            lines += [f"DAMAGED {d.name}: shard {shard}: sample {key}: {what}" for key, what in s.bad_samples]
             if s.num_bad > len(s.bad_samples):
-                lines.append(f"DAMAGED {d.name}: shard {os.path.join(d.root, s.path)}: "
-                             f"{s.num_bad - len(s.bad_samples)} more damaged samples")
+                lines.append(f"DAMAGED {d.name}: shard {shard}: {s.num_bad - len(s.bad_samples)} more damaged samples")
             if s.num_bad:
-                lines.append(f"  remedy: re-copy {os.path.join(d.root, s.path)} from a good copy, or convert "
-                             f"{d.name} again (`bagel-data convert ... --overwrite`)")
+                lines.append(f"  remedy: re-copy {shard} from a good copy, or convert {d.name} again (`bagel-data "
+                             "convert ... --overwrite`)")
             if s.harmless:
-                lines.append(f"note {d.name}: shard {os.path.join(d.root, s.path)} differs from its recorded sha256 "
-                             "only outside its samples' bytes (tar padding or unused header fields): harmless, "
-                             "every sample matches")
+                lines.append(f"note {d.name}: shard {shard} differs from its recorded sha256 only outside its samples' "
+                             "bytes (tar padding or unused header fields): harmless, every sample matches")
     code = report.exit_code
     verdict = {EXIT_OK: "ok: every checked shard and sample matches its manifest",
                EXIT_DAMAGED: "DAMAGED: see the lines above (exit 1)",
                EXIT_UNVERIFIED: "no damage found, but some datasets record no checksums (exit 3)"}[code]
     ds = report.datasets
-    lines.append(verdict)
-    lines.append(f"verify: datasets={len(ds)} shards={sum(len(d.shards) for d in ds)} "
-                 f"damaged_datasets={sum(d.damaged for d in ds)} "
-                 f"damaged_shards={sum(s.damaged for d in ds for s in d.shards)} "
-                 f"bad_samples={sum(s.num_bad for d in ds for s in d.shards)} "
-                 f"harmless_shards={sum(s.harmless for d in ds for s in d.shards)} "
-                 f"unverified_datasets={sum(not d.verified for d in ds)} part={report.part}/{report.num_parts} "
-                 f"exit={code}")
+    shards = [s for d in ds for s in d.shards]
+    lines += [verdict, f"verify: datasets={len(ds)} shards={len(shards)} damaged_datasets={sum(d.damaged for d in ds)} "
+              f"damaged_shards={sum(s.damaged for s in shards)} bad_samples={sum(s.num_bad for s in shards)} "
+              f"harmless_shards={sum(s.harmless for s in shards)} unverified_datasets="
+              f"{sum(not d.verified for d in ds)} part={report.part}/{report.num_parts} exit={code}"]
     return "\n".join(lines)

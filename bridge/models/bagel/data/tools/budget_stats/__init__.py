@@ -1,37 +1,25 @@
 """``bagel-data stats``: one pass over the converted datasets' metadata, token estimates and a budget advisor.
 
-For every group of a job config and every converted dataset of the group, read the shards once and
-estimate each sample's packed length with the packer's own rule (:mod:`..budgets`), then report. One
-module per concern:
-
-* ``estimate``: :func:`dataset_stats` reads ``meta.json`` + image *headers* (no pixel decode) and gives
-  one :class:`SampleEstimate` (tokens; lo / hi over the reader's random choices: t2i caption, edit start,
-  end and instructions) per usable sample, and the samples the cooker would drop for recorded data errors;
-  :class:`GroupStats` counts those over ``max_num_tokens_per_sample`` (always, or only for some choices);
-* ``simulate``: :func:`simulate_packing` replays the official pack loop (the packer's own
-  ``packing.step.PackLoop``: mandatory first, weighted draws, overflow buffer, flush) on the estimates,
-  for the configured and a few :func:`candidate_budgets`: fill ratio (``sequence_length /
-  max_num_tokens``), samples per pack, share of consumed samples dropped;
-* ``straggler``: :func:`.straggler.predict` runs both ``packer.strategy`` loops for several simulated DP
-  ranks on the same estimates (each sample costed by ``packing.cost.CostModel.cost`` of its expected work):
-  the predicted straggler ratio (the slowest rank's compute per step over the mean), official vs balanced;
-* ``report``: :class:`StatsReport` (per group and dataset: sample counts, unusable samples, the
-  distribution of estimated tokens, the largest VAE / ViT grid; the advisor table; findings) and
-  :func:`draw_histogram`.
+For every group of a job config and every converted dataset of the group, read the shards once and estimate
+each sample's packed length with the packer's own rule (:mod:`..budgets`), then report. One module per concern:
+``estimate`` (:func:`dataset_stats`: a :class:`SampleEstimate` per usable sample from ``meta.json`` and image
+headers, the samples the cooker would drop; :class:`GroupStats`), ``simulate`` (:func:`simulate_packing`: the
+official pack loop replayed on the estimates for the configured and a few :func:`candidate_budgets`: fill ratio,
+samples per pack, share dropped), ``straggler`` (:func:`.straggler.predict`: the predicted straggler ratio of
+both ``packer.strategy`` loops on several simulated DP ranks) and ``report`` (:class:`StatsReport`, the tables
+and findings, and :func:`draw_histogram`).
 
 Findings are the config-time budget issues (:func:`..budgets.budget_issues`) plus what only the data
 show (:func:`.report.data_findings`): a mandatory group none of whose samples fits (the packer would never
 yield a batch), VAE images larger than ``max_latent_size x vae_image_downsample`` (interpolated position
 ids; extrapolated ones are refused at config time already).
 
-Known approximations: corrupt pixel data behind a valid header is not detected; CFG dropout (which
-shortens packed samples) is ignored; edit rows are checked for null images / malformed instruction lists as
-a whole, whereas the reader only fails on the images and steps a draw reaches.
+Known approximations: CFG dropout (which shortens packed samples) is ignored; the others are the estimates'
+(see ``estimate``).
 """
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -45,8 +33,6 @@ from .straggler import Prediction, predict
 
 __all__ = ["Candidate", "DatasetStats", "GroupStats", "Prediction", "SampleEstimate", "SimResult", "StatsReport",
            "candidate_budgets", "collect_stats", "dataset_stats", "draw_histogram", "job_stats", "simulate_packing"]
-
-logger = logging.getLogger(__name__)
 
 
 def collect_stats(groups: Sequence[ResolvedGroup], packer: PackerConfig, tokenizer: Any, *, source: str = "groups",
@@ -72,12 +58,9 @@ def collect_stats(groups: Sequence[ResolvedGroup], packer: PackerConfig, tokeniz
     findings = budget_issues(packer, cfg_groups, source=source, packer_where=packer_where)
     findings += data_findings(packer, gstats, packer_where)
     findings.sort(key=lambda i: i.level != "error")
-    rng = random.Random(0)
-    streams = []
-    for g in gstats:
-        s = [round(e.mean) for e in g.estimates]
+    rng, streams = random.Random(0), [[round(e.mean) for e in g.estimates] for g in gstats]
+    for s in streams:  # each group's mean estimates, in a fixed shuffled order
         rng.shuffle(s)
-        streams.append(s)
     advice = []
     for c in candidate_budgets(packer, gstats):
         r = simulate_packing(streams, [g.group.weight for g in gstats], [g.group.is_mandatory for g in gstats],

@@ -12,9 +12,10 @@ a draw reaches.
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import json
-import logging
 import os
 import tarfile
 from collections import Counter
@@ -37,30 +38,29 @@ from ...transforms import ImageTransform, PIL_MAX_IMAGE_PIXELS
 
 __all__ = ["DatasetStats", "GroupStats", "SampleEstimate", "dataset_stats"]
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class SampleEstimate:
-    """Estimated packed length of one sample (tokens): ``lo`` / ``hi`` over the reader's random choices,
-    ``mean`` their expectation; ``vae_side`` / ``vit_side`` the largest image side in patches (0 = none),
-    ``vae_px`` the largest VAE image side in pixels after the transform; ``work`` below."""
+    """One sample's estimated packed length (tokens): ``lo`` / ``hi`` over the reader's random choices, ``mean``
+    their expectation; ``work`` below; ``vae_side`` / ``vit_side`` its largest image side in patches (0 = none),
+    ``vae_px`` its largest VAE image side in pixels after the transform."""
 
     lo: int
     hi: int
     mean: float
-    vae_side: int = 0
-    vit_side: int = 0
-    vae_px: int = 0
     #: What the sample asks of the model (``packing.cost.Work``), its expectation over the reader's random
     #: choices (mean text lengths; CFG dropout ignored): the straggler prediction's cost of the sample.
     work: Work = Work()
+    vae_side: int = 0
+    vit_side: int = 0
+    vae_px: int = 0
 
 
 class _Unusable(Exception):
     """The cooker turns this sample into a tombstone (``reason`` as in ``energon.cooking.common.DROP_REASONS``).
 
-    Not ``energon.cooking.common.DropSample``: that module imports Megatron-Energon, which t2i / edit estimates need not.
+    Not ``energon.cooking.common.DropSample``: that module imports Megatron-Energon, which t2i / edit estimates
+    need not.
     """
 
     def __init__(self, reason: str) -> None:
@@ -89,18 +89,8 @@ def _side(t: ImageTransform, w: int, h: int, img_num: int = 1) -> tuple[int, int
     return max(oh, ow) // t.stride, max(oh, ow)
 
 
-class _Encoder:
-    """``tokenizer.encode`` lengths in tokens, memoized (captions and instructions repeat)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[str, int] = {}
-
-    def __call__(self, text: str) -> int:
-        n = self.cache.get(text)
-        if n is None:
-            n = self.cache[text] = len(self.tokenizer.encode(text))
-        return n
+#: A text's length in tokens: ``len(tokenizer.encode(text))``, memoized (captions and instructions repeat).
+_Encoder = Callable[[str], int]
 
 
 def _estimate(outcomes: Sequence[Outcome], **sides: int) -> SampleEstimate:
@@ -125,10 +115,22 @@ def _t2i(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
     return _estimate(t2i_outcomes(image_tokens(t, w, h), lens), vae_side=side, vae_px=px)
 
 
-def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
+def _text_items(conversations: Any, num_images: int, enc: _Encoder) -> list[tuple[str, int]]:
+    """``(kind, tokens)`` of a conversation's items (``cooking.vlm.conversation_elements``: tokens 0 for an image);
+    unusable as the cooker drops it, or without a text item with loss."""
     from ...energon.cooking.common import DropSample
     from ...energon.cooking.vlm import conversation_elements
 
+    try:
+        elements = conversation_elements(conversations, num_images)
+    except DropSample as d:
+        raise _Unusable(d.reason) from None
+    if not any(has_loss and kind == "text" and enc(text) for kind, text, has_loss in elements):
+        raise _Unusable("no_loss_item")
+    return [(kind, enc(text) if kind == "text" else 0) for kind, text, _ in elements]
+
+
+def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
     t = g.transform()
     try:
         rec = json.loads(meta.get("raw_line") or "")
@@ -142,16 +144,10 @@ def _vlm(meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> 
         raise _Unusable("missing_image")
     names = meta.get("image_names") or []
     sizes = _sizes(parts, range(len(names)))
-    try:
-        elements = conversation_elements(rec.get("conversations"), len(sizes))
-    except DropSample as d:
-        raise _Unusable(d.reason) from None
+    items = _text_items(rec.get("conversations"), len(sizes), enc)
     toks = [image_tokens(t, w, h, len(sizes)) for w, h in sizes]
-    lens = [(kind, enc(text) if kind == "text" else 0, has_loss) for kind, text, has_loss in elements]
-    if not any(has_loss and n for kind, n, has_loss in lens if kind == "text"):
-        raise _Unusable("no_loss_item")
     side = max((_side(t, w, h, len(sizes))[0] for w, h in sizes), default=0)
-    return _estimate([vlm_outcome([(kind, n) for kind, n, _ in lens], toks)], vit_side=side)
+    return _estimate([vlm_outcome(items, toks)], vit_side=side)
 
 
 def _video_frames(meta: dict, parts: dict[str, bytes]) -> tuple[int, int, int, bool]:
@@ -178,9 +174,8 @@ def _video_frames(meta: dict, parts: dict[str, bytes]) -> tuple[int, int, int, b
 def _video(rec: dict, meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: _Encoder) -> SampleEstimate:
     """A video record: ``t`` uniform in ``[min_num_frames, max_num_frames]`` (a folder of ``vlen <= t`` frames keeps
     its ``vlen``), every frame of the input size resized with ``img_num`` = the frame count (``cooking.video``)."""
-    from ...energon.cooking.common import DropSample
     from ...energon.cooking.video import VIDEO_TAG, FrameSampler
-    from ...energon.cooking.vlm import IMAGE_TOKEN, conversation_elements
+    from ...energon.cooking.vlm import IMAGE_TOKEN
 
     if (meta.get("image_errors") or {}).get("video") is not None:
         raise _Unusable("missing_video")
@@ -200,15 +195,8 @@ def _video(rec: dict, meta: dict, parts: dict[str, bytes], g: GroupConfig, enc: 
         conv = [dict(x) for x in turns] if isinstance(turns, list) else turns
         if conv:
             conv[0]["value"] = conv[0]["value"].replace(VIDEO_TAG, IMAGE_TOKEN * n)
-        try:
-            elements = conversation_elements(conv, n)
-        except DropSample as d:
-            raise _Unusable(d.reason) from None
-        lens = [(kind, enc(text) if kind == "text" else 0, has_loss) for kind, text, has_loss in elements]
-        if not any(has_loss and k for kind, k, has_loss in lens if kind == "text"):
-            raise _Unusable("no_loss_item")
         frames = [image_tokens(t, w, h, n)] * n
-        outcomes.append(vlm_outcome([(kind, k) for kind, k, _ in lens], frames)._replace(probability=p))
+        outcomes.append(vlm_outcome(_text_items(conv, n, enc), frames)._replace(probability=p))
         side = max(side, _side(t, w, h, n)[0])
     return _estimate(outcomes, vit_side=side)
 
@@ -260,13 +248,12 @@ def _iter_samples(ds_root: str, manifest: dict) -> Iterator[dict[str, bytes]]:
         path = os.path.join(ds_root, shard["path"])
         n = 0
         try:
-            for _, parts in shard_samples(path):
-                n += 1
+            for n, (_, parts) in enumerate(shard_samples(path), 1):
                 yield dict(parts)
         except (tarfile.TarError, EOFError, OSError) as exc:
-            found = diagnose([ds_root], shard["path"])
-            raise DataReadError(found or f"shard {path} cannot be read ({type(exc).__name__}: "
-                                         f"{' '.join(str(exc).split())}): check its storage or convert again") from exc
+            raise DataReadError(diagnose([ds_root], shard["path"]) or f"shard {path} cannot be read ("
+                                f"{type(exc).__name__}: {' '.join(str(exc).split())}): check its storage or convert "
+                                "again") from exc
         if n != shard["count"]:  # cut at a tar block boundary: tarfile ends there as if the archive did
             raise DataReadError(diagnose([ds_root], shard["path"]) or f"shard {path} holds {n} samples, the "
                                 f"manifest {shard['count']}: convert it again with --overwrite or restore the file")
@@ -303,15 +290,13 @@ def dataset_stats(group: GroupConfig, name: str, path: str, tokenizer: Any, *, m
     if manifest.get("group") != group.name:
         raise ConfigError(f"{path}: converted for group {manifest.get('group')!r}, registered under {group.name!r}")
     Image.MAX_IMAGE_PIXELS = PIL_MAX_IMAGE_PIXELS  # header reads only; same limit as the readers
-    enc = _Encoder(tokenizer)
+    enc: _Encoder = functools.cache(lambda text: len(tokenizer.encode(text)))
     est_fn = _ESTIMATORS[group.name]
     st = DatasetStats(group.name, name, path, int(manifest["num_samples"]))
     total = st.samples if max_samples is None else min(st.samples, max_samples)
     with tqdm(total=total, desc=f"{group.name}/{name}", unit="sample", disable=not progress or None,
               leave=False) as bar:
-        for parts in _iter_samples(path, manifest):
-            if st.read >= total:
-                break
+        for parts in itertools.islice(_iter_samples(path, manifest), total):
             st.read += 1
             bar.update(1)
             try:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -13,13 +11,12 @@ from PIL import Image
 
 from ...config.budgets import VAE_GROUPS, BudgetIssue
 from ...config import PackerConfig
+from .. import text_table
 from .estimate import GroupStats
 from .simulate import Candidate, SimResult
 from .straggler import Prediction
 
 __all__ = ["StatsReport", "data_findings", "draw_histogram"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -55,7 +52,7 @@ class StatsReport:
         rows = [(str(x.dp), f"{x.official.ratio:.3f}", f"{x.balanced.ratio:.3f}", f"{x.official.lost:.1%}",
                  f"{x.balanced.lost:.1%}", f"{x.official.tokens_per_pack:.0f}", f"{x.balanced.tokens_per_pack:.0f}",
                  f"{x.balanced.wait_quantile(0.99)} packs") for x in pred]
-        return lines + _table(head, rows)
+        return lines + text_table(head, rows)
 
     @property
     def impossible(self) -> bool:
@@ -77,29 +74,16 @@ class StatsReport:
         head = ("group/dataset", "samples", "read", "unusable", "min", "p10", "p50", "p90", "max", "mean",
                 f">{lim} always", "some", "max VAE", "max ViT")
         rows = []
-        for g in self.groups:
-            for d in g.datasets + ([] if len(g.datasets) == 1 else [None]):
-                ds = d.estimates if d else g.estimates
-                label = f"{g.group.name}/{d.name}" if d else f"{g.group.name} (all)"
-                gs = GroupStats(g.group, [d] if d else g.datasets)
-                always, some = gs.over(lim)
-                means = sorted(e.mean for e in ds)
-                q = (lambda f: str(round(means[min(len(means) - 1, int(f * len(means)))])) if means else "-")
-                unusable = sum((d.unusable if d else sum((x.unusable for x in g.datasets), Counter())).values())
-                rows.append((label, str(sum(x.samples for x in gs.datasets)), str(sum(x.read for x in gs.datasets)),
-                             str(unusable), str(min(e.lo for e in ds)) if ds else "-", q(0.1), q(0.5), q(0.9),
-                             str(max(e.hi for e in ds)) if ds else "-",
-                             f"{sum(means) / len(means):.0f}" if means else "-", str(always), str(some),
-                             f"{max((e.vae_side for e in ds), default=0)}/side",
-                             f"{max((e.vit_side for e in ds), default=0)}/side"))
-        lines += _table(head, rows)
-        reasons = Counter()
-        for g in self.groups:
-            for d in g.datasets:
-                reasons.update({f"{d.group}/{d.name}: {r}": n for r, n in d.unusable.items()})
+        for g in self.groups:  # a row per dataset, and one for the whole group when it has several
+            rows += [_dataset_row(f"{g.group.name}/{d.name}", GroupStats(g.group, [d]), lim) for d in g.datasets]
+            if len(g.datasets) > 1:
+                rows.append(_dataset_row(f"{g.group.name} (all)", g, lim))
+        lines += text_table(head, rows)
+        reasons = {f"{d.group}/{d.name}: {r}": n for g in self.groups for d in g.datasets
+                   for r, n in d.unusable.items()}
         if reasons:
-            lines += ["", "unusable samples (the cooker drops them):"]
-            lines += [f"  {k}: {n}" for k, n in sorted(reasons.items())]
+            lines += ["", "unusable samples (the cooker drops them):",
+                      *(f"  {k}: {n}" for k, n in sorted(reasons.items()))]
         lines += ["", "budget advisor (official pack loop replayed on the mean estimates, CFG dropout ignored):"]
         head = ("candidate", "expected", "max", "per-sample", "fill", "samples/pack", "dropped", "config check")
         rows = []
@@ -107,12 +91,10 @@ class StatsReport:
             errs = [i for i in issues if i.level == "error"]
             cp = c.packer
             rows.append((c.label, str(cp.expected_num_tokens), str(cp.max_num_tokens),
-                         str(cp.max_num_tokens_per_sample),
-                         "never" if r.impossible else f"{r.fill:.1%}",
+                         str(cp.max_num_tokens_per_sample), "never" if r.impossible else f"{r.fill:.1%}",
                          "-" if r.impossible else f"{r.samples_per_pack:.1f}",
-                         f"{r.dropped_share:.1%}" if r.consumed else "-",
-                         f"refused: {errs[0].key}" if errs else "ok"))
-        lines += _table(head, rows)
+                         f"{r.dropped_share:.1%}" if r.consumed else "-", f"refused: {errs[0].key}" if errs else "ok"))
+        lines += text_table(head, rows)
         lines += self._straggler_lines()
         lines += ["", "findings:" if self.findings else "findings: none"]
         lines += [f"  {f.level.upper()}: {f.message}" for f in self.findings]
@@ -121,47 +103,48 @@ class StatsReport:
         return "\n".join(lines)
 
 
-def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """Text table lines: first column left-aligned, the others right-aligned, a dashed rule under the head."""
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
-    return [fmt.format(*head).rstrip(), "  ".join("-" * w for w in widths)] + [fmt.format(*r).rstrip() for r in rows]
+def _dataset_row(label: str, gs: GroupStats, lim: int) -> tuple[str, ...]:
+    """A row of the dataset table: the counts and estimated tokens of a dataset, or of a group's datasets."""
+    ests = gs.estimates
+    always, some = gs.over(lim)
+    means = sorted(e.mean for e in ests)
+    q = [str(round(means[min(len(means) - 1, int(f * len(means)))])) if means else "-" for f in (0.1, 0.5, 0.9)]
+    return (label, str(sum(d.samples for d in gs.datasets)), str(sum(d.read for d in gs.datasets)),
+            str(sum(sum(d.unusable.values()) for d in gs.datasets)), str(min(e.lo for e in ests)) if ests else "-", *q,
+            str(max(e.hi for e in ests)) if ests else "-", f"{sum(means) / len(means):.0f}" if means else "-",
+            str(always), str(some), f"{max((e.vae_side for e in ests), default=0)}/side",
+            f"{max((e.vit_side for e in ests), default=0)}/side")
 
 
 def data_findings(packer: PackerConfig, groups: Sequence[GroupStats], pw: str) -> list[BudgetIssue]:
     """What only the data show, beyond the config-time checks: a group with no usable sample, a group whose
     samples are all (or >= 10 %) over ``max_num_tokens_per_sample`` (a mandatory one never yields a batch),
     VAE images larger than ``max_latent_size x vae_image_downsample`` px. ``pw``: the packer's key prefix."""
-    out = []
-    lim = packer.max_num_tokens_per_sample
+    out, lim, key = [], packer.max_num_tokens_per_sample, f"{pw}.max_num_tokens_per_sample"
     for g in groups:
-        ests = g.estimates
-        name = g.group.name
+        ests, name = g.estimates, g.group.name
         if not ests:
             if any(d.read for d in g.datasets):
                 never = ": the packer never yields a batch" if g.group.is_mandatory else ""
                 out.append(BudgetIssue("error" if never else "warning", "data",
-                                       f"group {name!r}: no usable sample (all dropped for data "
-                                       f"errors){never}"))
+                                       f"group {name!r}: no usable sample (all dropped for data errors){never}"))
             continue
         always, some = g.over(lim)
         if g.group.is_mandatory and always == len(ests):
             smallest = min(e.lo for e in ests)
-            out.append(BudgetIssue("error", f"{pw}.max_num_tokens_per_sample", (
+            out.append(BudgetIssue("error", key, (
                 f"mandatory group {name!r}: every one of its {len(ests)} samples is estimated at >= {smallest} "
                 f"tokens, not under {pw}.max_num_tokens_per_sample {lim}: the packer drops them one after another "
                 f"and never yields a batch. Raise {pw}.max_num_tokens_per_sample above {smallest} (and "
                 f"{pw}.max_num_tokens) or lower the group's image_transform_args.max_image_size")))
         elif always == len(ests):
-            out.append(BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
-                f"group {name!r}: every sample is over {pw}.max_num_tokens_per_sample {lim}: its draws are all "
-                "wasted")))
+            out.append(BudgetIssue("warning", key, f"group {name!r}: every sample is over {key} {lim}: its draws are "
+                                   "all wasted"))
         elif always + some:
             share = (always + some) / len(ests)
             if share >= 0.1:
-                out.append(BudgetIssue("warning", f"{pw}.max_num_tokens_per_sample", (
-                    f"group {name!r}: {always + some} of {len(ests)} samples ({share:.0%}) can be over "
-                    f"{pw}.max_num_tokens_per_sample {lim} and are dropped")))
+                out.append(BudgetIssue("warning", key, f"group {name!r}: {always + some} of {len(ests)} samples "
+                                       f"({share:.0%}) can be over {key} {lim} and are dropped"))
         if g.group.name in VAE_GROUPS:
             px = max(e.vae_px for e in ests)
             table_px = packer.max_latent_size * packer.vae_image_downsample
@@ -196,8 +179,7 @@ def draw_histogram(report: StatsReport, path: str, *, bins: int = 30) -> str:
         cmax = max(counts) or 1
         x0, x1, y0, y1 = M, W - 20, top + 25, top + PH - 30
         d.text((x0, top), f"{g.group.name}: {len(vals)} samples, tokens per sample (mean estimate)", fill="black")
-        d.line([(x0, y1), (x1, y1)], fill="black")
-        d.line([(x0, y0), (x0, y1)], fill="black")
+        d.line([(x0, y0), (x0, y1), (x1, y1)], fill="black")  # the axes
         bw = (x1 - x0) / bins
         for i, c in enumerate(counts):
             if c:

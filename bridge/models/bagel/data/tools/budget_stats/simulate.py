@@ -9,7 +9,6 @@ defaults, "fits all").
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import random
 from collections.abc import Sequence
@@ -22,8 +21,6 @@ from .estimate import GroupStats
 from .straggler import simulate_ranks
 
 __all__ = ["Candidate", "SimResult", "candidate_budgets", "simulate_packing"]
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,17 +83,13 @@ def simulate_packing(streams: Sequence[Sequence[int]], weights: Sequence[float],
     sources = [itertools.cycle([(x, 0.0) for x in s]) for s in streams]
     sim = simulate_ranks(lambda _: sources, draw_weights, mandatory, official, dp=1, packs=packs,
                          rank_rng=lambda _: random.Random(seed), max_draws=max_draws)
-    run = sim.ranks[0]
-    res = SimResult(consumed=run.consumed, drops=sim.drops, pack_lengths=run.tokens, impossible=sim.stopped)
-    res.over_limit = res.drops.get("overlength", 0) + res.drops.get("overlength_mandatory", 0)
-    res.flushed = res.drops.get("flush_drop", 0) + res.drops.get("flush_drop_buffered", 0)
-    if res.pack_lengths:
-        res.packs = len(res.pack_lengths)
-        res.fill = sum(res.pack_lengths) / res.packs / packer.max_num_tokens
-        res.samples_per_pack = sum(run.samples) / len(run.samples)
-        res.impossible = None if res.packs == packs else res.impossible
-    res.dropped_share = (res.over_limit + res.flushed) / max(res.consumed, 1)
-    return res
+    run, drops, n = sim.ranks[0], sim.drops, len(sim.ranks[0].tokens)
+    over_limit = drops.get("overlength", 0) + drops.get("overlength_mandatory", 0)
+    flushed = drops.get("flush_drop", 0) + drops.get("flush_drop_buffered", 0)
+    return SimResult(packs=n, fill=sum(run.tokens) / n / packer.max_num_tokens if n else 0.0,
+                     samples_per_pack=sum(run.samples) / n if n else 0.0, over_limit=over_limit, flushed=flushed,
+                     dropped_share=(over_limit + flushed) / max(run.consumed, 1), consumed=run.consumed,
+                     impossible=None if n and n == packs else sim.stopped, drops=drops, pack_lengths=run.tokens)
 
 
 def _round_up(x: float, k: int = FLEX_BLOCK) -> int:
@@ -135,10 +128,7 @@ def candidate_budgets(packer: PackerConfig, groups: Sequence[GroupStats]) -> lis
         n_mand = max(1, sum(g.group.is_mandatory for g in groups))
         m = _round_up(max(mandatory_tokens(n_mand, s), s, p.max_num_tokens))
         out.append(scaled("fits all", min(p.expected_num_tokens, m), m, s))
-    seen, uniq = set(), []
+    uniq: dict[tuple[int, int, int], Candidate] = {}  # the first candidate of each budget triple
     for c in out:
-        key = (c.packer.expected_num_tokens, c.packer.max_num_tokens, c.packer.max_num_tokens_per_sample)
-        if key not in seen:
-            seen.add(key)
-            uniq.append(c)
-    return uniq
+        uniq.setdefault((c.packer.expected_num_tokens, c.packer.max_num_tokens, c.packer.max_num_tokens_per_sample), c)
+    return list(uniq.values())

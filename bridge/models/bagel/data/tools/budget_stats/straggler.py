@@ -60,19 +60,19 @@ class _NoPack(Exception):
 
 class _Rank:
     """One simulated rank: ``packing.step.PackTarget`` and ``packing.balance.BalanceTarget`` over its streams
-    (the one adapter of the length-level loops); ``max_draws``: samples it may draw (None: no limit)."""
+    (the one adapter of the length-level loops); ``max_draws``: samples it may draw (None: no limit);
+    ``long_tokens``: the estimate from which a sample's wait also counts in ``waits_long``."""
 
-    def __init__(self, sources: Sequence[Iterator[Sample]], rng: random.Random, max_draws: int | None = None) -> None:
-        self.sources, self.rng, self.max_draws = sources, rng, max_draws
-        self.curr = self.n = self.consumed = 0
+    def __init__(self, sources: Sequence[Iterator[Sample]], rng: random.Random, max_draws: int | None,
+                 long_tokens: int) -> None:
+        self.sources, self.rng, self.max_draws, self.long_tokens = sources, rng, max_draws, long_tokens
+        self.curr = self.n = self.consumed = self.pack_index = 0
         self.pack_cost = 0.0
-        self.pack_index = 0
         self.kept = [Counter() for _ in sources]  # per group: samples / tokens drawn and not dropped
         self.packed = [Counter() for _ in sources]
         self.drops: Counter[str] = Counter()
         self.waits: list[int] = []
         self.waits_long: list[int] = []  # waits of samples of at least long_tokens
-        self.long_tokens = 0
 
     def random(self) -> float:
         return self.rng.random()
@@ -103,14 +103,12 @@ class _Rank:
         self.waits.append(self.pack_index - sample[2])
         if est >= self.long_tokens:
             self.waits_long.append(self.pack_index - sample[2])
-        self.packed[group]["samples"] += 1
-        self.packed[group]["tokens"] += est
+        self.packed[group].update(samples=1, tokens=est)
 
     def drop(self, reason: str, group: int, sample: list, est: int, curr: int) -> None:
         self.drops[reason] += 1
         if reason not in ("overlength", "overlength_mandatory"):  # a flush drops a kept sample
-            self.kept[group]["flushed"] += 1
-            self.kept[group]["flushed_tokens"] += est
+            self.kept[group].update(flushed=1, flushed_tokens=est)
 
 
 @dataclass
@@ -126,36 +124,36 @@ class RankRun:
 
 @dataclass
 class StragglerResult:
-    """What :func:`simulate_ranks` measured (after ``warmup`` packs per rank, except ``cold_*``, the waits, the
-    mix and the drops, which count every pack).
-
-    ``ratio``: mean over steps of the slowest rank's pack cost over the mean; ``lost``: share of step time
-    spent waiting for the slowest rank; ``cold_ratio`` / ``cold_lost``: the same over the warm-up steps (a fresh
-    start); ``tokens_per_pack``, ``cost_per_pack``: means; ``waits``: packs each packed sample waited between
-    being drawn and being packed (``waits_long``: those of samples estimated at half ``max_num_tokens_per_sample``
-    or more); ``mix_dev``: the largest difference, over groups,
-    between a group's share of the packed samples (or tokens) and its share of the samples drawn and kept (the
-    weighted draw); ``shares``: per group (packed samples share, packed tokens share); ``drops`` by reason;
-    ``cpu_us_per_pack``: the loop's CPU time per pack (microseconds; sample streams included); ``stopped``: why a
-    rank built fewer packs (``max_draws`` reached), None when every rank built them all.
-    """
+    """What :func:`simulate_ranks` measured for ``strategy`` on ``dp`` ranks, ``steps`` packs each after the
+    warm-up: every rank's packs (``ranks``) and what they show, over the steps after ``warmup`` packs per rank
+    except ``cold_*``, the waits, the mix and the drops, which count every pack."""
 
     strategy: str
     dp: int
     steps: int
+    ranks: list[RankRun] = field(default_factory=list)
+    #: ``ratio``: mean over steps of the slowest rank's pack cost over the mean; ``lost``: share of step time spent
+    #: waiting for the slowest rank; ``cold_ratio`` / ``cold_lost``: the same over the warm-up steps (a fresh start)
     ratio: float = 1.0
     lost: float = 0.0
     cold_ratio: float = 1.0
     cold_lost: float = 0.0
-    tokens_per_pack: float = 0.0
-    cost_per_pack: float = 0.0
+    #: packs each packed sample waited between being drawn and being packed (``waits_long``: those of samples
+    #: estimated at half ``max_num_tokens_per_sample`` or more)
     waits: list[int] = field(default_factory=list)
     waits_long: list[int] = field(default_factory=list)
+    #: means per pack (tokens, FLOPs)
+    tokens_per_pack: float = 0.0
+    cost_per_pack: float = 0.0
+    #: ``mix_dev``: the largest difference, over groups, between a group's share of the packed samples (or tokens)
+    #: and its share of the samples drawn and kept (the weighted draw); ``shares``: per group (packed samples
+    #: share, packed tokens share); ``drops``: dropped samples by reason
     mix_dev: float = 0.0
     shares: list[tuple[float, float]] = field(default_factory=list)
     drops: dict[str, int] = field(default_factory=dict)
+    #: the loop's CPU time per pack (microseconds; sample streams included)
     cpu_us_per_pack: float = 0.0
-    ranks: list[RankRun] = field(default_factory=list)
+    #: why a rank built fewer packs (``max_draws`` reached), None when every rank built them all
     stopped: str | None = None
 
     def wait_quantile(self, q: float, long: bool = False) -> int:
@@ -191,20 +189,16 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
     cpu = 0.0
     for r in range(dp):
         rng = rank_rng(r) if rank_rng is not None else random.Random(seed * 1_000_003 + r)
-        rank = _Rank(make_sources(r), rng, max_draws)
-        rank.long_tokens = packer.max_num_tokens_per_sample // 2
+        rank = _Rank(make_sources(r), rng, max_draws, packer.max_num_tokens_per_sample // 2)
         buffer: list = []
-        carry: list = []
+        carry: list = []  # the official loop's carried candidates (packer.lossless)
         book = PoolBook(metrics=[])
         run = RankRun()
         t0 = time.process_time()
         try:
             for p in range(warmup + packs):
                 rank.curr, rank.n, rank.pack_cost, rank.pack_index = 0, 0, 0.0, p
-                if isinstance(loop, BalancedLoop):
-                    loop.fill(rank, buffer, book)
-                else:
-                    loop.fill(rank, buffer, carry)
+                loop.fill(rank, buffer, book if isinstance(loop, BalancedLoop) else carry)
                 run.costs.append(rank.pack_cost)
                 run.tokens.append(rank.curr)
                 run.samples.append(rank.n)
@@ -226,10 +220,8 @@ def simulate_ranks(make_sources: Callable[[int], Sequence[Iterator[Sample]]], we
     res.ratio, res.lost = _ratio([run.costs[warmup:] for run in res.ranks])
     if warmup:
         res.cold_ratio, res.cold_lost = _ratio([run.costs[:warmup] for run in res.ranks])
-    all_costs = [c for run in res.ranks for c in run.costs[warmup:]]
-    all_tokens = [t for run in res.ranks for t in run.tokens[warmup:]]
-    res.cost_per_pack = statistics.fmean(all_costs) if all_costs else 0.0
-    res.tokens_per_pack = statistics.fmean(all_tokens) if all_tokens else 0.0
+    res.cost_per_pack = statistics.fmean([c for run in res.ranks for c in run.costs[warmup:]] or [0.0])
+    res.tokens_per_pack = statistics.fmean([t for run in res.ranks for t in run.tokens[warmup:]] or [0.0])
     res.cpu_us_per_pack = 1e6 * cpu / max(dp * (warmup + packs), 1)
     tot = {k: sum(c[k] for c in packed) or 1 for k in ("samples", "tokens")}
     drawn = {k: sum(c[k] for c in kept) or 1 for k in ("samples", "tokens")}
@@ -277,13 +269,11 @@ def predict(groups: Sequence[GroupStats], packer: PackerConfig, *, dps: Sequence
         rng = random.Random(seed * 7919 + rank)
         return [cycled(s, rng) if s else iter(()) for s in samples]
 
-    out = []
+    def run(dp: int, strategy: str) -> StragglerResult:
+        return simulate_ranks(sources, weights, mandatory, dataclasses.replace(packer, strategy=strategy), dp=dp,
+                              packs=packs, warmup=warmup, seed=seed)
+
     try:
-        for dp in dps:
-            runs = [simulate_ranks(sources, weights, mandatory, dataclasses.replace(packer, strategy=strategy),
-                                   dp=dp, packs=packs, warmup=warmup, seed=seed)
-                    for strategy in ("official", "balanced")]
-            out.append(Prediction(dp, *runs))
+        return [Prediction(dp, run(dp, "official"), run(dp, "balanced")) for dp in dps]
     except ValueError as exc:
         return str(exc)
-    return out

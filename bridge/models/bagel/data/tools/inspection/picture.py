@@ -38,16 +38,9 @@ BOUNDARY = (46, 52, 54)
 CE_MARK = (92, 53, 102)
 MSE_MARK = (204, 0, 0)
 
-# Picture geometry (pixels). The canvas size depends only on ``size`` (see canvas_size).
-_MARGIN = 12
-_TITLE_H = 18
-_BAR = 8
-_TICK = 4
-_GAP = 2
-_LEGEND_H = 52
-_THUMB_H = 60
-_THUMB_LABEL_H = 14
-_THUMB_ROWS = 2
+# Picture geometry (pixels; ``_THUMB_ROWS`` rows). The canvas size depends only on ``size`` (see canvas_size).
+_MARGIN, _TITLE_H, _BAR, _TICK, _GAP, _LEGEND_H = 12, 18, 8, 4, 2, 52
+_THUMB_H, _THUMB_LABEL_H, _THUMB_ROWS = 60, 14, 2
 
 
 def canvas_size(size: int = 512) -> tuple[int, int]:
@@ -219,8 +212,7 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
     canvas = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     font = _font()
-    x0 = _MARGIN + _BAR + _GAP
-    y0 = _MARGIN + _TITLE_H + _BAR + _GAP
+    x0, y0 = _MARGIN + _BAR + _GAP, _MARGIN + _TITLE_H + _BAR + _GAP  # the matrix's top left corner
     head = (f"{len(view.sample_lens)} samples, {view.sequence_length}/{view.length} tokens "
             f"({100.0 * view.sequence_length / max(view.length, 1):.1f}% full)")
     draw.text((_MARGIN, _MARGIN), f"{title}  {head}" if title else head, fill=BOUNDARY, font=font)
@@ -273,8 +265,7 @@ def _draw_legend(draw: ImageDraw.ImageDraw, font: Any, width: int, ly: int) -> N
 def _draw_thumbnails(canvas: Image.Image, draw: ImageDraw.ImageDraw, font: Any,
                      thumbs: list[tuple[str, np.ndarray]], width: int, ty: int) -> None:
     """The thumbnails in up to ``_THUMB_ROWS`` rows from ``ty`` down; those that do not fit are counted."""
-    x, row = _MARGIN, 0
-    shown = 0
+    x, row, shown = _MARGIN, 0, 0
     for name, arr in thumbs:
         h, w = arr.shape[:2]
         tw = min(max(1, int(round(w * _THUMB_H / h))), width - 2 * _MARGIN - 60)

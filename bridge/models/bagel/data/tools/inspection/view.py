@@ -70,11 +70,9 @@ class PackView:
 
     def same_attention(self, other: "PackView") -> bool:
         """True when both views describe the same attention pattern (``source`` is ignored)."""
-        return (self.sequence_length == other.sequence_length and self.tokens == other.tokens
-                and self.length == other.length
-                and self.sample_lens == other.sample_lens
-                and all(np.array_equal(getattr(self, k), getattr(other, k))
-                        for k in ("modality", "mode", "sample", "block", "ce", "mse")))
+        keys = ("sequence_length", "tokens", "length", "sample_lens", "modality", "mode", "sample", "block", "ce",
+                "mse")
+        return all(np.array_equal(getattr(self, k), getattr(other, k)) for k in keys)
 
 
 def as_index(t: Any) -> np.ndarray:
@@ -112,9 +110,8 @@ def _token_marks(batch: Mapping[str, Any], seq_len: int) -> tuple[np.ndarray, np
     modality = np.zeros(seq_len, dtype=np.int8)
     modality[as_index(batch.get("packed_vit_token_indexes"))] = VIT
     modality[as_index(batch.get("packed_vae_token_indexes"))] = VAE
-    ce = np.zeros(seq_len, dtype=bool)
+    ce, mse = np.zeros(seq_len, dtype=bool), np.zeros(seq_len, dtype=bool)
     ce[as_index(batch.get("ce_loss_indexes"))] = True
-    mse = np.zeros(seq_len, dtype=bool)
     mse[as_index(batch.get("mse_loss_indexes"))] = True
     return modality, ce, mse
 
@@ -156,11 +153,8 @@ def _splits_from_dense(mask: torch.Tensor, start: int) -> list[tuple[int, int, i
     # last True per row (every row sees itself), without an [L, L] int64 temporary: first True of the flipped row
     last = (n - 1 - torch.flip(allowed, dims=[1]).to(torch.uint8).argmax(dim=1)).numpy()
     out: list[tuple[int, int, int]] = []
-    i = 0
-    while i < n:
-        j = i
-        while j + 1 < n and last[j + 1] == last[i]:
-            j += 1
+    starts = np.flatnonzero(np.diff(last, prepend=-1)).tolist()  # runs of an equal last visible column
+    for i, j in zip(starts, [s - 1 for s in starts[1:]] + [n - 1]):
         if j == i and last[i] == i:
             mode = CAUSAL
         elif last[i] != j:
@@ -171,7 +165,6 @@ def _splits_from_dense(mask: torch.Tensor, start: int) -> list[tuple[int, int, i
         else:
             mode = FULL  # the sample's last split: relabelled canonically by pack_view
         out.append((start + i, j - i + 1, mode))
-        i = j + 1
     return out
 
 
