@@ -116,3 +116,36 @@ def test_data_commands_import_neither_bridge_nor_modelopt_nor_megatron_core(demo
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"codes": [0, 0], "heavy": []}, result
+
+
+def test_gc_is_paused_for_start_up_enabled_in_forked_children_and_frozen_on_resume(tmp_path: Path) -> None:
+    """``pause_gc`` switches the collector off (a child forked meanwhile has it on), ``resume_gc`` freezes the
+    start-up's objects and switches it on again; both leave a collector the caller had switched off alone; and the
+    job's entry point gives a caller its collector back when its start-up fails (here: a missing dataset file)."""
+    script = f"""
+import gc, os, sys
+sys.path.insert(0, {str(REPO)!r})
+from bridge.models.bagel.data.job.startup import pause_gc, resume_gc
+pause_gc()
+paused = gc.isenabled()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, b"1" if gc.isenabled() else b"0")
+    os._exit(0)
+os.waitpid(pid, 0)
+child = os.read(r, 1).decode()
+resume_gc()
+frozen, enabled = gc.get_freeze_count(), gc.isenabled()
+gc.disable()
+pause_gc()
+resume_gc()
+kept_off = not gc.isenabled()
+gc.enable()
+from bridge.models.bagel.launch import main
+code = main(["data.dataset_info={tmp_path / 'nope.yaml'}", "train.progress=false"])
+print(paused, child, frozen > 0, enabled, kept_off, code, gc.isenabled())
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-7:] == ["False", "1", "True", "True", "True", "1", "True"], out.stdout + out.stderr[-2000:]

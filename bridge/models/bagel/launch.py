@@ -186,6 +186,7 @@ def _run_bridge_pretrain(cfg: Any, tokenizer: Any, container: Any, forward_step:
     """GPU path: the recipe's ``ConfigContainer`` with ``BagelDatasetProvider`` over ``cfg.data`` into Bridge's
     own ``pretrain()`` (which builds the loader from its DP group and saves / restores its state itself)."""
     from .data._bridge import import_bridge_training
+    from .data.job.startup import resume_gc
     from .data.providers import BagelDatasetProvider
 
     api = import_bridge_training()
@@ -197,6 +198,7 @@ def _run_bridge_pretrain(cfg: Any, tokenizer: Any, container: Any, forward_step:
         container.checkpoint.save = cfg.train.save
     if cfg.train.load:
         container.checkpoint.load = cfg.train.load
+    resume_gc()  # pretrain() builds its loader and trains: the collector runs as usual there
     api.pretrain(config=container, forward_step_func=_load_symbol(forward_step))
 
 
@@ -232,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     Called as the program (``argv`` None), it does not return: the process ends here with ``code`` once the
     exit handlers ran (``_end_process``), without the interpreter's finalization.
     """
+    from .data.job.startup import pause_gc, resume_gc
+
+    pause_gc()  # until the loader is built (run_job, or before Bridge's pretrain()): job.startup
     ap = argparse.ArgumentParser(prog="bagel-train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=_default_config(),
@@ -277,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         import torch.distributed as dist
 
+        resume_gc()  # when start-up failed before run_job resumed it (a caller's process goes on)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     if argv is None:

@@ -33,7 +33,7 @@ from ..config import ConfigError, ValidatedData, validate_data
 from .checkpoint import check_resume_dp, load_trainer_state, read_step, restore_loader
 from .config import JobConfig, validate_job
 from .loop import DataContractError, JobLoop, Trainer
-from .startup import StartupClock, reduce_startup
+from .startup import StartupClock, reduce_startup, resume_gc
 from .topology import agree, rank_coords
 
 __all__ = ["DataContractError", "JobIterators", "Trainer", "build_iterators", "run_job"]
@@ -234,6 +234,7 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     num_micro = _init_megatron_globals(train, rank, dp_size)
     per_eval = train.eval_iters * num_micro if cfg.data.valid is not None and train.eval_interval > 0 else 0
     its, start_step, data = _open_streams(cfg, pg_collection, tokenizer, data, trainer, clock, per_eval)
+    resume_gc()  # start-up is over and nothing forked yet (the loader's processes start at the first batch)
     startup_s = _report_startup(clock)
     if rank == 0:
         _announce_validation(cfg, its.valid is not None, num_micro)

@@ -5,18 +5,58 @@ paid on every rank at every restart. ``StartupClock`` splits them into named pha
 first step (rank 0, with the slowest rank's total) and puts them in the summary (``startup_s``). Most of the time
 on a CPU machine is imports the job's path needs (torch, Megatron-Core, Megatron-Bridge with Megatron-LM's
 training package and nvidia-modelopt, which Bridge's data and checkpoint modules import): docs/monitoring.md.
+``pause_gc`` / ``resume_gc`` keep Python's cyclic collector out of those imports (docs/performance.md).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
 from typing import Any
 
-__all__ = ["StartupClock", "process_start_time", "reduce_startup"]
+__all__ = ["StartupClock", "pause_gc", "process_start_time", "reduce_startup", "resume_gc"]
 
 logger = logging.getLogger(__name__)
+
+_gc_paused = False
+
+
+def _enable_gc_in_child() -> None:
+    if _gc_paused:
+        gc.enable()
+
+
+def pause_gc() -> None:
+    """Switch Python's cyclic garbage collector off for this rank's start-up, until ``resume_gc``.
+
+    The start-up's imports create ~700k long-lived objects (torch, Megatron-Core, Megatron-Bridge, transformers),
+    and the collector runs full (generation 2) passes over them while they are created: ~1.5 CPU s of a CPU rank's
+    ~10 s start-up (docs/performance.md). This is the pattern of Python's ``gc.freeze`` documentation: disable
+    early, freeze right before forking, enable again; a process forked while paused enables the collector in
+    the child (``os.register_at_fork``). Nothing happens when the collector was already off (the caller's choice).
+    """
+    global _gc_paused
+    if _gc_paused or not gc.isenabled():
+        return
+    gc.disable()
+    if not hasattr(pause_gc, "_hooked"):
+        os.register_at_fork(after_in_child=_enable_gc_in_child)
+        pause_gc._hooked = True  # type: ignore[attr-defined]
+    _gc_paused = True
+
+
+def resume_gc() -> None:
+    """End ``pause_gc``: move what start-up created into the permanent generation (``gc.freeze``: never scanned
+    again, and left out of the object walk every forked Energon worker does at its start) and enable the collector.
+    Call it once the loader is built and before it forks (its workers and prefetch producer start at the first
+    batch). A no-op when the collector was not paused by ``pause_gc``."""
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.freeze()
+        gc.enable()
 
 
 def process_start_time() -> float | None:
