@@ -75,10 +75,8 @@ class _ExternalLoaderFields:
 @functools.cache
 def megatron_mimo_provider_class() -> type:
     """``BagelMegatronMIMODatasetProvider``: a MegatronMIMO dataset provider handing out a live loader."""
-    base = import_bridge().MegatronMIMODatasetProvider
-
     @dataclasses.dataclass(kw_only=True)
-    class BagelMegatronMIMODatasetProvider(_ExternalLoaderFields, base):
+    class BagelMegatronMIMODatasetProvider(_ExternalLoaderFields, import_bridge().MegatronMIMODatasetProvider):
         """MIMO dataset provider for an already built loader (``dataloader_type="external"``).
 
         ``train_loader``: a ``BagelExternalLoader`` or any iterator of ready batches. ``seq_length`` defaults
@@ -123,10 +121,8 @@ def dataset_provider_class() -> type:
     from .pipeline.loader import BagelExternalLoader
     from .pipeline.valid import BagelValidLoader
 
-    base = import_bridge().DatasetProvider
-
     @dataclasses.dataclass(kw_only=True)
-    class BagelDatasetProvider(_ExternalLoaderFields, base):
+    class BagelDatasetProvider(_ExternalLoaderFields, import_bridge().DatasetProvider):
         """Builds this rank's ``BagelExternalLoader`` from ``data`` (DP rank/size from ``context.pg_collection``).
 
         ``tokenizer`` is the HF tokenizer used for the BAGEL text (Bridge's own tokenizer in the context is a
