@@ -40,18 +40,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-__all__ = [
-    "ATTN_MODES",
-    "DEFAULT_BLOCK_SIZE",
-    "FlexMetadata",
-    "block_diagonal_mask",
-    "block_mask",
-    "dense_mask",
-    "flex_metadata",
-    "make_mask_mod",
-    "mask_rule",
-    "to_device",
-]
+__all__ = ["ATTN_MODES", "DEFAULT_BLOCK_SIZE", "FlexMetadata", "block_diagonal_mask", "block_mask", "dense_mask",
+           "flex_metadata", "make_mask_mod", "mask_rule", "to_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +117,8 @@ def flex_metadata(batch: Mapping[str, Any], device: torch.device | str | None = 
             negative lengths (over-cap pack), split/document boundaries that disagree, or (when the batch has
             ``packed_position_ids``) more packed tokens than ``sequence_length``. The list-length and packed-token
             checks together catch every pack whose modes are paired with the wrong splits: an extra mode comes
-            only from an unclosed split, whose tokens are packed but not counted. With the three lists alone, an unclosed
-            split compensated by a mode-less one elsewhere in the pack cannot be detected.
+            only from an unclosed split, whose tokens are packed but not counted. With the three lists alone, an
+            unclosed split compensated by a mode-less one elsewhere in the pack cannot be detected.
     """
     if "split_lens" not in batch:
         what = "a dense-mode batch (use block_diagonal_mask)" if "nested_attention_masks" in batch else "not a batch"

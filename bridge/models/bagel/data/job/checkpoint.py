@@ -27,9 +27,9 @@ import torch.distributed as dist
 from .._bridge import import_bridge
 from ..config import ConfigError
 
-__all__ = ["TRACKER", "PackedLedger", "check_resume_dp", "fresh_start_reason", "read_run_reads", "load_trainer_state", "loader_state_files", "rank_state_file",
-           "read_loader_states", "read_step", "resize_checkpoint", "restore_loader", "save_checkpoint",
-           "trainer_state_file"]
+__all__ = ["TRACKER", "PackedLedger", "check_resume_dp", "fresh_start_reason", "load_trainer_state",
+           "loader_state_files", "rank_state_file", "read_loader_states", "read_run_reads", "read_step",
+           "resize_checkpoint", "restore_loader", "save_checkpoint", "trainer_state_file"]
 
 logger = logging.getLogger(__name__)
 
@@ -269,11 +269,10 @@ def restore_loader(root: str, step: int, iterator: Any, pg_collection: Any) -> N
     """Restore this rank's loader from its DP replica's file at ``step`` through Bridge (every rank restores).
 
     With ``data.fresh_stream`` (the loader's ``fresh_stream``) nothing is read: the stream starts fresh.
-    Otherwise refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then every
-    old rank's file is read and resized for this rank (``BagelExternalLoader.resize_states``). Otherwise
-    defers to Bridge's
-    ``maybe_load_dataloader_state`` (file ``train_dataloader_dprank{dp:03d}.pt``, ``dp`` = rank in
-    ``pg_collection.dp``). A truncated or corrupt state file is reported with its own path (Bridge's loader
+    Otherwise refuses a changed DP size first (``check_resume_dp``) unless the loader reads the elastic order: then
+    every old rank's file is read and resized for this rank (``BagelExternalLoader.resize_states``). Otherwise
+    defers to Bridge's ``maybe_load_dataloader_state`` (file ``train_dataloader_dprank{dp:03d}.pt``, ``dp`` = rank
+    in ``pg_collection.dp``). A truncated or corrupt state file is reported with its own path (Bridge's loader
     would only say ``BadZipFile: File is not a zip file``, and its log line names rank 0's file).
     """
     loader = iterator.iterable

@@ -230,7 +230,8 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     rank, dp_size = coords["rank"], coords["dp_size"]
     layout = train.parallel_layout(dist.get_world_size())
     if layout["dp"] != dp_size:
-        raise ConfigError(f"train: Megatron's data-parallel group has {dp_size} ranks, the config implies {layout['dp']}")
+        raise ConfigError(f"train: Megatron's data-parallel group has {dp_size} ranks, the config implies "
+                          f"{layout['dp']}")
     num_micro = _init_megatron_globals(train, rank, dp_size)
     per_eval = train.eval_iters * num_micro if cfg.data.valid is not None and train.eval_interval > 0 else 0
     its, start_step, data = _open_streams(cfg, pg_collection, tokenizer, data, trainer, clock, per_eval)

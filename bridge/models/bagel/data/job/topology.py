@@ -148,6 +148,6 @@ def collective_device(group: Any = None) -> Any:
 
 
 def rank_coords(pg_collection: Any) -> dict[str, int]:
-    """This rank's ``{"rank", "tp", "pp", "cp", "dp", "dp_size"}`` from Megatron's groups (global rank from the world)."""
+    """This rank's ``{"rank", "tp", "pp", "cp", "dp", "dp_size"}`` from Megatron's groups (global rank: the world's)."""
     return {"rank": dist.get_rank(), "tp": pg_collection.tp.rank(), "pp": pg_collection.pp.rank(),
             "cp": pg_collection.cp.rank(), "dp": pg_collection.dp.rank(), "dp_size": pg_collection.dp.size()}
