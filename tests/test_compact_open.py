@@ -116,7 +116,7 @@ def test_factory_and_config_are_energons(t2i):
     kw = dict(training=True, split_part="train", worker_config=wc, shuffle_over_epochs=1, subset=subset,
               max_samples_per_sequence=4)
     theirs = get_dataset_from_config(EPath(t2i), **kw)
-    yaml_kwargs, table = compact._opened(str(t2i))
+    yaml_kwargs, table = compact._crude_yaml(str(t2i)), compact.read_shard_table(str(t2i))
     ours = compact.CompactCrudeWebdataset(EPath(t2i), split_config="split.yaml", decoder=theirs._decoder,
                                           shard_table=table, **kw, **yaml_kwargs)
     assert isinstance(ours, type(theirs))

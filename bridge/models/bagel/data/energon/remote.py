@@ -58,8 +58,7 @@ def absolute(path: str | os.PathLike) -> str:
 
 def _cause(exc: BaseException) -> tuple[str, str]:
     """``(cause, remedy)`` of an error MSC / boto3 raised for a remote read."""
-    text = " ".join(str(exc).split())
-    name = type(exc).__name__
+    text, name = " ".join(str(exc).split()), type(exc).__name__
     chain = f"{text} {exc.__cause__ or ''} {exc.__context__ or ''}"
     if isinstance(exc, ModuleNotFoundError | ImportError):
         return f"no client for this store ({text})", f"install the S3 client: {S3_EXTRA}"
@@ -82,8 +81,7 @@ def _cause(exc: BaseException) -> tuple[str, str]:
 
 def describe(exc: BaseException, url: str) -> str:
     """One line for an error reading ``url``: ``<url>: <cause>: <remedy>``."""
-    cause, remedy = _cause(exc)
-    return f"{url}: {cause}: {remedy}"
+    return ": ".join((url, *_cause(exc)))
 
 
 def remote_call(url: str, fn: Callable[[], _T]) -> _T:
@@ -111,9 +109,7 @@ def epath(url: str) -> Any:
 
 def _through(path: str, local: Callable[[str], _T], method: str) -> _T:
     """``local(path)`` for a local path; for a URL, its ``EPath``'s ``method()`` through :func:`remote_call`."""
-    if not is_remote(path):
-        return local(path)
-    return remote_call(path, getattr(epath(path), method))
+    return remote_call(path, getattr(epath(path), method)) if is_remote(path) else local(path)
 
 
 def isfile(path: str) -> bool:
@@ -138,17 +134,8 @@ def read_bytes(path: str) -> bytes:
 
 def open_binary(path: str) -> IO[bytes]:
     """A readable, seekable binary file of ``path``: the open local file, or the remote object read once into a
-    ``BytesIO`` (its size is ``len(f.getbuffer())``)."""
-    if not is_remote(path):
-        return open(path, "rb")
-    return io.BytesIO(read_bytes(path))
-
-
-def file_size(f: IO[bytes]) -> int:
-    """The size of a file :func:`open_binary` returned."""
-    if isinstance(f, io.BytesIO):
-        return len(f.getbuffer())
-    return os.fstat(f.fileno()).st_size
+    ``BytesIO`` (its size is ``f.seek(0, os.SEEK_END)``)."""
+    return io.BytesIO(read_bytes(path)) if is_remote(path) else open(path, "rb")
 
 
 def load_npy(path: str, *, mmap: bool) -> np.ndarray:

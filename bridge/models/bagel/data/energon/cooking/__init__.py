@@ -1,10 +1,7 @@
-"""Cooking: a crude converted sample into the official per-sample dict (``BagelSample``).
-
-* ``common``: recorded / replayed random choices (``Draws``), tombstones (``DropSample``, ``DROP_REASONS``), image
-  decoding, ``cook_with`` (run a group core on a crude sample);
-* ``t2i`` / ``edit`` / ``vlm``: the group cores (official ``parse_row`` semantics, quirks kept);
-* ``groups``: ``CORES`` and ``make_cook_context``;
-* ``sample``: ``BagelSample``.
+"""Cooking: a crude converted sample into the official per-sample dict (``sample.BagelSample``). ``common``:
+recorded / replayed random choices (``Draws``), tombstones (``DropSample``, ``DROP_REASONS``), image decoding,
+``cook_with`` (run a group core on a crude sample); ``t2i`` / ``edit`` / ``vlm``: the group cores (official
+``parse_row`` semantics, quirks kept); ``groups``: ``CORES`` and ``make_cook_context``.
 """
 
 from .common import (DROP_REASONS, UNUSED_REASONS, CookContext, Draws, DropSample, ReplayError, SampleCookError,

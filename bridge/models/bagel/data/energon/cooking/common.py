@@ -1,17 +1,15 @@
 """Shared pieces of the BAGEL cookers: recorded/replayed random choices, tombstones, image decoding.
 
 The official source datasets draw from Python's global ``random`` (``choice`` / ``random()``), and the video
-frame sampler also from numpy's global RNG (``np.random.randint`` / ``permutation``, :mod:`.video`).
-:class:`Draws` makes exactly the same calls on a given generator (the ``random`` module itself for
-official order, a private ``random.Random`` per selection position and epoch in the elastic order) and records
-the outcome, or replays recorded outcomes without touching any generator (``restore_sample``).
+frame sampler also from numpy's global RNG (:mod:`.video`). :class:`Draws` makes exactly the same calls on a given
+generator (the ``random`` module itself in the official order, a private ``random.Random`` per selection position
+and epoch in the elastic order) and records the outcome, or replays it without touching any generator.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import logging
 import random as _random_module
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,13 +25,9 @@ from ..layout import META_PART, TRUNCATED_IMAGE, VLM, image_index, image_part, i
 from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
 from .sample import BagelSample
 
-__all__ = [
-    "CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "cook_with", "decode_image",
-    "global_random", "load_meta", "plan_item", "source_coordinate", "transform_image", "DROP_REASONS",
-    "UNUSED_REASONS",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "cook_with", "decode_image",
+           "global_random", "load_meta", "plan_item", "source_coordinate", "transform_image", "DROP_REASONS",
+           "UNUSED_REASONS"]
 
 #: Every tombstone reason a cooker can produce (stable snake_case strings).
 DROP_REASONS: tuple[str, ...] = (
@@ -72,33 +66,25 @@ class DropSample(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         assert reason in DROP_REASONS, reason
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
+        self.reason, self.detail = reason, detail
 
 
 class Draws:
     """The random choices of one sample: drawn from ``rng`` (and recorded) or replayed.
 
-    ``choice_index(n)`` makes the same generator call as ``random.choice`` on a length-``n`` sequence
-    (and raises ``IndexError`` without drawing when ``n == 0``); ``random()`` as ``random.random``;
-    ``np_randint`` / ``np_permutation`` as ``np.random.randint`` / ``np.random.permutation`` on numpy's RNG: the
-    process-global one when ``rng`` is the ``random`` module (the official order), else a ``RandomState`` seeded
-    from 32 bits of ``rng`` at the first numpy draw (the elastic order's per-read generator: still a pure
-    function of the read). Every outcome is recorded as ints / floats, a permutation as its ``n`` ints.
+    Each method makes the same generator call as the official one it names. numpy's RNG is the process-global one
+    when ``rng`` is the ``random`` module (the official order), else a ``RandomState`` seeded from 32 bits of ``rng``
+    at the first numpy draw (still a pure function of the read). Every outcome is recorded as ints / floats, a
+    permutation as its ``n`` ints.
     """
 
     def __init__(self, rng: Any = None, replay: tuple | list | None = None) -> None:
         if (rng is None) == (replay is None):
             raise ValueError("Draws: give exactly one of rng (draw) or replay (recorded choices)")
-        self._rng = rng
+        self._rng, self._pos = rng, 0
         self._np: Any = None
         self._replay = None if replay is None else list(replay)
-        self._pos = 0
         self.record: list[int | float] = []
-
-    @property
-    def replaying(self) -> bool:
-        return self._replay is not None
 
     def _next_recorded(self, kind: type) -> Any:
         if self._pos >= len(self._replay):
@@ -110,7 +96,7 @@ class Draws:
         return v
 
     def choice_index(self, n: int) -> int:
-        """Index drawn like ``random.choice(seq)`` with ``len(seq) == n``."""
+        """Index drawn like ``random.choice(seq)`` with ``len(seq) == n`` (``IndexError``, no draw, when ``n == 0``)."""
         if n <= 0:
             raise IndexError("Cannot choose from an empty sequence")
         if self._replay is not None:
@@ -176,7 +162,6 @@ class CookContext:
     #: ``data.truncated_images``: ``"keep"`` (cook them as the official reader does, counted as ``unused``
     #: ``truncated_image``) or ``"drop"`` (a ``truncated_image`` tombstone)
     truncated_images: str = "keep"
-
     #: the group's ``frame_sampler_args`` (``cooking.video.FrameSampler``); None: video records are dropped
     frame_sampler: Any = None
 
@@ -190,8 +175,7 @@ class CookContext:
 
 def plan_item(type_: str, enable_cfg: int, loss: int) -> dict:
     """One ``sequence_plan`` entry as the source datasets build it (no special-token loss)."""
-    return {"type": type_, "enable_cfg": enable_cfg, "loss": loss, "special_token_loss": 0,
-            "special_token_label": None}
+    return {"type": type_, "enable_cfg": enable_cfg, "loss": loss, "special_token_loss": 0, "special_token_label": None}
 
 
 def load_meta(crude: Mapping[str, Any], group: str) -> dict:
@@ -233,9 +217,7 @@ def transform_image(transform: ImageTransform, img: Image.Image, what: str, img_
 
 def source_coordinate(group: str, source: Mapping[str, Any]) -> list:
     """The manifest coordinate of a sample: t2i/edit ``[file_index, row_group, row]``, vlm ``[line]``."""
-    if group == VLM:
-        return [source["line"]]
-    return [source["file_index"], source["row_group"], source["row"]]
+    return [source["line"]] if group == VLM else [source["file_index"], source["row_group"], source["row"]]
 
 
 def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookContext, draws: Draws,
@@ -252,10 +234,8 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
     source: dict = {}
     coord: list = []
     try:
-        if checksums is not None:
-            damaged = checksums.check(index, crude)
-            if damaged is not None:
-                raise DropSample(CHECKSUM_MISMATCH, damaged)
+        if checksums is not None and (damaged := checksums.check(index, crude)) is not None:
+            raise DropSample(CHECKSUM_MISMATCH, damaged)
         meta = load_meta(crude, ctx.group)
         source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
         try:
@@ -285,10 +265,8 @@ def _truncated_images(crude: Mapping[str, Any]) -> list[str]:
     out = []
     for part, data in crude.items():
         i = image_index(part) if isinstance(part, str) else None
-        if i is not None and isinstance(data, (bytes, bytearray)):
-            cut = image_truncation(bytes(data))
-            if cut:
-                out.append(f"image {i}: {cut}")
+        if i is not None and isinstance(data, (bytes, bytearray)) and (cut := image_truncation(bytes(data))):
+            out.append(f"image {i}: {cut}")
     return out
 
 
@@ -311,8 +289,7 @@ def _where(group: str, source: Mapping[str, Any], crude: Mapping[str, Any]) -> s
     if "file" in source and "line" in source:
         return f"{group} {source['file']} line {source['line']} (key {key})"
     if "file" in source:
-        return (f"{group} {source['file']} row group {source.get('row_group')} row {source.get('row')} "
-                f"(key {key})")
+        return f"{group} {source['file']} row group {source.get('row_group')} row {source.get('row')} (key {key})"
     return f"{group} sample {key}"
 
 

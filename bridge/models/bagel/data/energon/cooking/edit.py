@@ -25,11 +25,10 @@ class _Builder:
     def __init__(self, ctx: CookContext) -> None:
         if ctx.vit_transform is None:
             raise ValueError("unified_edit cooker needs vit_image_transform_args (the ViT transform)")
-        self.ctx = ctx
+        self.ctx, self.num_tokens = ctx, 0
         self.plan: list[dict] = []
         self.texts: list[list[int]] = []
         self.images: list = []
-        self.num_tokens = 0
 
     def add_text(self, text: str) -> None:
         ids = self.ctx.encode(text)
@@ -38,10 +37,9 @@ class _Builder:
         self.num_tokens += len(ids)
 
     def add_image(self, image, what: str, *, need_loss: bool, need_vae: bool, need_vit: bool) -> None:
-        vae_stride2 = self.ctx.transform.stride ** 2
         if need_loss or need_vae:
             vae = transform_image(self.ctx.transform, image, what)
-            tokens = vae.shape[1] * vae.shape[2] // vae_stride2
+            tokens = vae.shape[1] * vae.shape[2] // self.ctx.transform.stride ** 2
             if need_loss:
                 self.plan.append(plan_item("vae_image", 0, 1))
                 self.images.append(vae)
@@ -57,8 +55,8 @@ class _Builder:
             self.num_tokens += vit.shape[1] * vit.shape[2] // self.ctx.vit_transform.stride ** 2
 
 
-def _alternatives(instructions: Any, step: int) -> list:
-    """``instruction_list[step]`` (the alternatives for image step -> step+1), validated."""
+def _instruction(instructions: Any, step: int, draws: Draws) -> str:
+    """One of the alternatives ``instruction_list[step]`` (for image step -> step+1), validated, drawn."""
     if not isinstance(instructions, list):
         raise DropSample("bad_instructions", f"instruction_list is {type(instructions).__name__}, not a list")
     if step >= len(instructions):
@@ -68,10 +66,6 @@ def _alternatives(instructions: Any, step: int) -> list:
         raise DropSample("bad_instructions", f"instruction_list[{step}] is {type(alts).__name__}, not a list")
     if not alts:
         raise DropSample("empty_alternatives", f"instruction_list[{step}] is empty")
-    return alts
-
-
-def _choose(alts: list, step: int, draws: Draws) -> str:
     text = alts[draws.choice_index(len(alts))]
     if not isinstance(text, str):
         raise DropSample("bad_instructions", f"instruction_list[{step}] holds a {type(text).__name__}, not str")
@@ -85,8 +79,7 @@ def cook_edit_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws
         raise DropSample("bad_meta", f"num_images is {n!r}")
     if n < 2:
         raise DropSample("too_few_images", f"{n} image(s): an edit needs at least 2")
-    instructions = meta.get("instruction_list")
-    b = _Builder(ctx)
+    instructions, b = meta.get("instruction_list"), _Builder(ctx)
 
     start = draws.choice_index(n - 1)
     end = start + 1 + draws.choice_index(edit_end_choices(n, start))
@@ -100,11 +93,10 @@ def cook_edit_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws
             "num_tokens": b.num_tokens}
 
 
-def _place(b: _Builder, part: EditImage | EditText, crude: Mapping[str, Any], instructions: Any,
-           draws: Draws) -> None:
+def _place(b: _Builder, part: EditImage | EditText, crude: Mapping[str, Any], instructions: Any, draws: Draws) -> None:
     """One part of the row's layout (``config.outcomes.edit_parts``): its instruction (drawn) or its image."""
     if isinstance(part, EditText):
-        texts = [_choose(_alternatives(instructions, st), st, draws) for st in part.steps]
+        texts = [_instruction(instructions, st, draws) for st in part.steps]
         b.add_text("".join(t + ". " for t in texts).rstrip() if part.joined else texts[0])
         return
     b.add_image(decode_image(crude, part.image, "edit row"), f"edit image {part.image}", need_loss=part.loss,

@@ -1,11 +1,7 @@
-"""The cooker core of each BAGEL group and its context.
-
-A cooker turns a crude converted sample (the raw bytes of its parts, as Energon reads them) into a
-:class:`~.sample.BagelSample` with the official per-sample processing (``t2i`` / ``edit`` / ``vlm``: the
-official ``T2IIterableDataset``, ``UnifiedEditIterableDataset.parse_row`` and ``SftJSONLIterableDataset``). The
-readers call :func:`.common.cook_with` with the group's core, its :class:`~.common.CookContext` and the draws their
-order prescribes (the global ``random`` in the official order, a generator per selection position in the elastic
-order, recorded choices when a sample is rebuilt from its restore key).
+"""The cooker core of each BAGEL group (``t2i`` / ``edit`` / ``vlm``: the official ``T2IIterableDataset``,
+``UnifiedEditIterableDataset.parse_row`` and ``SftJSONLIterableDataset``) and its context. The readers call
+:func:`.common.cook_with` with the group's core, its :class:`~.common.CookContext` and the draws their order
+prescribes (``common.Draws``).
 """
 
 from __future__ import annotations
@@ -32,9 +28,8 @@ def make_cook_context(group: str, tokenizer: Any, image_transform_args: Mapping[
                       verify_checksums: bool = True, truncated_images: str = "keep",
                       frame_sampler_args: Mapping[str, Any] | None = None) -> CookContext:
     """Build a group's context from the official YAML ``image_transform_args`` / ``vit_image_transform_args`` /
-    ``frame_sampler_args`` (vlm video records); ``verify_checksums``: ``data.verify_checksums``
-    (``CookContext.verify_checksums``); ``truncated_images``: ``data.truncated_images``
-    (``CookContext.truncated_images``).
+    ``frame_sampler_args`` (vlm video records); ``verify_checksums`` / ``truncated_images``: ``data.verify_checksums``
+    / ``data.truncated_images`` (the ``CookContext`` fields).
 
     Raises ValueError for an unknown group, an edit group without its ViT transform (``config.validate_data``
     reports both first for a configured job) or ``frame_sampler_args`` without ``1 <= min <= max`` frames."""

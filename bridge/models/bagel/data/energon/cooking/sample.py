@@ -46,17 +46,7 @@ class BagelSample(Sample):
         """``(the read's key, rng choices)``: builtins only; the group reader's ``restore_sample`` input."""
         return (self.__restore_key__, self.rng_choices)
 
-    @property
-    def is_tombstone(self) -> bool:
-        """True when the cooker dropped this sample (``drop_reason`` names why)."""
-        return self.drop_reason is not None
-
     def to_official(self) -> dict[str, Any]:
         """The official sample dict (what ``PackedDataset`` consumes from a source dataset)."""
-        return {
-            "sequence_plan": self.sequence_plan,
-            "text_ids_list": self.text_ids_list,
-            "image_tensor_list": self.image_tensor_list,
-            "num_tokens": self.num_tokens,
-            "data_indexes": self.data_indexes,
-        }
+        return {k: getattr(self, k) for k in ("sequence_plan", "text_ids_list", "image_tensor_list", "num_tokens",
+                                              "data_indexes")}

@@ -18,9 +18,7 @@ __all__ = ["cook_t2i_core"]
 
 def cook_t2i_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws: Draws) -> dict:
     """Official fields of a t2i sample; raises ``DropSample`` where the official loader skips the row."""
-    what = "t2i row"
-    image = decode_image(crude, 0, what)
-    tensor = transform_image(ctx.transform, image, what)
+    tensor = transform_image(ctx.transform, decode_image(crude, 0, "t2i row"), "t2i row")
     num_tokens = tensor.shape[1] * tensor.shape[2] // ctx.transform.stride ** 2
 
     raw = meta.get("captions")
@@ -36,9 +34,5 @@ def cook_t2i_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws:
     tokenized = [ctx.encode(v) for v in captions.values()]
     text_ids = tokenized[draws.choice_index(len(tokenized))] if tokenized else ctx.encode(" ")
     num_tokens += len(text_ids)
-    return {
-        "sequence_plan": [plan_item("text", 1, 0), plan_item("vae_image", 0, 1)],
-        "text_ids_list": [text_ids],
-        "image_tensor_list": [tensor],
-        "num_tokens": num_tokens,
-    }
+    return {"sequence_plan": [plan_item("text", 1, 0), plan_item("vae_image", 0, 1)], "text_ids_list": [text_ids],
+            "image_tensor_list": [tensor], "num_tokens": num_tokens}

@@ -134,12 +134,11 @@ def sample_folder_frames(parts: Sequence[bytes], sampler: FrameSampler, draws: D
         raise DropSample("missing_video", f"{what}: the frame folder is empty")
     idx = frame_indices(t, len(opened), draws) if len(opened) > t else list(range(len(opened)))
     decoded: dict[int, Image.Image] = {}
-    for i in idx:
-        if i not in decoded:
-            try:
-                decoded[i] = opened[i].convert("RGB")
-            except Exception as e:  # noqa: BLE001
-                raise DropSample("video_decode_error", f"{what}: frame {i}: {type(e).__name__}: {e}") from None
+    for i in dict.fromkeys(idx):  # each distinct frame once, in order
+        try:
+            decoded[i] = opened[i].convert("RGB")
+        except Exception as e:  # noqa: BLE001
+            raise DropSample("video_decode_error", f"{what}: frame {i}: {type(e).__name__}: {e}") from None
     return [decoded[i] for i in idx]
 
 

@@ -27,21 +27,9 @@ __all__ = ["cook_vlm_core", "conversation_elements"]
 IMAGE_TOKEN = "<image>"
 
 
-def _image_names(rec: dict) -> list:
-    if "image" in rec:
-        v = rec["image"]
-        names = v if isinstance(v, list) else [v]
-        for i, name in enumerate(names):
-            if not isinstance(name, str):
-                raise DropSample("bad_record", f"image entry {i} is {type(name).__name__}, not a path string")
-        return names
-    return []
-
-
 def _video_frames(crude: Mapping[str, Any], rec: dict, meta: dict, ctx: CookContext, draws: Draws) -> list:
     """The sampled frames of a video record (PIL RGB), its ``<video>`` tag replaced in ``rec["conversations"]``."""
-    name = rec["video"]
-    what = f"video {name!r}"
+    what = f"video {rec['video']!r}"
     err = (meta.get("image_errors") or {}).get(VIDEO_ERROR_KEY)
     if err is not None:  # recorded at conversion: nothing was opened, nothing drawn (official: open fails first)
         reason = ("missing_video" if err.startswith(("FileNotFoundError", "empty")) else
@@ -98,8 +86,7 @@ def conversation_elements(conversations: Any, num_images: int) -> list[tuple[str
     return out
 
 
-def ignored_parts(conversations: list, elements: list[tuple[str, str | None, int]], num_images: int
-                  ) -> dict[str, int]:
+def ignored_parts(conversations: list, elements: list[tuple[str, str | None, int]], num_images: int) -> dict[str, int]:
     """What of a (valid) conversation the official rules ignore: {reason: count}, reasons
     ``image_without_placeholder`` (images beyond the ``<image>`` tags: loaded and counted in ``num_tokens``,
     never packed), ``placeholder_without_image`` (tags beyond the images) and ``turn_of_other_role`` (turns
@@ -124,12 +111,12 @@ def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws:
         raise DropSample("bad_json", f"{type(e).__name__}: {e}") from None
     if not isinstance(rec, dict):
         raise DropSample("bad_record", f"the line is a JSON {type(rec).__name__}, not an object")
-    errors = meta.get("image_errors") or {}
-    names = _image_names(rec)
-
-    images = []
-    if "image" not in rec and "video" in rec:
-        images = _video_frames(crude, rec, meta, ctx, draws)
+    errors, names = meta.get("image_errors") or {}, rec.get("image", [])
+    names = names if isinstance(names, list) else [names]
+    for i, name in enumerate(names):
+        if not isinstance(name, str):
+            raise DropSample("bad_record", f"image entry {i} is {type(name).__name__}, not a path string")
+    images = _video_frames(crude, rec, meta, ctx, draws) if "image" not in rec and "video" in rec else []
     for i, name in enumerate(names):
         err = errors.get(str(i))
         if err is not None:
@@ -144,8 +131,7 @@ def cook_vlm_core(crude: Mapping[str, Any], meta: dict, ctx: CookContext, draws:
         tensors.append(t.clone() if t is not None else transform_image(ctx.transform, img, f"image {i}",
                                                                        img_num=len(images)))
         done.setdefault(id(img), tensors[-1])
-    stride2 = ctx.transform.stride ** 2
-    num_tokens = sum(t.shape[1] * t.shape[2] // stride2 for t in tensors)
+    num_tokens = sum(t.shape[1] * t.shape[2] // ctx.transform.stride ** 2 for t in tensors)
 
     plan: list[dict] = []
     texts: list[list[int]] = []

@@ -1,12 +1,9 @@
 """The recorded checksums of one converted dataset, as a reader checks a sample against them.
 
-The converter records one :func:`~.contract.sample_checksum` per sample (``manifest.checksums.npy``, described by
-the manifest header's ``checksums`` entry: ``contract.encode_checksums``) and each shard's size and sha256 (the
-manifest's ``shards`` table). :class:`ChecksumTable` is a reader's view of them: the per-sample checksums
-memory-mapped (O(1) Python objects per dataset, shared by forked read workers; a remote dataset's read once into
-memory: ``remote``), the shard layout (``shards.count``
-/ ``shards.path`` columns) read only when a sample fails, to name its shard. ``check(index, crude)`` is what
-``cooking.cook_with`` calls on every crude sample before decoding anything.
+The converter records one :func:`~.contract.sample_checksum` per sample (``manifest.checksums.npy``:
+``contract.encode_checksums``) and each shard's size and sha256 (the manifest's ``shards`` table).
+:class:`ChecksumTable` is a reader's view of them (O(1) Python objects per dataset, shared by forked read workers);
+``check(index, crude)`` is what ``cooking.cook_with`` calls on every crude sample before decoding anything.
 
 A dataset without checksums (converted before them, or an Energon dataset not converted by ``bagel-data``) has no
 table (``ChecksumTable.open`` returns None): it is read unverified, and the builder says so once.
@@ -43,19 +40,16 @@ def crude_parts(crude: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 class ChecksumTable:
-    """The recorded checksums of the converted dataset at ``root`` (``name``: its dataset name in messages).
-
-    ``sums``: read-only ``<u8 [num_samples]`` (memory-mapped; in memory for a remote dataset), sample ``i``'s ``sample_checksum``. The shard layout
-    (``shard_of``, ``shard_count``, ``shard_path``) comes from the manifest's ``shards`` table on first use.
-    Build it with :meth:`open`.
+    """The recorded checksums of the converted dataset at ``root`` (``name``: its dataset name in messages); build it
+    with :meth:`open`. ``sums``: read-only ``<u8 [num_samples]`` (memory-mapped; in memory for a remote dataset),
+    sample ``i``'s ``sample_checksum``. The shard layout (``shard_of``, ``shard_count``, ``shard_path``) comes from the
+    manifest's ``shards`` table on first use.
     """
 
     def __init__(self, root: str, name: str, sums: np.ndarray, head: Mapping[str, Any]) -> None:
-        self.root, self.name, self.sums = root, name, sums
-        self._head = head
-        self._ends: np.ndarray | None = None  # int64 [num_shards]: shard s holds samples ends[s-1] .. ends[s] - 1
-        self._counts: np.ndarray | None = None
-        self._paths: np.ndarray | None = None
+        self.root, self.name, self.sums, self._head = root, name, sums, head
+        #: int64 ``ends`` (shard s holds samples ends[s-1] .. ends[s] - 1), ``counts`` ``[num_shards]`` and paths
+        self._layout: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def open(cls, root: str) -> ChecksumTable | None:
@@ -81,7 +75,7 @@ class ChecksumTable:
 
     # -- the shard layout (read on first use: only a failing sample needs it) --------------------------------------
     def _shards(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self._ends is None:
+        if self._layout is None:
             head, path = self._head, remote.join(self.root, MANIFEST_NAME)
             try:
                 if isinstance(head.get("shards"), list):  # a table held inline in the header (format 2)
@@ -96,8 +90,8 @@ class ChecksumTable:
                 raise ManifestError(f"{path}: dataset {self.name}: its shards hold {int(ends[-1]) if len(ends) else 0}"
                                     f" samples, its checksums {len(self.sums)}; convert it again: "
                                     "`bagel-data convert ... --overwrite`")
-            self._counts, self._paths, self._ends = counts, paths, ends
-        return self._ends, self._counts, self._paths  # type: ignore[return-value]
+            self._layout = (ends, counts, paths)
+        return self._layout
 
     def shard_of(self, index: int) -> int:
         """The shard number holding sample ``index`` (``0 <= index < len(sums)``)."""
@@ -139,7 +133,7 @@ class ChecksumTable:
                                 "not the bytes read from the tar (a decoder ran before the cooker): checksums cover "
                                 "the bytes on disk")
         got, want = sample_checksum(parts), int(self.sums[index])
-        if got == want:
-            return None
-        return (f"{self._where(index)}: its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, "
-                f"recorded {want:016x}; parts {sorted(name for name, _ in parts)}), damaged after conversion: {self.remedy}")
+        return None if got == want else (
+            f"{self._where(index)}: its bytes differ from the checksum recorded at conversion (xxh3 {got:016x}, "
+            f"recorded {want:016x}; parts {sorted(name for name, _ in parts)}), damaged after conversion: "
+            f"{self.remedy}")

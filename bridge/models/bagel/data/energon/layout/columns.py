@@ -52,29 +52,27 @@ are None or absent). What the converter writes, per group (arrays in sidecar ord
 * vlm_sft: ``files`` (one row): ``file`` str, ``first_sample`` int, ``num_lines`` int, ``num_samples`` int;
   ``shards`` as t2i.
 
-Reading: :func:`join_manifest` rebuilds the format-2 dict (O(files), the columns turned into Python objects by
-``tolist()``; the sidecar's size and sha256 are checked); :func:`read_file_ranges` reads only
-``files.first_sample`` / ``files.num_samples`` (two ``np.load`` after a seek: O(1) Python objects, the sidecar's
-size checked, its hash not); :func:`read_columns` any columns of one table the same way. A format-3 header may also hold a table inline (then it is not in ``tables``).
-Every problem raises :class:`ColumnsError` with a short cause; ``layout`` turns it into its one-line
-``ManifestError`` naming the manifest, the dataset and the remedy.
+Reading: :func:`join_manifest` (the format-2 dict, O(files)), :func:`read_file_ranges` / :func:`read_columns` (a few
+columns, O(1) Python objects). A format-3 header may also hold a table inline (then it is not in ``tables``). Every
+problem raises :class:`ColumnsError` with a short cause (``layout`` makes it its one-line ``ManifestError``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import itertools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import remote
 
-__all__ = ["COLUMNS_NAME", "TABLES", "ColumnsError", "dumps_canonical", "split_manifest", "join_manifest",
+__all__ = ["COLUMNS_NAME", "TABLES", "ColumnsError", "dumps_canonical", "reading", "split_manifest", "join_manifest",
            "read_file_ranges", "read_columns"]
 
 #: File name of the sidecar, next to ``manifest.json``.
@@ -96,6 +94,17 @@ class ColumnsError(ValueError):
     cause (``layout`` adds the manifest path, the dataset and the remedy)."""
 
 
+@contextlib.contextmanager
+def reading(name: str) -> Iterator[None]:
+    """Within it, an OSError becomes a ColumnsError naming the file ``name``: ``no such file``, else its cause."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise ColumnsError(f"{name}: no such file") from None
+    except OSError as e:
+        raise ColumnsError(f"{name}: {e.strerror or e}") from None
+
+
 def dumps_canonical(obj: Any) -> bytes:
     """Canonical JSON bytes (sorted keys, no whitespace, UTF-8): the same object always gives the same bytes."""
     return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
@@ -114,8 +123,7 @@ def _derived_parquet_info(files: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def _encode_key(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[str, np.ndarray]]:
     """The parts of one key of a table (see the module docstring), in sidecar order."""
     vals = [r.get(key, _ABSENT) for r in rows]
-    absent = [v is _ABSENT for v in vals]
-    null = [v is None for v in vals]
+    absent, null = [v is _ABSENT for v in vals], [v is None for v in vals]
     present = [v for v in vals if v is not _ABSENT and v is not None]
     parts: list[tuple[str, np.ndarray]] = []
     if all(map(_is_i64, present)):
@@ -132,11 +140,8 @@ def _encode_key(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[str, 
     else:
         texts = ["" if v is _ABSENT or v is None else dumps_canonical(v).decode("utf-8") for v in vals]
         parts.append(("json", np.array(texts, dtype=f"<U{max([1, *map(len, texts)])}")))
-    if any(null):
-        parts.append(("null", np.array(null, dtype=_BOOL)))
-    if any(absent):
-        parts.append(("absent", np.array(absent, dtype=_BOOL)))
-    return parts
+    return parts + [(name, np.array(mask, dtype=_BOOL)) for name, mask in (("null", null), ("absent", absent))
+                    if any(mask)]
 
 
 def split_manifest(man: Mapping[str, Any], fmt: int) -> tuple[dict[str, Any], bytes]:
@@ -152,8 +157,7 @@ def split_manifest(man: Mapping[str, Any], fmt: int) -> tuple[dict[str, Any], by
     for t in ("files", "shards"):
         if t not in tables:
             raise ValueError(f"manifest {t!r} must be a list of objects")
-    derived = []
-    info = man.get(_PARQUET_INFO)
+    derived, info = [], man.get(_PARQUET_INFO)
     if (isinstance(info, Mapping) and all(type(v) is int for v in info.values())
             and all(isinstance(f.get("file"), str) for f in tables["files"])
             and dict(info) == _derived_parquet_info(tables["files"])):
@@ -179,11 +183,10 @@ def _spec(header: Mapping[str, Any]) -> tuple[dict[str, int], list[tuple[str, st
     """``(tables, arrays, bytes)`` of a header's ``columns``, type-checked (raises ColumnsError)."""
     spec = header.get("columns")
     try:
-        if not isinstance(spec, dict) or spec.get("file") != COLUMNS_NAME:
-            raise ValueError
         tables, size = spec["tables"], spec["bytes"]
         arrays = [(str(t), str(k), str(p), o) for t, k, p, o in spec["arrays"]]
-        ok = (isinstance(tables, dict) and all(t in TABLES and _is_i64(n) and n >= 0 for t, n in tables.items())
+        ok = (isinstance(spec, dict) and spec.get("file") == COLUMNS_NAME and isinstance(tables, dict)
+              and all(t in TABLES and _is_i64(n) and n >= 0 for t, n in tables.items())
               and _is_i64(size) and all(t in tables and p in _PARTS and _is_i64(o) for t, _, p, o in arrays)
               and isinstance(spec.get("derived", []), list))
     except (KeyError, TypeError, ValueError):
@@ -244,20 +247,16 @@ def _decode_key(parts: dict[str, np.ndarray], n: int, where: str) -> tuple[list[
 
 def join_manifest(header: Mapping[str, Any], ds_root: str | os.PathLike) -> dict[str, Any]:
     """The format-2-shaped dict of a format-3 header and its sidecar (same keys, values and key order as the
-    format-2 JSON of the same manifest). Without ``columns`` the tables are taken inline. Raises ColumnsError."""
+    format-2 JSON of the same manifest; the sidecar's size and sha256 checked, its columns made Python objects by
+    ``tolist()``). Without ``columns`` the tables are taken inline. Raises ColumnsError."""
     out = {k: v for k, v in header.items() if k not in HEADER_ONLY}
     if "columns" in header:
         tables, arrays, size = _spec(header)
         both = [t for t in tables if t in header]
         if both:
             raise ColumnsError(f"{both[0]!r} is both in the header and in {COLUMNS_NAME}")
-        path = remote.join(ds_root, COLUMNS_NAME)
-        try:
-            data = remote.read_bytes(path)
-        except FileNotFoundError:
-            raise ColumnsError(f"{COLUMNS_NAME}: no such file") from None
-        except OSError as e:
-            raise ColumnsError(f"{COLUMNS_NAME}: {e.strerror or e}") from None
+        with reading(COLUMNS_NAME):
+            data = remote.read_bytes(remote.join(ds_root, COLUMNS_NAME))
         if len(data) != size:
             raise ColumnsError(f"{COLUMNS_NAME}: {len(data)} bytes, the header says {size}")
         if hashlib.sha256(data).hexdigest() != header["columns"].get("sha256"):
@@ -310,22 +309,17 @@ def read_columns(header: Mapping[str, Any], ds_root: str | os.PathLike, table: s
         raise ColumnsError(f"header 'columns' holds no {table} table")
     n = tables[table]
     where = {(k, p): o for t, k, p, o in arrays if t == table}
-    path = remote.join(ds_root, COLUMNS_NAME)
     out = []
-    try:
-        with remote.open_binary(path) as f:  # a remote sidecar: read once into memory
-            actual = remote.file_size(f)
-            if actual != size:
-                raise ColumnsError(f"{COLUMNS_NAME}: {actual} bytes, the header says {size}")
-            for key, part in wanted:
-                if (key, part) not in where:
-                    raise ColumnsError(f"{COLUMNS_NAME}: no {table}.{key} {part} column")
-                f.seek(where[key, part])
-                a = _checked(_load(f, f"{table}.{key}"), part, n, f"{table}.{key}")
-                a.flags.writeable = False
-                out.append(a)
-    except FileNotFoundError:
-        raise ColumnsError(f"{COLUMNS_NAME}: no such file") from None
-    except OSError as e:
-        raise ColumnsError(f"{COLUMNS_NAME}: {e.strerror or e}") from None
+    # a remote sidecar: read once into memory
+    with reading(COLUMNS_NAME), remote.open_binary(remote.join(ds_root, COLUMNS_NAME)) as f:
+        actual = f.seek(0, os.SEEK_END)
+        if actual != size:
+            raise ColumnsError(f"{COLUMNS_NAME}: {actual} bytes, the header says {size}")
+        for key, part in wanted:
+            if (key, part) not in where:
+                raise ColumnsError(f"{COLUMNS_NAME}: no {table}.{key} {part} column")
+            f.seek(where[key, part])
+            a = _checked(_load(f, f"{table}.{key}"), part, n, f"{table}.{key}")
+            a.flags.writeable = False
+            out.append(a)
     return out

@@ -12,20 +12,16 @@ the ``files`` entries (``first_sample`` / ``num_samples`` per file; :func:`file_
 reason). Its in-memory form is the format-2 dict (``files`` / ``shards`` lists of dicts), whatever the file
 format: :func:`load_manifest` returns it, :func:`write_manifest` takes it.
 
-Format 3 (``MANIFEST_FORMAT``, written by :func:`write_manifest`): ``manifest.json`` is a small header (the
-dict's scalar keys, ``num_files``, ``num_shards``) and the per-file / per-shard tables are numpy columns in the
-sidecar (layout: :mod:`.columns`). :func:`load_manifest_index` gives a reader what it needs (group,
-sample / line counts, per-file ``first_sample`` / ``num_samples`` as int64 arrays) from the header and two
-columns: O(1) Python objects, no O(files) parse. Format 2 (the whole dict as JSON) is still read, at O(files).
-Format 1 (one ``samples`` coordinate per row) is still read: :func:`load_manifest` upgrades it in memory
-(:func:`upgrade_manifest_v1`), at O(rows) cost, with a warning.
+Format 3 (``MANIFEST_FORMAT``): ``manifest.json`` is a small header (the dict's scalar keys, ``num_files``,
+``num_shards``) and the tables are numpy columns in the sidecar (layout: :mod:`.columns`), so a reader needs O(1)
+Python objects (:func:`load_manifest_index`). Format 2 (the whole dict as JSON) is still read, at O(files); format 1
+(one ``samples`` coordinate per row) is upgraded in memory (:func:`upgrade_manifest_v1`), at O(rows), with a warning.
 
 Checksums (optional in format 3; every dataset the converter writes has them): the ``shards`` table holds each
-shard's ``bytes`` and ``sha256`` (of the whole file), and ``manifest.checksums.npy`` (:data:`CHECKSUMS_NAME`) one
-``<u8`` :func:`sample_checksum` per sample in sample-index order, described by the header's ``checksums`` entry
-(:func:`encode_checksums`). A reader memory-maps it (:func:`open_checksums`: O(1) Python objects). A dataset
-without the entry (converted before checksums) loads as before and is not verified. Readers of an older release
-see the entry as one more header key and the shard columns as two more keys: they load such a dataset unchanged.
+shard's ``bytes`` and ``sha256`` (of the whole file), and :data:`CHECKSUMS_NAME` one ``<u8`` :func:`sample_checksum`
+per sample in sample-index order (:func:`encode_checksums`, :func:`open_checksums`). A dataset without them
+(converted before checksums) loads as before, unverified; readers of an older release load a dataset with them
+unchanged (one more header key, two more shard columns).
 """
 
 from __future__ import annotations
@@ -44,9 +40,8 @@ import numpy as np
 import xxhash
 
 from .. import remote
-from .columns import (
-    COLUMNS_NAME, ColumnsError, dumps_canonical, join_manifest, read_file_ranges, split_manifest,
-)
+from .columns import (COLUMNS_NAME, ColumnsError, dumps_canonical, join_manifest, read_file_ranges, reading,
+                      split_manifest)
 
 __all__ = [
     "GROUPS", "T2I", "EDIT", "VLM", "MANIFEST_FORMAT", "MANIFEST_NAME", "SHARDS_DIR", "META_PART",
@@ -114,9 +109,8 @@ def image_part(i: int) -> str:
 
 def image_index(part: str) -> int | None:
     """Inverse of :func:`image_part`; None when ``part`` is not an image part."""
-    if part.startswith(_IMG_PREFIX) and part[len(_IMG_PREFIX):].isdigit():
-        return int(part[len(_IMG_PREFIX):])
-    return None
+    digits = part[len(_IMG_PREFIX):]
+    return int(digits) if part.startswith(_IMG_PREFIX) and digits.isdigit() else None
 
 
 #: The reason a truncated image is counted under (converter summary and manifest, reader telemetry and stats).
@@ -167,22 +161,22 @@ _CONVERT_CMD = {T2I: "t2i", EDIT: "edit", VLM: "vlm"}
 _REQUIRED = ("format", "group", "dataset_name", "num_samples", "shards", "files")
 
 
-def _manifest_error(path: str, cause: str, group: str | None = None) -> ManifestError:
+def manifest_error(path: str, cause: str, group: str | None = None) -> ManifestError:
+    """The one-line :class:`ManifestError` of the manifest at ``path``: the file, the dataset, ``cause`` and the
+    remedy (convert again, or finish a staged conversion)."""
     root = os.path.dirname(path)
     name, group = os.path.basename(root), group or os.path.basename(os.path.dirname(root))
-    cmd = _CONVERT_CMD.get(group, "config")
     cause = " ".join(str(cause).split())
     if len(cause) > 80:
         cause = cause[:77] + "..."
     if os.path.isdir(root.rstrip(os.sep) + ".partial"):  # staged, not published: resume or merge, not redo
         out = os.path.dirname(os.path.dirname(root.rstrip(os.sep)))
-        err = ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); its conversion is "
-                            f"staged in {root.rstrip(os.sep)}.partial, not published yet: rerun the conversion to "
-                            f"resume it (a --part conversion: run every part, then `bagel-data convert merge --out "
-                            f"{out}`)")
+        remedy = (f"its conversion is staged in {root.rstrip(os.sep)}.partial, not published yet: rerun the "
+                  f"conversion to resume it (a --part conversion: run every part, then `bagel-data convert merge "
+                  f"--out {out}`)")
     else:
-        err = ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); convert it again: "
-                            f"`bagel-data convert {cmd} ... --overwrite`")
+        remedy = f"convert it again: `bagel-data convert {_CONVERT_CMD.get(group, 'config')} ... --overwrite`"
+    err = ManifestError(f"{path}: dataset {group}/{name}: unusable manifest ({cause}); {remedy}")
     err.cause = cause
     return err
 
@@ -238,7 +232,7 @@ def upgrade_manifest_v1(man: Mapping[str, Any], path: str = MANIFEST_NAME) -> di
     group, samples = man["group"], man["samples"]
     if group == VLM:
         if any(len(c) != 1 or c[0] != i for i, c in enumerate(samples)):
-            raise _manifest_error(path, "format 1 samples are not every line once in order", group)
+            raise manifest_error(path, "format 1 samples are not every line once in order", group)
         out["files"] = [dict(f, first_sample=0, num_samples=len(samples)) if i == 0 else dict(f)
                         for i, f in enumerate(man["files"])]
     else:
@@ -249,15 +243,13 @@ def upgrade_manifest_v1(man: Mapping[str, Any], path: str = MANIFEST_NAME) -> di
                 n += 1
             want = ([fi, g, r] for g in range(len(rgs)) for r in range(rgs[g]))
             if any(list(c) != w for c, w in zip(samples[pos:pos + n], want)) or n > sum(rgs):
-                raise _manifest_error(path, f"format 1 samples of file {f['file']!r} are not its rows in order",
-                                      group)
+                raise manifest_error(path, f"format 1 samples of file {f['file']!r} are not its rows in order", group)
             files.append(dict(f, first_sample=pos, num_samples=n))
             pos += n
         if pos != len(samples):
-            raise _manifest_error(path, f"format 1 holds {len(samples)} samples, its files {pos}", group)
+            raise manifest_error(path, f"format 1 holds {len(samples)} samples, its files {pos}", group)
         out["files"] = files
-    out["skipped"] = aggregate_skipped(man.get("skipped", []))
-    out["format"] = MANIFEST_FORMAT
+    out.update(skipped=aggregate_skipped(man.get("skipped", [])), format=MANIFEST_FORMAT)
     return out
 
 
@@ -267,12 +259,8 @@ def _files_consistent(group: str, man: Mapping[str, Any]) -> bool:
     entry) sends :func:`check_manifest` to its per-file loop, which names what is wrong."""
     try:
         files = man["files"]
-        firsts = [f["first_sample"] for f in files]
-        nums = [f["num_samples"] for f in files]
-        if group == T2I:
-            stored = [sum(f["row_groups"]) for f in files]
-        else:
-            stored = [sum(f["row_groups"][:stored_row_groups(group, f)]) for f in files]
+        firsts, nums = [f["first_sample"] for f in files], [f["num_samples"] for f in files]
+        stored = [sum(f["row_groups"][:stored_row_groups(group, f)]) for f in files]
         total = man["num_samples"]
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         return False
@@ -290,19 +278,18 @@ def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
     """Validate a format-2 manifest in O(files): required keys, per-file ranges consecutive from 0 and
     summing to ``num_samples`` (vlm: ``num_samples == num_lines``). Raises ManifestError (one line)."""
     if not isinstance(man, dict):
-        raise _manifest_error(path, f"a JSON {type(man).__name__}, not an object")
+        raise manifest_error(path, f"a JSON {type(man).__name__}, not an object")
     missing = [k for k in _REQUIRED if k not in man]
     if missing:
-        raise _manifest_error(path, f"missing key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}",
-                              man.get("group"))
+        raise manifest_error(path, f"missing key{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}",
+                             man.get("group"))
     group = man["group"]
     if group not in GROUPS:
-        raise _manifest_error(path, f"unknown group {group!r}")
+        raise manifest_error(path, f"unknown group {group!r}")
     if group != VLM and _files_consistent(group, man):
         return man
     try:  # the slow path names the first inconsistent entry (or finds none: then the manifest is fine)
-        files = man["files"] if group != VLM else man["files"][:1]
-        pos = 0
+        files, pos = man["files"] if group != VLM else man["files"][:1], 0
         for f in files:
             if group != VLM and sum(f["row_groups"][:stored_row_groups(group, f)]) != int(f["num_samples"]):
                 raise ValueError(f"file {f.get('file')!r}: num_samples {f['num_samples']} is not its stored rows")
@@ -313,42 +300,36 @@ def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
         if pos != int(man["num_samples"]) or (group == VLM and int(man.get("num_lines", pos)) != pos):
             raise ValueError(f"files hold {pos} samples, num_samples is {man['num_samples']}")
     except (KeyError, TypeError, ValueError, IndexError) as e:
-        cause = f"missing key {e}" if isinstance(e, KeyError) else str(e)
-        raise _manifest_error(path, cause, group) from None
+        raise manifest_error(path, f"missing key {e}" if isinstance(e, KeyError) else str(e), group) from None
     return man
 
 
-def _read_header(path: str) -> Any:
-    """The parsed JSON of ``manifest.json`` (any format), or ManifestError (missing, not JSON, other format)."""
+def _read_header(ds_root: str | os.PathLike) -> tuple[str, Any]:
+    """``(path, parsed JSON)`` of ``ds_root``'s ``manifest.json`` (any format), or ManifestError (missing, not JSON,
+    other format)."""
+    path = remote.join(ds_root, MANIFEST_NAME)
     try:
         man = json.loads(remote.read_bytes(path).decode("utf-8"))
     except FileNotFoundError:
-        raise _manifest_error(path, "no such file") from None
+        raise manifest_error(path, "no such file") from None
     except json.JSONDecodeError as e:
-        raise _manifest_error(path, f"invalid JSON: {e}") from None
+        raise manifest_error(path, f"invalid JSON: {e}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise _manifest_error(path, f"{type(e).__name__}: {e}") from None
+        raise manifest_error(path, f"{type(e).__name__}: {e}") from None
     fmt = man.get("format") if isinstance(man, dict) else None
     if isinstance(man, dict) and fmt not in READ_FORMATS and "format" in man:
-        raise _manifest_error(path, f"unsupported format {fmt!r}, this version reads {READ_FORMATS}", man.get("group"))
-    return man
+        raise manifest_error(path, f"unsupported format {fmt!r}, this version reads {READ_FORMATS}", man.get("group"))
+    return path, man
 
 
 def manifest_header(ds_root: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``manifest.json`` of a converted dataset as it is on disk (format 3: the small header, its
     tables in the sidecar), unchecked beyond being a JSON object of a format this version reads. Raises
     ManifestError (one line)."""
-    path = remote.join(ds_root, MANIFEST_NAME)
-    head = _read_header(path)
+    path, head = _read_header(ds_root)
     if not isinstance(head, dict):
-        raise _manifest_error(path, f"a JSON {type(head).__name__}, not an object")
+        raise manifest_error(path, f"a JSON {type(head).__name__}, not an object")
     return head
-
-
-def manifest_error(path: str, cause: str, group: str | None = None) -> ManifestError:
-    """The one-line :class:`ManifestError` of the manifest at ``path``: the file, the dataset, ``cause`` and the
-    remedy (convert again, or finish a staged conversion)."""
-    return _manifest_error(path, cause, group)
 
 
 def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
@@ -361,18 +342,15 @@ def load_manifest(ds_root: str | os.PathLike) -> dict[str, Any]:
     naming the file, the dataset, the cause and ``bagel-data convert ...`` as remedy) when the file or its
     sidecar is missing or damaged, lacks keys or has another format.
     """
-    path = remote.join(ds_root, MANIFEST_NAME)
-    man = _manifest_of(path, _read_header(path))
-    _check_checksums_file(path, man)
-    return man
+    return _manifest_of(*_read_header(ds_root))
 
 
 def _manifest_of(path: str, man: Any) -> dict[str, Any]:
-    """:func:`load_manifest` of the parsed ``manifest.json`` at ``path``."""
+    """:func:`load_manifest` of the parsed ``manifest.json`` at ``path`` (its checksums file checked too)."""
     fmt = man.get("format") if isinstance(man, dict) else None
     if fmt == 1:
         if "samples" not in man or "group" not in man or "files" not in man:
-            raise _manifest_error(path, "format 1 without 'samples'/'group'/'files'", man.get("group"))
+            raise manifest_error(path, "format 1 without 'samples'/'group'/'files'", man.get("group"))
         logger.warning("%s: format 1 manifest (one entry per sample) upgraded in memory at O(rows) cost; convert "
                        "the dataset again (bagel-data convert) to get format %d", path, MANIFEST_FORMAT)
         man = upgrade_manifest_v1(man, path)
@@ -380,8 +358,9 @@ def _manifest_of(path: str, man: Any) -> dict[str, Any]:
         try:
             man = join_manifest(man, os.path.dirname(path))
         except ColumnsError as e:
-            raise _manifest_error(path, str(e), man.get("group")) from None
-    return check_manifest(man, path)
+            raise manifest_error(path, str(e), man.get("group")) from None
+    _check_checksums_file(path, check_manifest(man, path))
+    return man
 
 
 def encode_manifest(man: dict[str, Any], ds_root: str | os.PathLike = "") -> tuple[bytes, bytes]:
@@ -446,41 +425,39 @@ def load_manifest_index(ds_root: str | os.PathLike) -> ManifestIndex:
     size.
     """
     root = remote.absolute(ds_root) if remote.is_remote(ds_root) else os.fspath(ds_root)
-    path = remote.join(root, MANIFEST_NAME)
-    head = _read_header(path)
+    path, head = _read_header(root)
     if not (isinstance(head, dict) and head.get("format") == 3 and "columns" in head and "files" not in head):
         man = _manifest_of(path, head)
-        _check_checksums_file(path, man)
         try:
             first, num = file_ranges(man["files"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise _manifest_error(path, f"files: {type(e).__name__}: {e}", man["group"]) from None
+            raise manifest_error(path, f"files: {type(e).__name__}: {e}", man["group"]) from None
         first.flags.writeable = num.flags.writeable = False
         total = int(man["num_samples"])
         return ManifestIndex(root, man["group"], total, int(man.get("num_lines", total)) if man["group"] == VLM
                              else total, first, num)
     group, total = head.get("group"), head.get("num_samples")
     if group not in GROUPS:
-        raise _manifest_error(path, f"unknown group {group!r}" if "group" in head else "missing key 'group'")
+        raise manifest_error(path, f"unknown group {group!r}" if "group" in head else "missing key 'group'")
     lines = head.get("num_lines", total) if group == VLM else total
     if not all(type(v) is int and v >= 0 for v in (total, lines, head.get("num_files"))):
-        raise _manifest_error(path, f"num_samples {total!r}, num_lines {lines!r}, num_files {head.get('num_files')!r}"
-                              " are not counts", group)
+        raise manifest_error(path, f"num_samples {total!r}, num_lines {lines!r}, num_files {head.get('num_files')!r}"
+                             " are not counts", group)
     try:
         first, num = read_file_ranges(head, root)
     except ColumnsError as e:
-        raise _manifest_error(path, str(e), group) from None
+        raise manifest_error(path, str(e), group) from None
     ends = first + num  # (no other int64 temporary: peak 3 x 8 bytes per file)
     bad = num < 0
     bad[1:] |= first[1:] != ends[:-1]
     bad[:1] |= first[:1] != 0
     if bad.any():
         i = int(np.argmax(bad))
-        raise _manifest_error(path, f"file #{i}: first_sample {int(first[i])}, num_samples {int(num[i])}, expected "
-                              f"first_sample {int(ends[i - 1]) if i else 0}", group)
+        raise manifest_error(path, f"file #{i}: first_sample {int(first[i])}, num_samples {int(num[i])}, expected "
+                             f"first_sample {int(ends[i - 1]) if i else 0}", group)
     held = int(ends[-1]) if len(ends) else 0
     if held != total or lines != total:
-        raise _manifest_error(path, f"files hold {held} samples, num_samples is {total}, num_lines {lines}", group)
+        raise manifest_error(path, f"files hold {held} samples, num_samples is {total}, num_lines {lines}", group)
     _check_checksums_file(path, head)
     return ManifestIndex(root, group, total, lines, first, num)
 
@@ -492,8 +469,7 @@ def sample_checksum(parts: Iterable[tuple[str, bytes]]) -> int:
     ``parts``: ``(part name, bytes)`` pairs, the part name being the member name after the sample key and its
     dot (``meta.json``, ``img0``, ...: the crude sample's keys). Covers exactly the bytes a reader gets (member
     data, names, count), not the rest of the tar headers nor the padding. Returns an int in ``[0, 2**64)``.
-    ~20 GB/s on one core (5 µs for a 100 KB sample; the standard library's ``zlib.crc32`` took 40-80 µs and
-    was 15-25 % of the converter's CPU time: ``scripts/bench_convert.py``).
+    ~20 GB/s on one core (5 µs for a 100 KB sample: ``scripts/bench_convert.py``).
     """
     h = xxhash.xxh3_64()
     for name, data in sorted(parts, key=operator.itemgetter(0)):
@@ -518,36 +494,31 @@ def checksums_entry(man: Mapping[str, Any]) -> dict[str, Any] | None:
 
     Raises ColumnsError (a short cause) when the entry is there but malformed."""
     entry = man.get(CHECKSUMS_KEY)
-    if entry is None:
-        return None
-    ok = (isinstance(entry, dict) and entry.get("file") == CHECKSUMS_NAME and isinstance(entry.get("algorithm"), str)
-          and all(type(entry.get(k)) is int and entry[k] >= 0 for k in ("bytes", "samples"))
-          and isinstance(entry.get("sha256"), str))
-    if not ok:
+    if entry is not None and not (
+            isinstance(entry, dict) and entry.get("file") == CHECKSUMS_NAME and isinstance(entry.get("algorithm"), str)
+            and all(type(entry.get(k)) is int and entry[k] >= 0 for k in ("bytes", "samples"))
+            and isinstance(entry.get("sha256"), str)):
         raise ColumnsError(f"header {CHECKSUMS_KEY!r} is not a {CHECKSUMS_NAME} description")
     return entry
 
 
-def _check_checksums_file(path: str, man: Mapping[str, Any]) -> None:
-    """ManifestError when the manifest at ``path`` describes checksums whose file is missing or of another size
-    (one ``stat``; the content is checked by ``bagel-data verify``)."""
+def _check_checksums_file(path: str, man: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The checksums entry of the manifest at ``path`` (None: it has none); ManifestError when its file is missing
+    or of another size (one ``stat``; the content is checked by ``bagel-data verify``)."""
     try:
         entry = checksums_entry(man)
         if entry is None:
-            return
-        try:
+            return None
+        with reading(CHECKSUMS_NAME):
             size = remote.size(remote.join(os.path.dirname(path), CHECKSUMS_NAME))
-        except FileNotFoundError:
-            raise ColumnsError(f"{CHECKSUMS_NAME}: no such file") from None
-        except OSError as e:
-            raise ColumnsError(f"{CHECKSUMS_NAME}: {e.strerror or e}") from None
         if size != entry["bytes"]:
             raise ColumnsError(f"{CHECKSUMS_NAME}: {size} bytes, the header says {entry['bytes']}")
         if entry["samples"] != man.get("num_samples"):
             raise ColumnsError(f"{CHECKSUMS_NAME}: {entry['samples']} samples, the manifest has "
                                f"{man.get('num_samples')}")
     except ColumnsError as e:
-        raise _manifest_error(path, str(e), man.get("group")) from None
+        raise manifest_error(path, str(e), man.get("group")) from None
+    return entry
 
 
 def open_checksums(ds_root: str | os.PathLike, man: Mapping[str, Any] | None = None, *, mmap: bool = True
@@ -558,29 +529,23 @@ def open_checksums(ds_root: str | os.PathLike, man: Mapping[str, Any] | None = N
     root = os.fspath(ds_root)
     path = remote.join(root, MANIFEST_NAME)
     if man is None:
-        man = _read_header(path)
+        man = _read_header(root)[1]
         if not isinstance(man, dict):
             return None
-    _check_checksums_file(path, man)
-    entry = checksums_entry(man)
+    entry = _check_checksums_file(path, man)
     if entry is None:
         return None
     try:
         a = remote.load_npy(remote.join(root, CHECKSUMS_NAME), mmap=mmap)
     except (ValueError, OSError, EOFError) as e:
-        raise _manifest_error(path, f"{CHECKSUMS_NAME}: {type(e).__name__}: {e}", man.get("group")) from None
+        raise manifest_error(path, f"{CHECKSUMS_NAME}: {type(e).__name__}: {e}", man.get("group")) from None
     if a.dtype != _SUM_DTYPE or a.shape != (entry["samples"],):
-        raise _manifest_error(path, f"{CHECKSUMS_NAME}: {a.dtype.str} {list(a.shape)}, expected {_SUM_DTYPE.str} "
-                              f"[{entry['samples']}]", man.get("group"))
+        raise manifest_error(path, f"{CHECKSUMS_NAME}: {a.dtype.str} {list(a.shape)}, expected {_SUM_DTYPE.str} "
+                             f"[{entry['samples']}]", man.get("group"))
     a.flags.writeable = False
     return a
 
 
 def crude_dataset_yaml(group: str) -> str:
     """Text of ``.nv-meta/dataset.yaml``: a crude dataset whose samples carry the group as subflavor."""
-    return (
-        "__module__: megatron.energon\n"
-        "__class__: CrudeWebdataset\n"
-        "subflavors:\n"
-        f"  {SUBFLAVOR_KEY}: {group}\n"
-    )
+    return f"__module__: megatron.energon\n__class__: CrudeWebdataset\nsubflavors:\n  {SUBFLAVOR_KEY}: {group}\n"

@@ -2,15 +2,9 @@
 
 Energon's own errors name the wrong thing or nothing (``Invalid dataset at <dir>`` for a missing ``.nv-meta``,
 ``Inconsistent sample base name`` for a stale index, tarfile's ``ReadError: unexpected end of data`` for a cut
-shard; through worker processes a flattened worker traceback). Here:
-
-- ``check_prepared(path)`` (at reader build) refuses a dataset without a complete ``.nv-meta``;
-- ``diagnose(paths, hint)`` (only after a read failed) walks the shards' tar headers (no member data is read)
-  and compares them with each ``.tar.idx``: the first damaged file with where and why, or None. For an
-  ``msc://`` dataset (``remote``) it checks that each shard and index object exists (no header scan over the
-  network).
-
-Every message is one line: what, which file, what to do.
+shard; through worker processes a flattened worker traceback). Here :func:`check_prepared` (at reader build) and
+:func:`diagnose` (only after a read failed: the tar headers against each ``.tar.idx``, no member data read; for an
+``msc://`` dataset only whether each shard and index object exists) say it in one line: what, which file, what to do.
 """
 
 from __future__ import annotations
@@ -52,8 +46,7 @@ def check_prepared(path: str) -> None:
         raise ValueError(f"damaged dataset {path}: {what} (its index): convert it again with --overwrite "
                          "or `energon prepare` it")
     try:
-        with open(os.path.join(meta, ".info.json"), encoding="utf-8") as fh:
-            counts = json.load(fh)["shard_counts"]
+        counts = json.loads(remote.read_bytes(os.path.join(meta, ".info.json")).decode("utf-8"))["shard_counts"]
         assert isinstance(counts, dict)
     except (OSError, ValueError, KeyError, AssertionError) as exc:
         raise ValueError(f"damaged dataset {path}: its {_NV_META}/.info.json is unreadable ({type(exc).__name__}): "
@@ -88,13 +81,10 @@ def _scan(tar: str, size: int) -> tuple[list[int], int, str | None]:
     """Sample start offsets and the end of the last sample from the tar headers; a cut/corruption found, or None."""
     starts: list[int] = []
     pos = end = 0
-    last_base = None
-    last_name = "(none: the first header)"
+    last_base, last_name = None, "(none: the first header)"
     pending = None  # offset of a pax / long-name header that belongs to the next member
     with open(tar, "rb") as fh:
-        while True:
-            if pos >= size:
-                break  # no end-of-archive blocks: Energon reads such a shard fine
+        while pos < size:  # the end without end-of-archive blocks: Energon reads such a shard fine
             fh.seek(pos)
             buf = fh.read(512)
             if len(buf) < 512:
@@ -117,9 +107,7 @@ def _scan(tar: str, size: int) -> tuple[list[int], int, str | None]:
                 if base != last_base:
                     starts.append(pos if pending is None else pending)
                     last_base = base
-                last_name = info.name
-                pending = None
-                end = padded
+                last_name, pending, end = info.name, None, padded
             pos = padded
     return starts, end, None
 
@@ -129,23 +117,16 @@ def _base(name: str) -> str:
     return m.group(1) if m else name
 
 
-def _check_remote_shard(dataset: str, tar: str) -> str | None:
-    """A remote shard: its object and its ``.tar.idx`` exist (two requests; the tar headers are not scanned over the
-    network: ``bagel-data verify`` reads the whole shard against its checksums)."""
-    for url, what in ((tar, "shard"), (tar + ".idx", "shard index")):
-        if not remote.isfile(url):
-            return (f"{what} {url} of dataset {dataset} is missing: upload it again from the converted copy "
-                    "(every file of the dataset directory), or convert the dataset again")
-    return None
-
-
 def _check_shard(dataset: str, tar: str) -> str | None:
-    if remote.is_remote(tar):
-        return _check_remote_shard(dataset, tar)
+    if remote.is_remote(tar):  # its object and .tar.idx exist (no header scan over the network: `bagel-data verify`)
+        for url, what in ((tar, "shard"), (tar + ".idx", "shard index")):
+            if not remote.isfile(url):
+                return (f"{what} {url} of dataset {dataset} is missing: upload it again from the converted copy "
+                        "(every file of the dataset directory), or convert the dataset again")
+        return None
     if not os.path.isfile(tar):
         return f"shard {tar} of dataset {dataset} is missing: {_CONVERT}"
-    size = os.path.getsize(tar)
-    idx_path = tar + ".idx"
+    size, idx_path = os.path.getsize(tar), tar + ".idx"
     starts, end, problem = _scan(tar, size)
     if problem is not None:
         return f"damaged shard {tar}: {problem}: {_CONVERT}"
@@ -166,8 +147,7 @@ def _check_shard(dataset: str, tar: str) -> str | None:
     expected = starts + [end]
     if idx != expected:
         k = next((i for i, (a, b) in enumerate(zip(idx, expected)) if a != b), min(len(idx), len(expected)))
-        got = idx[k] if k < len(idx) else "nothing"
-        want = expected[k] if k < len(expected) else "nothing"
+        got, want = (x[k] if k < len(x) else "nothing" for x in (idx, expected))
         return f"damaged shard index {idx_path}: entry {k} is {got}, the shard has {want}: {remedy}"
     return None
 
@@ -198,10 +178,6 @@ def diagnose(paths: Sequence[str], hint: str = "") -> str | None:
             if time.monotonic() - t0 > _DIAGNOSE_BUDGET_S:
                 logger.warning("diagnosis of the read error stopped after %.0fs of scanning shards", _DIAGNOSE_BUDGET_S)
                 return None
-            try:
-                problem = _check_shard(dataset, tar)
-            except OSError as exc:
-                problem = f"shard {tar} cannot be read ({type(exc).__name__}: {exc}): check its storage"
-            if problem is not None:
+            if (problem := check_shard(dataset, tar)) is not None:
                 return problem
     return None

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import tarfile
 from collections.abc import Iterator
@@ -22,27 +23,15 @@ _SKIP_META = re.compile(r"__[^/]*__($|/)")
 
 def split_member(name: str) -> tuple[str, str] | None:
     """(sample key, part) of a tar member name as Energon splits it; None for a name Energon skips."""
-    if _SKIP_META.match(name):
-        return None
-    hit = _SPLIT_NAME.match(name)
+    hit = None if _SKIP_META.match(name) else _SPLIT_NAME.match(name)
     return (hit.group(1), hit.group(2)) if hit else None
 
 
 def shard_samples(path: str | IO[bytes]) -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
-    """``(key, [(part, bytes), ...])`` of the shard at ``path`` (or in an open binary file) in tar order (a sample's parts are consecutive
-    members, their bytes as stored). Raises tarfile / OS errors (``layout.damage.diagnose`` names the cause)."""
+    """``(key, [(part, bytes), ...])`` of the shard at ``path`` (or in an open binary file) in tar order (a sample's
+    parts are consecutive members, their bytes as stored). Raises tarfile / OS errors (``layout.damage.diagnose``
+    names the cause)."""
     with (tarfile.open(path, "r:") if isinstance(path, str) else tarfile.open(fileobj=path, mode="r:")) as tf:
-        key, parts = None, []
-        for m in tf:
-            split = split_member(m.name) if m.isfile() else None
-            if split is None:
-                continue
-            base, ext = split
-            if base != key and key is not None:
-                yield key, parts
-                parts = []
-            key = base
-            f = tf.extractfile(m)
-            parts.append((ext, f.read() if f is not None else b""))
-        if key is not None:
-            yield key, parts
+        members = ((split, m) for m in tf if m.isfile() for split in [split_member(m.name)] if split is not None)
+        for key, group in itertools.groupby(members, key=lambda split_m: split_m[0][0]):  # consecutive members
+            yield key, [(ext, tf.extractfile(m).read()) for (_, ext), m in group]  # type: ignore[union-attr]

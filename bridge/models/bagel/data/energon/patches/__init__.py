@@ -3,19 +3,11 @@
 Energon opens a webdataset with O(shards) Python work on every rank (one ``ShardInfo`` + ``EPath`` per shard, a
 sharder looping over shards and workers): 0.3 s per dataset and rank at 10^4 shards, whatever the rank reads. The
 readers open each converted dataset once per rank to read it by index, so on large corpora that start-up dominates.
-This package holds what avoids it, written against Energon's own classes:
-
-* ``compact``: ``open_dataset`` — Energon's ``CrudeWebdataset`` pipeline for one dataset read whole, with the shard
-  list as arrays (``ShardTable``) and Energon's ``TaskEncoder.build_train_datasets`` on top;
-* ``sharding``: Energon's sharder (slice offsets, bit-reversal worker order) in numpy;
-* :func:`restore_key_prefix`: the restore key Energon's savable loader gives sample ``i`` of a dataset read whole, from
-  its wrapper chain (O(1), no sample read);
-* ``index``: ``write_index`` — a converted dataset's ``.nv-meta`` index from the converter's own records (Energon's
-  ``prepare_dataset`` on an untested Energon);
-* :func:`energon_rank_state`: Energon's per-rank loader state with a race of its workers corrected (duck-typed:
-  on every Energon whose state has the shape it checks, 7.3 and 7.4 tested);
-* :func:`shard_in_frame`: the shard file an Energon tar reader is reading in a (stuck) frame, for the data watchdog
-  (duck-typed, so also on an untested Energon).
+What avoids it, written against Energon's own classes: ``compact`` (``open_dataset``: Energon's ``CrudeWebdataset``
+pipeline for one dataset read whole, its shard list as arrays), ``sharding`` (Energon's sharder in numpy),
+:func:`restore_key_prefix` (O(1), no sample read) and ``index`` (``write_index``: the ``.nv-meta`` index from the
+converter's own records). :func:`energon_rank_state` (a race of Energon's workers corrected) and
+:func:`shard_in_frame` (for the data watchdog) are duck-typed: they run on every Energon (7.3 and 7.4 tested).
 
 They are tested against Energon itself (``tests/test_compact_open.py``) on the versions in ``TESTED_ENERGON``. On any
 other Energon version :func:`active` is False and the readers step aside for Energon's public path
@@ -108,23 +100,16 @@ def restore_key_prefix(loader: Any) -> tuple | None:
 
 def energon_rank_state(loader: Any) -> Any:
     """``loader.save_state_rank()`` of an Energon ``SavableDataLoader``, with a race of its workers corrected
-    (duck-typed: where the state and the loader's dataset do not have the shape below, Energon's answer as it is).
-
-    Energon (checked: 7.x, ``savable_loader.SavableDatasetWrapper``) answers a save from each worker's command
-    thread, which the worker starts inside its ``__iter__`` just before taking the command lock. A worker that
-    has not stored its first checkpoint yet (slow to start; a save right after the first sample, ~1 in 10 under
-    CPU load) can answer from its construction-time sentinel ``(state=None, sample_index=-1)``, giving
-    ``offset = last + 1 - (-1)``: one sample more than it emitted, so the resumed loader skips that worker's
-    first sample. No started worker answers ``state=None``: the sentinel is the only checkpoint without a state.
-    Such a worker has emitted nothing since the loader (re)started, so its true checkpoint is its initial one:
-    the restored state and skip count (``dataset.get_initial_checkpoint()``), or ``state=None, offset=0``
-    (a fresh start). Other answers, and loaders without workers, are returned unchanged. Read-only on Energon's
-    objects, so it applies on every Energon (also where :func:`active` is False: the compatibility part runs 7.3,
-    whose loader has the same race).
+    (``docs/upstream.md``: Energon 7.x's ``savable_loader.SavableDatasetWrapper``). A worker that has not stored its
+    first checkpoint yet can answer from its construction-time sentinel ``(state=None, sample_index=-1)``: one
+    sample more than it emitted. That answer (no started worker answers ``state=None``) is replaced by the worker's
+    initial checkpoint (``dataset.get_initial_checkpoint()``, or ``state=None, offset=0`` on a fresh start); other
+    answers, and loaders without workers, are returned unchanged. Duck-typed (a state or dataset of another shape:
+    Energon's answer as it is) and read-only on Energon's objects, so it applies on every Energon (also where
+    :func:`active` is False: 7.3's loader has the same race).
     """
     state = loader.save_state_rank()
-    workers = getattr(state, "worker_states", None)
-    dataset = getattr(loader, "dataset", None)
+    workers, dataset = getattr(state, "worker_states", None), getattr(loader, "dataset", None)
     if not workers or not getattr(loader, "num_workers", 0) or not hasattr(dataset, "get_initial_checkpoint"):
         return state
     stale = [i for i, ws in enumerate(workers) if hasattr(ws, "offset") and ws.state is None and ws.offset != 0]

@@ -4,20 +4,10 @@ samples, order, state and ``config()``, with its shard list held as arrays and i
 Energon 7.4.1 (pinned) opens a webdataset with O(shards) Python on every rank, whatever the rank reads:
 ``WebdatasetMeta.from_config`` makes one ``ShardInfo`` with an ``EPath`` per shard (``pathlib`` parsing, ~30 µs
 each: 0.29 s at 10^4 shards), the sharder loops over shards and global workers (``sharding``), and
-``ShardInfosITarReader`` loops over shards again. Here instead:
-
-* :class:`ShardTable` — the split's shards as a name list and an int64 count array (``cumsum`` ``[n + 1]``); a
-  ``Sequence[ShardInfo]`` whose items (and ``EPath`` objects) are made only when asked for, i.e. for the shards a
-  worker actually opens. Read from the same ``.nv-meta`` files Energon reads (``.info.json``, ``split.yaml``) with
-  Energon's rules (brace expansion, excludes); the simple ``prefix{000000..009999}suffix`` ranges our converter
-  writes are expanded with one format string instead of ``braceexpand``'s generator.
-* :class:`CompactCrudeWebdataset` — Energon's ``CrudeWebdataset`` whose ``BaseWebdatasetFactory`` part takes a
-  ``ShardTable`` (cooperative ``__init__``: Energon's ``CrudeWebdataset`` / decoder / generic factory constructors
-  run unchanged) and whose ``build()`` / ``config()`` / ``__len__`` are Energon's, computed from the arrays: the
-  slices from :func:`sharding.shard_workers`, the reader a :class:`TableITarReader`.
-* :func:`open_dataset` — Energon's ``get_train_dataset`` for what the readers open (one dataset whole, read by index)
-  from this factory and Energon's own ``TaskEncoder.build_train_datasets``; None for a dataset it does not read as
-  Energon does (the readers then use Energon's own ``get_train_dataset``: ``readers.access``).
+``ShardInfosITarReader`` loops over shards again. Here instead: :class:`ShardTable` (the shards as arrays, read from
+the same ``.nv-meta`` files with Energon's rules by :func:`read_shard_table`), :class:`CompactCrudeWebdataset`
+(Energon's factory on it, its slices from :func:`sharding.shard_workers`), :class:`TableITarReader`, and
+:func:`open_dataset`, Energon's ``get_train_dataset`` for what the readers open.
 
 ``tests/test_compact_open.py`` checks, against Energon's own objects on real converted datasets: the factory's
 attributes and ``config()``, the slice offsets, every sample and restore key of the pipeline.
@@ -75,10 +65,10 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 class _Lazy(Sequence):
-    """A sequence whose item ``i`` is made by ``_make(i)`` on first access and kept (slices give lists)."""
+    """A sequence whose item ``i`` is ``make(i)``, made on first access and kept (slices give lists)."""
 
-    def __init__(self, n: int) -> None:
-        self._n = n
+    def __init__(self, n: int, make: Callable[[int], Any]) -> None:
+        self._n, self._make = n, make
         self._items: dict[int, Any] = {}
 
     def __len__(self) -> int:
@@ -93,35 +83,25 @@ class _Lazy(Sequence):
             item = self._items[i] = self._make(i)
         return item
 
-    def _make(self, i: int) -> Any:
-        raise NotImplementedError
-
-
-class _LazyPaths(_Lazy):
-    """``EPath`` of shard ``i`` (``base / names[i]``), made when first asked for (ITarReader's ``tar_filepaths``)."""
-
-    def __init__(self, base: EPath, names: Sequence[str]) -> None:
-        super().__init__(len(names))
-        self._base, self._names = base, names
-
-    def _make(self, i: int) -> EPath:
-        return self._base / self._names[i]
-
 
 class ShardTable(_Lazy):
     """A split's shards as arrays: ``names`` (list of str, relative to ``base``), ``counts`` (int64 ``[n]``, samples
     per shard) and ``cumsum`` (int64 ``[n + 1]``: 0, then the running total). As a ``Sequence[ShardInfo]`` it is
-    what Energon's ``WebdatasetMeta.shards`` list holds, each ``ShardInfo`` made on first access."""
+    what Energon's ``WebdatasetMeta.shards`` list holds, each ``ShardInfo`` made on first access; ``paths``: shard
+    ``i``'s ``EPath`` (``base / names[i]``, ITarReader's ``tar_filepaths``), made when first asked for."""
 
     def __init__(self, base: EPath, names: list[str], counts: np.ndarray) -> None:
-        super().__init__(len(names))
+        super().__init__(len(names), self._info)
         self.base, self.names = base, names
         self.counts = np.asarray(counts, dtype=np.int64)
         self.cumsum = np.concatenate(([0], np.cumsum(self.counts))).astype(np.int64)
-        self.paths = _LazyPaths(base, names)
+        self.paths = _Lazy(len(names), self._path)
 
-    def _make(self, i: int) -> ShardInfo:
+    def _info(self, i: int) -> ShardInfo:
         return ShardInfo(name=self.names[i], path=self.paths[i], count=int(self.counts[i]))
+
+    def _path(self, i: int) -> EPath:
+        return self.base / self.names[i]
 
     @property
     def num_samples(self) -> int:
@@ -142,16 +122,14 @@ def _strings(items: Any) -> bool:
 def _typed_like_energon(info: Any, splits: Any) -> bool:
     """What Energon's ``JsonParser(strict=True)`` accepts as ``WebdatasetInfo`` / ``WebdatasetSplits`` (no other
     keys; shard counts ints, split parts and excludes lists of strings), checked in C loops."""
-    if not isinstance(info, dict) or not set(info) <= {"energon_version", "shard_counts"} \
-            or not isinstance(info.get("energon_version"), (str, type(None))):
+    if not (isinstance(info, dict) and isinstance(splits, dict)):
         return False
-    counts = info.get("shard_counts")
-    if not isinstance(counts, dict) or not set(map(type, counts.values())) <= {int}:
-        return False
-    if not isinstance(splits, dict) or not set(splits) <= {"split_parts", "exclude"}:
-        return False
-    parts = splits.get("split_parts")
-    return isinstance(parts, dict) and all(map(_strings, parts.values())) and _strings(splits.get("exclude", []))
+    counts, parts = info.get("shard_counts"), splits.get("split_parts")
+    return (set(info) <= {"energon_version", "shard_counts"}
+            and isinstance(info.get("energon_version"), (str, type(None)))
+            and isinstance(counts, dict) and set(map(type, counts.values())) <= {int}
+            and set(splits) <= {"split_parts", "exclude"} and isinstance(parts, dict)
+            and all(map(_strings, parts.values())) and _strings(splits.get("exclude", [])))
 
 
 def _plain_names(names: list[str]) -> bool:
@@ -169,10 +147,9 @@ def read_shard_table(path: str | EPath, split_part: str = "train", split_config:
                      ) -> tuple[ShardTable, set[str], list[str], list[str]] | None:
     """``(shards, sample_excludes, split_part_files, info_shard_files)`` of a prepared webdataset, as Energon's
     ``WebdatasetMeta.from_config`` computes them (same files, brace expansion and excludes), or None when this
-    module does not read it the same way: no ``.info.json``, a split file other than YAML, anything Energon's strict
-    parser would refuse (other keys, a count that is not an int, ...), an unknown or empty split part, a shard
-    without a count, a shard listed twice, a name that is not plain. The caller then lets Energon open the dataset
-    (and report what is wrong). Never raises for a bad dataset."""
+    module does not read it the same way (a split file other than YAML, anything Energon's strict parser would
+    refuse, a shard listed twice, a name that is not plain, ...): the caller then lets Energon open the dataset (and
+    report what is wrong). Never raises for a bad dataset."""
     root = os.fspath(str(path))
     try:
         info = json.loads(remote.read_bytes(remote.join(root, _META, ".info.json")))
@@ -200,7 +177,8 @@ def read_shard_table(path: str | EPath, split_part: str = "train", split_config:
 
 class _TableFactory(BaseWebdatasetFactory):
     """Energon's ``BaseWebdatasetFactory`` over a :class:`ShardTable`: the same attributes, ``build()``, ``config()``
-    and ``__len__`` (``base_webdataset.py``), without ``WebdatasetMeta.from_config``'s per-shard objects."""
+    and ``__len__`` (``base_webdataset.py``), without ``WebdatasetMeta.from_config``'s per-shard objects. Cooperative
+    ``__init__``: Energon's ``CrudeWebdataset`` / decoder / generic factory constructors run unchanged."""
 
     def __init__(self, path: EPath, *, split_part: str, training: bool, worker_config: WorkerConfig,
                  shuffle_over_epochs: int | None = 1, parallel_shard_iters: int | None = None,
@@ -226,11 +204,9 @@ class _TableFactory(BaseWebdatasetFactory):
         """Energon's ``BaseWebdatasetFactory.build``: this rank's worker slices (:func:`sharding.shard_workers`), a
         :class:`TableITarReader`, ``WebdatasetSampleLoaderDataset`` and ``MapDataset`` of ``_load_sample_raw``."""
         parallel = self.parallel_shard_iters
-        if parallel is None:
-            parallel = 16 if self.training else 1  # Energon's defaults
-        offsets = sharding.shard_workers(self.shards.cumsum, self.worker_config,
-                                         max_samples_per_sequence=self.max_samples_per_sequence,
-                                         rotation_offset=worker_rotation_offset, subset=self.subset)
+        parallel = (16 if self.training else 1) if parallel is None else parallel  # Energon's defaults
+        offsets = sharding.shard_workers(self.shards.cumsum, self.worker_config, rotation_offset=worker_rotation_offset,
+                                         max_samples_per_sequence=self.max_samples_per_sequence, subset=self.subset)
         reader = TableITarReader(self.path, self.shards, part_filter=self.part_filter,
                                  sample_filter=self.sample_filter, itar_cache_size=parallel)
         dataset = WebdatasetSampleLoaderDataset(
@@ -267,8 +243,7 @@ class TableITarReader(ITarReader):
 
     def __init__(self, base_path: EPath, table: ShardTable, part_filter: Callable[[str], bool] | None = None,
                  itar_cache_size: int = 5, sample_filter: Callable[[str], bool] | None = None) -> None:
-        self.shard_table = table
-        self._remote = remote.is_remote(str(base_path))
+        self.shard_table, self._remote = table, remote.is_remote(str(base_path))
         self.cached_offset_reader = CachedItarOffsetReader(cache_size=itar_cache_size)
         super().__init__(base_path=base_path, tar_filenames=table.names, tar_filepaths=table.paths,
                          part_filter=part_filter, itar_cache_size=itar_cache_size, sample_filter=sample_filter)
@@ -277,22 +252,19 @@ class TableITarReader(ITarReader):
         """Energon's ``ITarReader.__getitem__``; over an ``msc://`` dataset, an error of the store (refused,
         timed out after MSC's retries, the shard's object gone) is one ``remote.RemoteStorageError`` line naming the
         shard's URL and the remedy (a damaged shard's tar errors pass as they are: ``layout.damage`` names them)."""
-        if not self._remote or not isinstance(idx, int) or not 0 <= idx < self.shard_table.num_samples:
-            return super().__getitem__(idx)
         try:
             return super().__getitem__(idx)
         except Exception as exc:
-            if not _store_error(exc):
+            if not (self._remote and isinstance(idx, int) and 0 <= idx < self.shard_table.num_samples
+                    and _store_error(exc)):
                 raise
-            url = str(self.shard_table.paths[self.shard_table.shard_of(idx)[0]])
-            line = remote.describe(exc, url)
+            line = remote.describe(exc, str(self.shard_table.paths[self.shard_table.shard_of(idx)[0]]))
             raise remote.RemoteStorageError(line, brief=line[:200]) from exc
 
     def _get_itar_sample_pointer(self, idx: int) -> ITarSamplePointer:
         """Shard and byte range of global sample ``idx`` (its shard's ``.tar.idx``); IndexError outside."""
         shard, in_shard = self.shard_table.shard_of(idx)
-        byte_offset, byte_size = self.cached_offset_reader.get_itar_byte_offset(
-            self.shard_table[shard].path, in_shard)
+        byte_offset, byte_size = self.cached_offset_reader.get_itar_byte_offset(self.shard_table[shard].path, in_shard)
         return ITarSamplePointer(tar_file_id=shard, byte_offset=byte_offset, byte_size=byte_size)
 
     def __len__(self) -> int:
@@ -325,25 +297,18 @@ def _crude_yaml(root: str) -> dict[str, Any] | None:
     return {"subflavors": subflavors} if subflavors is None or isinstance(subflavors, dict) else None
 
 
-def _opened(root: str) -> tuple[dict[str, Any], tuple[ShardTable, set[str], list[str], list[str]]] | None:
-    """``(dataset.yaml keyword arguments, read_shard_table(root))`` of a converted dataset, or None."""
-    yaml_kwargs = _crude_yaml(root)
-    table = read_shard_table(root) if yaml_kwargs is not None else None
-    return None if table is None else (yaml_kwargs, table)
-
-
 def open_dataset(root: str, *, worker_config: WorkerConfig, task_encoder: Any) -> SavableDataset | None:
     """Energon's ``get_train_dataset(root, batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
     repeat=False, ...)`` for one converted dataset read whole (Energon's ``DatasetLoader``, training split ``train``,
     ``shuffle_over_epochs=1``), over its shard table. Returns Energon's ``SavableDataset`` (for
     ``get_savable_loader``), or None when ``root`` is not a dataset this module opens as Energon does (the caller then
     uses Energon's own ``get_train_dataset``)."""
-    opened = _opened(root)
-    if opened is None:
+    yaml_kwargs = _crude_yaml(root)
+    table = read_shard_table(root) if yaml_kwargs is not None else None
+    if table is None:
         logger.info("%s: not a plain converted crude webdataset (dataset.yaml / .info.json / split.yaml); opened by "
                     "Energon itself, at O(shards) Python per rank", root)
         return None
-    yaml_kwargs, table = opened
     factory = CompactCrudeWebdataset(EPath(root), split_config="split.yaml", split_part="train", training=True,
                                      worker_config=worker_config, shuffle_over_epochs=1, subset=None,
                                      max_samples_per_sequence=None, decoder=task_encoder.decoder, shard_table=table,

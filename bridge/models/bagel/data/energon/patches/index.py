@@ -13,7 +13,7 @@ shard order), reading the shards again.
 
 from __future__ import annotations
 
-import io
+import contextlib
 import json
 import os
 import sqlite3
@@ -67,14 +67,11 @@ def _write_samples(root: str, unit_indexes: Sequence[str]) -> None:
         db.commit()
         db.execute("DETACH DATABASE u")
     writer.close()
-    db = sqlite3.connect(tmp)
-    try:
+    with contextlib.closing(sqlite3.connect(tmp)) as db:
         db.execute("PRAGMA synchronous = OFF")
         db.execute("DROP TABLE sample_parts")
         db.commit()
         db.execute("VACUUM")
-    finally:
-        db.close()
     os.replace(tmp, db_path)
 
 
@@ -86,10 +83,9 @@ def _write_info(root: str, shards: Sequence[dict[str, Any]]) -> None:
     from megatron.energon.typed_converter import to_json_object
 
     names = [sh["path"] for sh in shards]
-    info = io.StringIO()
-    json.dump(to_json_object(WebdatasetInfo(energon_version=energon_version,
-                                            shard_counts={sh["path"]: sh["count"] for sh in shards})), info, indent=2)
+    info = json.dumps(to_json_object(WebdatasetInfo(energon_version=energon_version,
+                                                    shard_counts={sh["path"]: sh["count"] for sh in shards})), indent=2)
     split = yaml.dump(to_json_object(WebdatasetSplits(split_parts={"train": collapse(names, keep_order=True)})),
                       sort_keys=False)
-    _write(os.path.join(root, _NV, ".info.json"), info.getvalue().encode())
+    _write(os.path.join(root, _NV, ".info.json"), info.encode())
     _write(os.path.join(root, _NV, "split.yaml"), split.encode())

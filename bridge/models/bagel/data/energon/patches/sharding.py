@@ -9,13 +9,7 @@ slices of about ``max_samples_per_sequence`` samples (``shard_workers``: ``_spli
 per global worker here (0.14 s at 10^4 shards, 17 ms at DP 8192), on every rank of every restart.
 
 The functions below return exactly what Energon's return (tuples of Python ints; ``tests/test_compact_open.py``
-compares them on random shard counts, subsets, worker layouts and rotation offsets, zero-sample shards included):
-
-* :func:`generalized_bit_reversal` — ``Sharder._generalized_bit_reversal(n)`` as an int64 array: O(n) numpy per
-  distinct size on the recursion, O(log n) sizes (the two halves of a length differ by at most one).
-* :func:`split_samples_to_workers` — ``Sharder.split_samples_to_workers``: the rank's ``num_workers + 1`` offsets.
-* :func:`shard_workers` — ``Sharder.shard_workers`` from the shards' cumulative counts (int64 ``[num_shards + 1]``):
-  O(own shards + own slices) numpy, plus one binary search per worker.
+compares them on random shard counts, subsets, worker layouts and rotation offsets, zero-sample shards included).
 """
 
 from __future__ import annotations
@@ -29,11 +23,13 @@ __all__ = ["generalized_bit_reversal", "shard_workers", "split_samples_to_worker
 
 
 @lru_cache(maxsize=64)
-def _bit_reversal(n: int) -> np.ndarray:
+def generalized_bit_reversal(n: int) -> np.ndarray:
+    """``Sharder._generalized_bit_reversal(n)`` (a permutation of ``range(n)``) as a read-only int64 array ``[n]``:
+    O(n) numpy per distinct size on the recursion, O(log n) sizes (the two halves of a length differ by at most one)."""
     if n <= 2:
         return np.arange(n, dtype=np.int64)
     mid = n // 2
-    left, right = _bit_reversal(mid), _bit_reversal(n - mid) + mid
+    left, right = generalized_bit_reversal(mid), generalized_bit_reversal(n - mid) + mid
     out = np.empty(n, dtype=np.int64)
     out[0:2 * mid:2] = left  # zip_longest(left, right), None dropped: right is never shorter than left
     out[1:2 * mid:2] = right[:mid]
@@ -41,11 +37,6 @@ def _bit_reversal(n: int) -> np.ndarray:
         out[-1] = right[-1]
     out.flags.writeable = False
     return out
-
-
-def generalized_bit_reversal(n: int) -> np.ndarray:
-    """``Sharder._generalized_bit_reversal(n)`` (a permutation of ``range(n)``) as a read-only int64 array ``[n]``."""
-    return _bit_reversal(int(n))
 
 
 def split_samples_to_workers(start_samples: int, end_samples: int, worker_config: Any, *,
@@ -85,8 +76,7 @@ def _worker_offsets(cumsum: np.ndarray, start: int, end: int, max_samples_per_se
     if end <= start:
         return (int(start),)
     lo, hi = np.searchsorted(cumsum, start, side="right"), np.searchsorted(cumsum, end, side="left")
-    inner = cumsum[lo:hi]
-    points = np.concatenate(([start], inner, [end])).astype(np.int64)
+    points = np.concatenate(([start], cumsum[lo:hi], [end])).astype(np.int64)
     keep = np.ones(len(points), dtype=bool)
     keep[1:] = points[1:] != points[:-1]  # zero-sample shards repeat a boundary
     points = points[keep]
@@ -101,9 +91,9 @@ def shard_workers(cumsum: np.ndarray, worker_config: Any, *, max_samples_per_seq
                   subset: Any = None, rotation_offset: int = 0) -> tuple[tuple[int, ...], ...]:
     """``Sharder.shard_workers`` from ``cumsum`` (int64 ``[num_shards + 1]``: 0, then the shards' cumulative sample
     counts): per worker of the current rank, its slice start offsets and its end (global sample indices, Python
-    ints). ``subset``: Energon's ``DatasetSubset`` or None."""
-    end_samples = int(cumsum[-1])
-    start_samples = 0
+    ints; O(own shards + own slices) numpy, plus one binary search per worker). ``subset``: Energon's
+    ``DatasetSubset`` or None."""
+    start_samples, end_samples = 0, int(cumsum[-1])
     if subset is not None:
         start_samples, end_samples = subset.compute_subset(end_samples)
     local = split_samples_to_workers(start_samples, end_samples, worker_config, rotation_offset=rotation_offset)

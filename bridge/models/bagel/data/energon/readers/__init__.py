@@ -1,21 +1,13 @@
-"""The group readers: one reader core (``core.GroupReader``) and the orders as plans.
-
-* ``core``: ``GroupReader`` (cooking, drops, liveness, the data watch, read-ahead, state); ``plan``: what it asks
-  of an order (``Plan``) and the read it gets back (``Read``, ``Skip``); ``datasets``: ``GroupDatasets`` (a group's
-  converted datasets, checked and opened once);
-* ``elastic``: ``ElasticPlan`` — ``data.order: elastic``, the default (resumable on any DP size; small groups on
-  large worlds); ``partitions``: its canonical partitions and blocks;
-* ``official``: ``OfficialPlan`` — ``data.order: official``, the official BAGEL unit order (the parity order);
-* ``selection``: the official ``num_used_data`` / ``shuffle_lines`` selection;
-* ``access``: random access to a converted dataset through Energon; ``pool``: one read worker pool per rank;
-  ``workers``: stopping worker processes and closing shard files.
-
+"""The group readers: one reader core (``core.GroupReader``; ``plan``: what it asks of an order) and the orders as
+plans: ``elastic.ElasticPlan`` (the default; ``partitions``) and ``official.OfficialPlan`` (the parity order), over
+``datasets.GroupDatasets`` (``selection``: the official selection; ``access``: random access through Energon;
+``pool``: one read worker pool per rank; ``workers``: stopping worker processes, closing shard files).
 :func:`open_group_reader` builds a group's reader for either order with one signature (the builder's entry).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from ...config.schema import ORDERS
 from ...watchdog import DEFAULT_STALL_WARN_S, DEFAULT_TIMEOUT_S
@@ -60,6 +52,5 @@ def open_group_reader(order: str, datasets: GroupDatasets | str | Sequence[str],
                             shuffle_lines=shuffle_lines, shuffle_seed=shuffle_seed, repeat=repeat)
     else:
         raise ValueError(f"unknown order {order!r}; expected one of {list(ORDERS)}")
-    return GroupReader(group_datasets, plan, ctx, dp_rank=dp_rank, dp_size=dp_size,
-                       worker_id=worker_id if order == "official" and num_workers > 0 else 0, pool=pool,
-                       stall_warn_s=stall_warn_s, timeout_s=timeout_s)
+    return GroupReader(group_datasets, plan, ctx, dp_rank=dp_rank, dp_size=dp_size, pool=pool, timeout_s=timeout_s,
+                       stall_warn_s=stall_warn_s, worker_id=worker_id if order == "official" and num_workers > 0 else 0)

@@ -1,21 +1,17 @@
 """Random access to a converted dataset: the crude sample at a sample index, through Energon's savable loader.
 
-Both orders read by index: the elastic order's plan says which selection position (hence which dataset and sample
-index) comes next, the official order's which unit row. :class:`DatasetAccess` opens one converted dataset with
-Energon as a training dataset read whole (one rank, no workers, no shuffle buffer), with a task encoder whose only
-cooker hands the crude sample through unchanged (``decoder = None``: the parts stay the bytes on disk), and fetches
-sample ``i`` with the savable loader's ``restore_sample`` (Energon reads it through the shard's ``.tar.idx``). The
-cooking (``cooking.cook_with``) is the reader's.
+Both orders read by index. :class:`DatasetAccess` opens one converted dataset with Energon as a training dataset read
+whole (one rank, no workers, no shuffle buffer), with a task encoder whose only cooker hands the crude sample through
+unchanged (``decoder = None``: the parts stay the bytes on disk), and fetches sample ``i`` with the savable loader's
+``restore_sample`` (Energon reads it through the shard's ``.tar.idx``). The cooking is the reader's.
 
-On the Energon versions the patches are tested on (``patches.active``) the dataset is opened without Python work per
-shard (``patches.compact``) and the restore key comes from the wrapper chain (``patches.restore_key_prefix``); on any
-other, Energon's own ``get_train_dataset`` opens it and the key is taken from the first sample the loader yields.
-Either way every restored sample's own key is checked against the one asked for.
+On a tested Energon (``patches.active``) it is opened by ``patches.compact`` with the key from the wrapper chain;
+elsewhere by Energon's own ``get_train_dataset``, the key taken from a sample the loader yields (``patches``). Either
+way every restored sample's own key is checked against the one asked for.
 """
 
 from __future__ import annotations
 
-import logging
 import warnings
 from typing import Any
 
@@ -27,8 +23,6 @@ from .. import patches
 from .workers import close_tar_files
 
 __all__ = ["DatasetAccess"]
-
-logger = logging.getLogger(__name__)
 
 _PIN_MEMORY_WARNING = ".*pin_memory.*"
 
@@ -56,11 +50,9 @@ class DatasetAccess:
     """
 
     def __init__(self, path: str, *, patched: bool | None = None) -> None:
-        self.path = path
-        self.patched = patches.active() if patched is None else bool(patched)
+        self.path, self.patched = path, patches.active() if patched is None else bool(patched)
         wc = WorkerConfig(rank=0, world_size=1, num_workers=0, global_error_handler=reraise_exception)
-        encoder = _CrudeEncoder()
-        dataset = None
+        encoder, dataset = _CrudeEncoder(), None
         if self.patched:
             from ..patches.compact import open_dataset
 

@@ -1,26 +1,21 @@
 """``GroupReader``: the one reader core every order uses — one BAGEL group's samples on one DP rank.
 
-What every group reader does lives here: the group's converted datasets (paths checked, sample counts, manifests
-read once, random access: ``access.DatasetAccess``), cooking (``cooking.cook_with`` with the group's core and
-context), drop and unused counters by reason, the liveness rule (a source that can never yield raises
-``DataStallError``), the data watch (``watchdog.ReadWatch``: a warning after ``data.stall_warn_s``, a
-``DataTimeoutError`` after ``data.timeout_s``), read-ahead in the rank's worker pool (``pool.ReadPool``), ``close``,
-``stats`` and ``restore_sample`` by key; with ``data.verify_checksums`` every crude sample is checked against its
-dataset's recorded checksums before it is cooked (``layout.checksums.ChecksumTable``; a mismatch is a
-``checksum_mismatch`` drop) and :class:`ChecksumGuard` stops the reader on a damaged shard.
-
-*Which* sample comes next is the order's: a **plan** (the reader's ``source``, :class:`plan.Plan`) whose next read is
-a :class:`plan.Read` record (dataset, sample index, key, ``data_indexes``, recorded choices, hand-over) and which
-rebuilds a read from a restore key. The plans: ``elastic.ElasticPlan`` (``data.order: elastic``, the default:
-resumable on any DP size) and ``official.OfficialPlan`` (``data.order: official``, the parity order). The group's
-datasets are ``datasets.GroupDatasets``.
+What every group reader does lives here: cooking (``cooking.cook_with``), drop and unused counters by reason, the
+liveness rule (``DataStallError``), the data watch (``watchdog.ReadWatch``: a warning after ``data.stall_warn_s``, a
+``DataTimeoutError`` after ``data.timeout_s``), read-ahead in the rank's ``pool.ReadPool``, ``close``, ``stats``,
+``restore_sample``; with ``data.verify_checksums`` every crude sample is checked against its dataset's recorded
+checksums before it is cooked (a mismatch is a ``checksum_mismatch`` drop; :class:`ChecksumGuard` stops the reader
+on a damaged shard). *Which* sample comes next is the order's: a **plan** (the reader's ``source``,
+:class:`plan.Plan`: ``elastic.ElasticPlan``, the default, or ``official.OfficialPlan``, the parity order).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import re
+import traceback
 import weakref
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
@@ -62,8 +57,7 @@ def read_error(exc: BaseException, group: str, rank: str, workers: str, paths: S
     ``rank`` reads ``"DP rank r/s"``. A worker process's traceback (the read pool's ``_RemoteTraceback``, or a torch
     DataLoader worker's flattened one) goes to the debug log; its text is searched for the shard.
     """
-    who = f"reader {group!r} ({rank}"
-    text = str(exc)
+    who, text = f"reader {group!r} ({rank}", str(exc)
     kind, where = type(exc).__name__, ""
     m = _WORKER_ERROR.search(text)
     if m:
@@ -75,10 +69,8 @@ def read_error(exc: BaseException, group: str, rank: str, workers: str, paths: S
     if remote:
         logger.debug("%s: traceback in a read worker:%s", who, remote)
         where = ", in a read worker"
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    shard = describe_frame(tb.tb_frame)["shard"] if tb is not None and not remote else None
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]  # the innermost last
+    shard = describe_frame(frames[-1])["shard"] if frames and not remote else None
     if kind in _READ_KINDS:
         found = damage.diagnose(paths, f"{text} {shard or ''} {remote}")
         if found is not None:
@@ -89,14 +81,11 @@ def read_error(exc: BaseException, group: str, rank: str, workers: str, paths: S
 
 
 class ChecksumGuard:
-    """The per-shard threshold of ``checksum_mismatch`` drops on one reader (one DP rank).
-
-    ``count(d, index)`` is called by the reader for every ``checksum_mismatch`` drop of sample ``index`` of dataset
-    ``d``. When more than ``max_fraction`` of that sample's shard (at least one sample) has failed on this reader,
-    it raises ``CorruptShardError``: one line naming the shard, its dataset, the rank and the remedy (the job agrees
-    on it across ranks like any data error). Distinct samples count (a damaged sample read again in a later epoch
-    counts once), so a few flipped bits never stop a long run; the memory is that of the damaged samples. The counts
-    are diagnostics, not stream state: they restart at zero after a restore.
+    """The per-shard threshold of ``checksum_mismatch`` drops on one reader (one DP rank): when more than
+    ``max_fraction`` of a shard's samples (at least one) failed on this reader, :meth:`count` raises
+    ``CorruptShardError``, one line naming the shard, its dataset, the rank and the remedy. Distinct samples count (a
+    damaged sample read again in a later epoch counts once), so a few flipped bits never stop a long run; the memory
+    is that of the damaged samples. The counts are diagnostics, not stream state: they restart at zero after a restore.
     """
 
     def __init__(self, datasets: GroupDatasets, where: str, max_fraction: float = MAX_BAD_FRACTION) -> None:
@@ -168,18 +157,15 @@ class GroupReader(Stage):
 
     # -- state ---------------------------------------------------------------------------------------
     def reset_state(self) -> None:
-        self.taken = 0
-        self.handed_in = 0
+        self.taken = self.handed_in = 0
         self.drops.reset_state()
         self.unused.reset_state()
 
     def identity(self) -> dict[str, Any]:
         """What a saved state must match besides the plan's own: group, datasets, transforms (no paths)."""
-        ctx = self.ctx
-        return {"group": self.group,
-                "datasets": [{"name": self.datasets.name(d), "num_samples": n} for d, n in
-                             enumerate(self.datasets.counts)],
-                "transforms": [repr(ctx.transform), repr(ctx.vit_transform)]}
+        return {"group": self.group, "datasets": [{"name": self.datasets.name(d), "num_samples": n}
+                                                  for d, n in enumerate(self.datasets.counts)],
+                "transforms": [repr(self.ctx.transform), repr(self.ctx.vit_transform)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._started:
@@ -271,8 +257,7 @@ class GroupReader(Stage):
             if sample.drop_reason == CHECKSUM_MISMATCH:
                 self._guard.count(read.dataset, read.index)  # a damaged shard stops the reader
             if len(self.skipped) < _MAX_SKIPPED:
-                self.skipped.append({"row_id": read.row_id, "reason": sample.drop_reason,
-                                     "detail": sample.drop_detail})
+                self.skipped.append({"row_id": read.row_id, "reason": sample.drop_reason, "detail": sample.drop_detail})
             self._stall.drop(stall_key, sample.drop_reason, sample.drop_detail,
                              limit=self.source.stall_limit(read.dataset), where=f"dataset {dataset!r} on {self.where}")
 
@@ -312,17 +297,14 @@ class GroupReader(Stage):
             if killed or watch.busy:
                 self._pool.shutdown(wait=False)
             self._released()
-        stopped = watch.stop(wait_s=15.0 if killed else 0.0)
-        if stopped:
+        if watch.stop(wait_s=15.0 if killed else 0.0):
             # a read still stuck in this process holds its file's lock: closing the file would block on it (the
             # process's exit releases the file instead)
             self.datasets.close_files()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _release(pool: ReadPool | None, reader_id: int) -> None:

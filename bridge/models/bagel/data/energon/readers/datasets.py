@@ -1,10 +1,4 @@
-"""``GroupDatasets``: the converted datasets of one group, checked and opened once per rank.
-
-The paths are checked (``layout.damage`` names a damaged ``.nv-meta`` before Energon would), each dataset's
-sample count and manifest index are read once, its recorded checksums memory-mapped, and its random access
-(``access.DatasetAccess``) opened on first use. ``GroupDatasets.selection`` is the official ``num_used_data`` /
-``shuffle_lines`` selection over them (``selection.manifest_runs``), the runs both orders read.
-"""
+"""``GroupDatasets``: the converted datasets of one group, checked and opened once per rank."""
 
 from __future__ import annotations
 
@@ -29,8 +23,7 @@ def dataset_num_samples(path: str) -> tuple[str, int]:
     info = remote.join(path, ".nv-meta", ".info.json")
     if not remote.isfile(info):
         raise ValueError(f"{path}: not a converted BAGEL dataset (no {MANIFEST_NAME} and no .nv-meta/.info.json)")
-    counts = json.loads(remote.read_bytes(info)).get("shard_counts", {})
-    return "", int(sum(counts.values()))
+    return "", int(sum(json.loads(remote.read_bytes(info)).get("shard_counts", {}).values()))
 
 
 class GroupDatasets:
@@ -45,13 +38,12 @@ class GroupDatasets:
     """
 
     def __init__(self, paths: str | Sequence[str], group: str | None = None, *, patched: bool | None = None) -> None:
-        self.paths = [remote.absolute(p) for p in ([paths] if isinstance(paths, (str, os.PathLike))
-                                                               else paths)]
+        self.paths = [remote.absolute(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)]
         if not self.paths:
             raise ValueError("a group reader needs at least one dataset path")
         for p in self.paths:
             damage.check_prepared(p)
-        groups: set[str | None] = set()
+        groups: set[str | None] = {group}
         self.counts: list[int] = []
         self.manifests: list[ManifestIndex | None] = []
         self.checksums: list[ChecksumTable | None] = []
@@ -65,8 +57,6 @@ class GroupDatasets:
             groups.add(g or group)
             self.counts.append(n)
         groups.discard(None)
-        if group is not None:
-            groups.add(group)
         if len(groups) != 1:
             raise ValueError(f"datasets {self.paths} are not all of one group: {sorted(map(str, groups))}")
         self.group: str = groups.pop()  # type: ignore[assignment]

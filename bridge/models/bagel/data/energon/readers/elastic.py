@@ -1,8 +1,7 @@
 """``data.order: elastic`` (the default): the plan of a group reader whose stream survives any change of DP size or
 ``num_workers``, and small groups on large worlds.
 
-What is read is :mod:`.partitions`'s: the group's official selection as selection positions, cut into ``P`` canonical
-partitions, and the endless stream as blocks ``v = 0, 1, 2, ...`` (partition ``v mod P`` in epoch ``v // P``). Every
+What is read is :mod:`.partitions`'s: blocks ``v = 0, 1, 2, ...`` (partition ``v mod P`` in epoch ``v // P``). Every
 block is read by exactly one rank, whole, so every sample is read exactly once per epoch across the world.
 
 Which blocks a rank reads — the stripes. In the first world of a run (DP size ``W``), DP rank ``r`` reads the blocks
@@ -14,19 +13,16 @@ round robin, one sample each (locality in the shards, mixing across the group's 
 replaced by the rank's next one. Each read's random choices are seeded by (group, data seed, selection position,
 epoch) (``cooking.common.Draws`` on a private generator), so a sample is the same whichever rank or worker cooks it.
 
-State (:class:`ElasticPlan`, ``_savable_fields``): ``open`` (block and cursor of each open slot), ``turn`` (the slot
-read next), ``queue`` (blocks handed to this rank by a resize, with their cursors, opened before the tail), ``tail``
-(``[base, stride]``: this rank's blocks from ``base`` on, every ``stride``-th), ``pending`` (restore keys handed over
-by a resize: samples that were waiting in the old ranks' packers, read first). ``open`` and ``queue`` are zlib-packed
-int64 deltas: a few bytes per block in the usual lock-step, so a rank's state stays small at any DP size (tested:
-<= 64 KiB at DP 1 and DP 8192 with the default ``data.partitions``).
+State (:class:`ElasticPlan`, ``_savable_fields``; the table in ``docs/elastic.md``): ``open`` (block and cursor of
+each open slot), ``turn`` (the slot read next), ``queue`` (blocks handed over by a resize, opened before the tail),
+``tail`` (``[base, stride]``), ``pending`` (handed-over restore keys, read first). ``open`` and ``queue`` are
+zlib-packed int64 deltas (<= 64 KiB per rank at DP 1 and DP 8192 with the default ``data.partitions``).
 
 A resize (:meth:`ElasticPlan.resize_state`, pure data over every old rank's state): ``B`` = the largest old tail base;
 every block below ``B`` that no old rank finished (open with its cursor, queued, or an old tail's block below ``B``)
 is dealt round robin, in block order, to the new ranks; the blocks from ``B`` on are the new tails (``B + r', W'``);
 handed-over keys are dealt round robin too. Every unfinished block stays owned by exactly one rank, with its cursor.
-A budget change (``data.resume_budget_change``) goes through the same method on one rank's own state: blocks and
-cursors kept, the packer's waiting samples appended to ``pending``.
+A budget change (``data.resume_budget_change``) goes through the same method on one rank's own state.
 :func:`reads_taken` recovers, from the final states of every rank, exactly which (position, epoch) reads were taken:
 ``tools.ledger`` proves exactly-once from it.
 """
@@ -55,11 +51,6 @@ __all__ = ["DEFAULT_PARTITIONS", "ElasticPlan", "KEY_TAG", "reads_taken"]
 KEY_TAG = "Elastic"
 
 
-def _cook_rng(group: str, seed: int, position: int, epoch: int) -> random.Random:
-    key = f"bagel-elastic-cook|{group}|{seed}|{position}|{epoch}".encode()
-    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
-
-
 def _pack(rows: Sequence[Sequence[int]]) -> bytes:
     """``[[v, cursor], ...]`` (v ascending or in slot order) as zlib-packed int64 deltas."""
     arr = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
@@ -82,15 +73,18 @@ def _read(key: tuple, replay: tuple | None = None, handover: bool = False) -> Re
     return Read(d, i, key, [j, e], {"position": j, "epoch": e, "partition": p}, replay, handover)
 
 
-def _key_parts(key: Any, where: str) -> tuple[int, int, int, int, int]:
-    """``(dataset, index, position, epoch, partition)`` of a restore key ``((KEY_TAG, d, i, j, e, p), choices)``."""
-    try:
-        (tag, d, i, j, e, p), _choices = key
-        if tag != KEY_TAG:
-            raise ValueError(tag)
-        return int(d), int(i), int(j), int(e), int(p)
-    except (TypeError, ValueError):
-        raise StateError(f"{where}: not an elastic restore key: {key!r:.120}") from None
+def _checked_keys(keys: Sequence[Any], where: str) -> list[list]:
+    """``keys`` as lists, each a restore key ``((KEY_TAG, d, i, j, e, p), choices)`` with int parts, else
+    ``StateError`` naming ``where``."""
+    for key in keys:
+        try:
+            (tag, *parts), _choices = key
+            if tag != KEY_TAG or len(parts) != 5:
+                raise ValueError(tag)
+            list(map(int, parts))  # every part an int (else TypeError / ValueError)
+        except (TypeError, ValueError):
+            raise StateError(f"{where}: not an elastic restore key: {key!r:.120}") from None
+    return [list(k) for k in keys]
 
 
 class ElasticPlan(Savable):
@@ -123,8 +117,7 @@ class ElasticPlan(Savable):
         """The first world's stripes: blocks ``v ≡ dp_rank (mod dp_size)``, the first ``L`` of them open."""
         r, w, n = self.dp_rank, self.dp_size, self.order.num_partitions
         slots = max(1, len(range(r, n, w)))
-        self._open = [[r + k * w, 0] for k in range(slots)]
-        self.turn = 0
+        self._open, self.turn = [[r + k * w, 0] for k in range(slots)], 0
         self._queue: list[list[int]] = []
         self.tail = [r + slots * w, w]
         self.pending: list[tuple[tuple, tuple]] = []  # (read key, choices), oldest first
@@ -142,18 +135,16 @@ class ElasticPlan(Savable):
             raise StateError(f"{where}: malformed state (open {len(opened)} blocks, tail {tail!r})")
         if not 0 <= int(state["turn"]) < len(opened):
             raise StateError(f"{where}: turn {state['turn']!r} out of range for {len(opened)} open blocks")
-        for k in state["pending"]:
-            _key_parts(k, where)
+        _checked_keys(state["pending"], where)
         self._open, self._queue = opened, queue
         self.turn, self.tail = int(state["turn"]), [int(tail[0]), int(tail[1])]
         self.pending = [(tuple(k[0]), tuple(k[1])) for k in state["pending"]]
 
     def identity(self) -> dict[str, Any]:
         """What a saved state must match: the order's parameters and the selection (never the topology)."""
+        selection = json.dumps([[list(r) for r in runs] for runs in self.layout.runs]).encode()
         return {"seed": self.seed, "partitions": self.order.num_partitions, "chunk": self.order.chunk,
-                "num_positions": self.order.num_positions,
-                "selection_sha256": hashlib.sha256(json.dumps([[list(r) for r in runs] for runs in self.layout.runs]
-                                                              ).encode()).hexdigest()}
+                "num_positions": self.order.num_positions, "selection_sha256": hashlib.sha256(selection).hexdigest()}
 
     # -- reading -------------------------------------------------------------------------------------
     def copy(self) -> "ElasticPlan":
@@ -189,19 +180,20 @@ class ElasticPlan(Savable):
 
     def rng(self, read: Read) -> random.Random:
         """The read's own generator, seeded by (group, data seed, selection position, epoch)."""
-        return _cook_rng(self.group, self.seed, read.data_indexes["position"], read.data_indexes["epoch"])
+        j, e = read.data_indexes["position"], read.data_indexes["epoch"]
+        key = f"bagel-elastic-cook|{self.group}|{self.seed}|{j}|{e}".encode()
+        return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
 
     def read_of(self, restore_key: Any, handover: bool = False) -> Read:
         """The read that rebuilds the sample of ``restore_key`` (its recorded choices replayed)."""
-        _key_parts(restore_key, f"ElasticPlan {self.group!r}")
+        _checked_keys([restore_key], f"ElasticPlan {self.group!r}")
         return _read(tuple(restore_key[0]), tuple(restore_key[1]), handover)
 
     def stall_limit(self, dataset: int) -> int:
         """Drops in a row from one dataset after which it can never yield on this rank: twice the positions of the
         dataset the rank reads before it has seen every partition it will ever read (``N / gcd(P, W)``), plus the
         open blocks."""
-        n = self.order.num_partitions
-        cycle = -(-self.layout.positions_of(dataset) // math.gcd(n, self.dp_size))
+        cycle = -(-self.layout.positions_of(dataset) // math.gcd(self.order.num_partitions, self.dp_size))
         return 2 * cycle + 2 * len(self._open) + 2
 
     def stall_source(self, dataset: int) -> str | None:
@@ -233,11 +225,9 @@ class ElasticPlan(Savable):
                 raise StateError(f"{where}: a budget change rebuilds a rank from its own state only, got {len(olds)}")
             old = olds[0]
             check_fields(self, old, f"{where}: DP rank {ctx.dp_rank}")
-            keys = [list(k) for k in old["pending"]] + [list(k) for k in handover]
-            for key in keys:
-                _key_parts(key, where)
+            pending = _checked_keys([*old["pending"], *handover], where)
             return {"open": old["open"], "turn": int(old["turn"]), "queue": old["queue"],
-                    "tail": [int(x) for x in old["tail"]], "pending": keys}
+                    "tail": [int(x) for x in old["tail"]], "pending": pending}
         bases, strides, explicit = [], set(), []
         for k, old in enumerate(olds):
             check_fields(self, old, f"{where}: old rank {k}")
@@ -246,8 +236,8 @@ class ElasticPlan(Savable):
             strides.add(int(old["tail"][1]))
         if len(strides) != 1 or sorted(b % len(olds) for b in bases) != list(range(len(olds))) \
                 or strides != {len(olds)}:
-            raise StateError(f"{where}: the {len(olds)} old states' tails (bases {bases[:8]}, strides {sorted(strides)}) "
-                             "are not one world's: give every old rank's file of one checkpoint")
+            raise StateError(f"{where}: the {len(olds)} old states' tails (bases {bases[:8]}, strides "
+                             f"{sorted(strides)}) are not one world's: give every old rank's file of one checkpoint")
         top = max(bases)
         for b in bases:  # an old rank's blocks below the largest base: unread, now explicit
             explicit += [[v, 0] for v in range(b, top, len(olds))]
@@ -264,9 +254,7 @@ class ElasticPlan(Savable):
         while len(opened) < slots:
             opened.append([tail[0], 0])
             tail[0] += w
-        keys = [list(k) for old in olds for k in old["pending"]] + [list(k) for k in handover]
-        for key in keys:
-            _key_parts(key, where)
+        keys = _checked_keys([*(k for old in olds for k in old["pending"]), *handover], where)
         return {"open": _pack(opened), "turn": 0, "queue": _pack(queue), "tail": tail, "pending": keys[r::w]}
 
 
@@ -275,12 +263,8 @@ def reads_taken(states: Sequence[Mapping[str, Any]], order: PartitionOrder) -> t
     whether epoch 0 is complete (every block of it finished): the blocks below the largest tail base that no rank
     still holds are finished; an open or queued block is taken up to its cursor."""
     n, w = order.num_partitions, len(states)
-    held: dict[int, int] = {}
-    bases = []
-    for s in states:
-        for v, c in _unpack(s["open"], "reads_taken") + _unpack(s["queue"], "reads_taken"):
-            held[int(v)] = int(c)
-        bases.append(int(s["tail"][0]))
+    held = {int(v): int(c) for s in states for key in ("open", "queue") for v, c in _unpack(s[key], "reads_taken")}
+    bases = [int(s["tail"][0]) for s in states]
     top = max(bases)
     unread = {v for b in bases for v in range(b, top, w)}
     taken: set[tuple[int, int]] = set()

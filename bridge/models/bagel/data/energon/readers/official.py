@@ -1,21 +1,17 @@
 """``data.order: official``: the plan of a group reader in the OFFICIAL BAGEL iteration order (spec
 bagel_packer.md §4.1–§4.5), the parity order.
 
-The official source datasets build a list of sharding units (t2i: parquet files; edit: (file, row
-group) of the files in parquet_info; vlm: (raw line, image dir)), sort it, shuffle it with
-``random.Random(seed)``, keep the rank's contiguous ``len // world_size`` slice and, inside a DataLoader
-worker, the worker's ``per_rank // num_workers`` slice *reversed*. Rows are then read unit by unit and
-cooked with the global ``random`` module, and ``data_indexes`` are positions in that unit list.
+The official source datasets build a list of sharding units (t2i: parquet files; edit: (file, row group) of the
+files in parquet_info; vlm: (raw line, image dir)), sort it, shuffle it with ``random.Random(seed)``, keep the rank's
+contiguous ``len // world_size`` slice and, inside a DataLoader worker, the worker's ``per_rank // num_workers``
+slice *reversed*. Rows are then read unit by unit and cooked with the global ``random`` module, and
+``data_indexes`` are positions in that unit list.
 
-:class:`OfficialPlan` does the same from the converter's manifest (the reader fetches each row's crude sample by
-index), so the reader's output can be compared sample by sample with the official classes (the golden tests); it is
-also each emulated worker's per-group plan under ``data.order: official`` (``pipeline.official_mode``). Its draws
-come from the global ``random`` at the moment the row is read, so it never reads ahead. Listing order: the official
-reader selects ``num_used_data`` files in ``os.listdir`` order (file-system dependent); here the manifest's (sorted)
-file order is used.
-
-State: ``cursor`` = [unit position, row position in the unit] of the next row; a buffered sample is rebuilt from
-``((position, row), rng choices)`` by replaying its recorded draws (no RNG is touched).
+:class:`OfficialPlan` does the same from the converter's manifest (file listing order: ``selection``), so the
+reader's output can be compared sample by sample with the official classes (the golden tests); it is also each
+emulated worker's per-group plan under ``data.order: official`` (``pipeline.official_mode``). Its draws come from the
+global ``random`` at the moment the row is read, so it never reads ahead. State: ``cursor`` = [unit position, row
+position in the unit] of the next row.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ import numpy as np
 
 from ...state import Savable, StateError
 from ..cooking import global_random
-from ..layout import META_PART, T2I, VLM, load_manifest
+from ..layout import META_PART, T2I, VLM
 from .plan import Read, Skip
 from .selection import select_files, shuffled_range, vlm_lines
 
@@ -43,15 +39,16 @@ logger = logging.getLogger(__name__)
 class Rows(Sequence):
     """The rows of one unit as ``(row id suffix, dataset, key index)``, computed on access (no per-row object).
 
-    ``first`` is the sample index of row 0; rows are ``first .. first + count - 1``. ``row_group`` None: a vlm
-    line (suffix ``()``); else the suffix is ``(row_group, r)`` (t2i, ``with_group``) or ``(r,)`` (edit).
+    ``first`` is the sample index of row 0; rows are ``first .. first + count - 1``. The suffix of row ``r``: ``()``
+    for a vlm line, ``(r,)`` in edit row group ``row_group``, ``(g, r in g)`` in a t2i file whose ``row_groups``
+    (rows per group) are given.
     """
 
     ds: int
     first: int
     count: int
     row_group: int | None = None
-    with_group: bool = False
+    row_groups: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return self.count
@@ -59,30 +56,15 @@ class Rows(Sequence):
     def __getitem__(self, r: int) -> tuple[tuple, int, int]:  # type: ignore[override]
         if isinstance(r, slice):
             return tuple(self[i] for i in range(*r.indices(self.count)))  # type: ignore[return-value]
-        if r < 0:
-            r += self.count
-        if not 0 <= r < self.count:
-            raise IndexError(r)
-        return self._row(r)
-
-    def _row(self, r: int) -> tuple[tuple, int, int]:
-        """Row ``r`` (``0 <= r < count``): ``(coordinate suffix, dataset, sample index)``."""
-        suffix = () if self.row_group is None else ((self.row_group, r) if self.with_group else (r,))
+        r = range(self.count)[r]  # negative indices count from the end; IndexError outside
+        suffix: tuple = () if self.row_group is None else (r,)
+        if self.row_groups:  # t2i: (row group, row in it)
+            g, k = 0, r
+            while k >= self.row_groups[g]:
+                k -= self.row_groups[g]
+                g += 1
+            suffix = (g, k)
         return suffix, self.ds, self.first + r
-
-
-@dataclass(frozen=True)
-class _T2IRows(Rows):
-    """A t2i file: rows over several row groups, suffix ``(row_group, row)``; ``row_groups`` = rows per group."""
-
-    row_groups: tuple[int, ...] = ()
-
-    def _row(self, k: int) -> tuple[tuple, int, int]:
-        g, r = 0, k
-        while r >= self.row_groups[g]:
-            r -= self.row_groups[g]
-            g += 1
-        return (g, r), self.ds, self.first + k
 
 
 @dataclass(frozen=True)
@@ -106,45 +88,39 @@ def _file_units(ds: int, manifest: Mapping[str, Any], n: int, group: str) -> lis
     for f in select_files(manifest["files"], n):
         path, rgs, first = f["file"], f["row_groups"], int(f["first_sample"])
         if group == T2I:
-            units.append(Unit(path, _T2IRows(ds, first, sum(rgs), row_groups=tuple(rgs)), path))
+            units.append(Unit(path, Rows(ds, first, sum(rgs), row_groups=tuple(rgs)), path))
             continue
-        declared = f.get("declared_row_groups")
-        if declared is None:  # not in parquet_info: the official reader never opens it
-            continue
-        for g in range(declared):
+        for g in range(f.get("declared_row_groups") or 0):  # None: not in parquet_info, never opened officially
             rows = None if g >= len(rgs) else Rows(ds, first + sum(rgs[:g]), rgs[g], row_group=g)
             units.append(Unit((path, g), rows, f"{path} row group {g}"))
     return units
 
 
-def _vlm_selected(manifest: Mapping[str, Any], n: int, shuffle_lines: bool, shuffle_seed: int) -> np.ndarray:
-    """Line numbers (= sample indices) of the official ``lines[:n]`` after the optional shuffle, in that order."""
-    lines = vlm_lines(manifest, n, shuffle_lines, shuffle_seed)
-    if lines is None:
-        return np.arange(min(max(n, 0), int(manifest["num_lines"])), dtype=np.int64)
-    return lines
+def _vlm_lines(manifests: Sequence[Mapping[str, Any]], readers: Sequence[Any], num_used_data: Sequence[int],
+               shuffle_lines: bool, shuffle_seed: int) -> tuple[list[tuple[str, str]], np.ndarray, np.ndarray]:
+    """The group's selected vlm lines (per dataset, the first ``n`` after the optional shuffle) in selection order:
+    their official sort keys ``(raw line, image dir)`` (one indexed read of each line's meta.json ``raw_line``, only
+    those lines), their datasets and their sample indices (= line numbers), int64."""
+    sels = [vlm_lines(m, n, True, shuffle_seed) if shuffle_lines else
+            np.arange(min(max(n, 0), int(m["num_lines"])), dtype=np.int64) for m, n in zip(manifests, num_used_data)]
+    keys: list[tuple[str, str]] = []
+    for m, r, sel in zip(manifests, readers, sels):
+        keys += [(json.loads(r.crude(i)[META_PART])["raw_line"], m.get("image_dir", "")) for i in sel.tolist()]
+    ds_of = np.concatenate([np.full(len(s), d, dtype=np.int64) for d, s in enumerate(sels)])
+    return keys, ds_of, np.concatenate(sels).astype(np.int64, copy=False)
 
 
-def _raw_lines(access: Any, idx: np.ndarray) -> list[str]:
-    """The raw jsonl text of the given samples (their meta.json ``raw_line``): one indexed read each."""
-    return [json.loads(access.crude(int(i))[META_PART])["raw_line"] for i in idx.tolist()]
-
-
-def _vlm_units(ds: int, manifest: Mapping[str, Any], reader: Any, n: int,
-               shuffle_lines: bool, shuffle_seed: int) -> list[Unit]:
-    """vlm units: the first ``n`` lines after the optional shuffle (only those lines' meta.json are read)."""
-    image_dir = manifest.get("image_dir", "")
-    sel = _vlm_selected(manifest, n, shuffle_lines, shuffle_seed)
-    name = manifest["files"][0]["file"]
-    return [Unit((raw, image_dir), Rows(ds, idx, 1), f"{name} line {idx}")
-            for raw, idx in zip(_raw_lines(reader, sel), sel.tolist())]
+def _vlm_unit(manifests: Sequence[Mapping[str, Any]], keys: list, ds_of: np.ndarray, idx_of: np.ndarray,
+              p: int) -> Unit:
+    """The unit of selected line ``p`` (a :func:`_vlm_lines` position)."""
+    d, i = int(ds_of[p]), int(idx_of[p])
+    return Unit(keys[p], Rows(d, i, 1), f"{manifests[d]['files'][0]['file']} line {i}")
 
 
 def _slice(n: int, *, seed: int, rank: int, world_size: int, num_workers: int, worker_id: int) -> np.ndarray:
     """Positions (into the sorted unit list of length ``n``) of this worker's units, in reading order:
     ``Random(seed).shuffle``, rank slice, worker slice reversed (exact, see :func:`shuffled_range`)."""
-    perm = shuffled_range(n, seed)
-    per_rank = n // world_size
+    perm, per_rank = shuffled_range(n, seed), n // world_size
     mine = perm[rank * per_rank:(rank + 1) * per_rank]
     if num_workers > 0:
         per_worker = per_rank // num_workers
@@ -166,32 +142,22 @@ def _vlm_shard(manifests: Sequence[Mapping[str, Any]], readers: Sequence[Any],
     """``shard_units(official_units(vlm ...))`` with ``Unit`` objects only for this worker's units: the selected
     lines' texts (the official sort key) are read and sorted stably once, kept as a numpy order, and only the
     worker's slice becomes ``Unit``s. Returns ``(units, total units of the group)``."""
-    sels = [_vlm_selected(m, n, shuffle_lines, shuffle_seed) for m, n in zip(manifests, num_used_data)]
-    keys: list[tuple[str, str]] = []
-    for m, r, sel in zip(manifests, readers, sels):  # texts are transient: ranked, then dropped
-        image_dir = m.get("image_dir", "")
-        keys += [(raw, image_dir) for raw in _raw_lines(r, sel)]
+    lines = _vlm_lines(manifests, readers, num_used_data, shuffle_lines, shuffle_seed)
+    keys = lines[0]  # texts are transient: ranked, then dropped
     order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)  # stable, as official
-    ds_of = np.concatenate([np.full(len(s), d, dtype=np.int64) for d, s in enumerate(sels)])
-    idx_of = np.concatenate(sels).astype(np.int64, copy=False)
     mine = order[_slice(len(keys), seed=seed, rank=rank, world_size=world_size, num_workers=num_workers,
                         worker_id=worker_id)]
-    units = [Unit(keys[p], Rows(int(ds_of[p]), int(idx_of[p]), 1),
-                  f"{manifests[int(ds_of[p])]['files'][0]['file']} line {int(idx_of[p])}") for p in mine.tolist()]
-    return units, len(keys)
+    return [_vlm_unit(manifests, *lines, p) for p in mine.tolist()], len(keys)
 
 
 def official_units(group: str, manifests: Sequence[Mapping[str, Any]], readers: Sequence[Any],
                    num_used_data: Sequence[int], *, shuffle_lines: bool = False, shuffle_seed: int = 0) -> list[Unit]:
     """All units of a group over its converted datasets, before sorting/shuffling."""
     _check_group(group, manifests, num_used_data)
-    units: list[Unit] = []
-    for ds, (man, n) in enumerate(zip(manifests, num_used_data)):
-        if group == VLM:
-            units += _vlm_units(ds, man, readers[ds], n, shuffle_lines, shuffle_seed)
-        else:
-            units += _file_units(ds, man, n, group)
-    return units
+    if group == VLM:
+        lines = _vlm_lines(manifests, readers, num_used_data, shuffle_lines, shuffle_seed)
+        return [_vlm_unit(manifests, *lines, p) for p in range(len(lines[0]))]
+    return [u for ds, (man, n) in enumerate(zip(manifests, num_used_data)) for u in _file_units(ds, man, n, group)]
 
 
 def _check_group(group: str, manifests: Sequence[Mapping[str, Any]], num_used_data: Sequence[int]) -> None:
@@ -220,8 +186,7 @@ class OfficialPlan(Savable):
                  num_used_data: Sequence[int], *, seed: int = 42, rank: int = 0, world_size: int = 1,
                  num_workers: int = 0, worker_id: int = 0, shuffle_lines: bool = False, shuffle_seed: int = 0,
                  repeat: bool = False) -> None:
-        self.group, self.repeat = group, bool(repeat)
-        self.worker_id = worker_id if num_workers > 0 else 0
+        self.group, self.repeat, self.worker_id = group, bool(repeat), worker_id if num_workers > 0 else 0
         split = dict(seed=seed, rank=rank, world_size=world_size, num_workers=num_workers, worker_id=worker_id)
         if group == VLM:
             _check_group(group, manifests, num_used_data)

@@ -32,12 +32,6 @@ DEFAULT_CHUNK = 100
 _CACHE_BLOCKS = 16384
 
 
-def _stable_int(*parts: object) -> int:
-    """A 63-bit integer from ``parts`` (sha256 of their text): the same on every machine and Python."""
-    text = "|".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:8], "big") >> 1
-
-
 @dataclass(frozen=True)
 class GroupLayout:
     """The selection positions of one group: which (dataset, sample index) each position reads.
@@ -52,16 +46,11 @@ class GroupLayout:
     offset: np.ndarray = field(init=False, repr=False)    # int64 (R + 1,): first position of each expanded run
 
     def __post_init__(self) -> None:
-        ds, starts, lengths = [], [], []
-        for d, runs in enumerate(self.runs):
-            for s, e, reps in runs:
-                for _ in range(int(reps)):
-                    if e > s:
-                        ds.append(d)
-                        starts.append(int(s))
-                        lengths.append(int(e) - int(s))
-        if not lengths:
+        expanded = [(d, int(s), int(e) - int(s)) for d, runs in enumerate(self.runs) for s, e, reps in runs
+                    for _ in range(int(reps)) if e > s]
+        if not expanded:
             raise ValueError("the group's selection is empty")
+        ds, starts, lengths = zip(*expanded)
         object.__setattr__(self, "dataset", np.asarray(ds, dtype=np.int32))
         object.__setattr__(self, "start", np.asarray(starts, dtype=np.int64))
         object.__setattr__(self, "offset", np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]))
@@ -73,8 +62,7 @@ class GroupLayout:
 
     def positions_of(self, dataset: int) -> int:
         """Selection positions of dataset ``dataset`` in one epoch (repetitions counted)."""
-        lengths = np.diff(self.offset)
-        return int(lengths[self.dataset == int(dataset)].sum())
+        return int(np.diff(self.offset)[self.dataset == int(dataset)].sum())
 
     def coordinate(self, position: int) -> tuple[int, int]:
         """``(dataset index, sample index)`` read at selection ``position`` (0 <= position < N)."""
@@ -89,15 +77,15 @@ class PartitionOrder:
     ``seed``: the data seed; ``group``: the group name (part of the permutation seed).
     """
 
-    def __init__(self, num_positions: int, partitions: int, seed: int, group: str, chunk: int = DEFAULT_CHUNK
-                 ) -> None:
+    def __init__(self, num_positions: int, partitions: int, seed: int, group: str, chunk: int = DEFAULT_CHUNK) -> None:
         if num_positions <= 0 or partitions <= 0 or chunk <= 0:
             raise ValueError(f"PartitionOrder needs positive sizes, got N={num_positions}, partitions={partitions}, "
                              f"chunk={chunk}")
         self.num_positions, self.chunk = int(num_positions), int(chunk)
         self.num_partitions = min(int(partitions), self.num_positions)
         self.seed, self.group = int(seed), str(group)
-        self._group_key = _stable_int("bagel-elastic-order", group)
+        key = hashlib.sha256(f"bagel-elastic-order|{group}".encode()).digest()[:8]
+        self._group_key = int.from_bytes(key, "big") >> 1  # 63 bits: the same on every machine and Python
         #: (partition, epoch) -> (chunk permutation, cumulative chunk lengths), for the blocks being read (bounded)
         self._cache: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
@@ -119,8 +107,7 @@ class PartitionOrder:
             return cached
         size = self.size(p)
         n_chunks = -(-size // self.chunk)
-        rng = np.random.default_rng([self.seed & (2**63 - 1), self._group_key, p, epoch])
-        perm = rng.permutation(n_chunks)
+        perm = np.random.default_rng([self.seed & (2**63 - 1), self._group_key, p, epoch]).permutation(n_chunks)
         lengths = np.full(n_chunks, self.chunk, dtype=np.int64)
         lengths[-1] = size - self.chunk * (n_chunks - 1)
         cum = np.cumsum(lengths[perm])
@@ -140,13 +127,10 @@ class PartitionOrder:
 
     def positions(self, p: int, epoch: int, count: int | None = None) -> np.ndarray:
         """The first ``count`` (default: all) positions partition ``p`` reads in ``epoch``, in order (int64)."""
-        size = self.size(p)
-        count = size if count is None else int(count)
-        perm, _ = self._chunks(p, epoch)
-        a = self.bounds(p)[0]
-        parts = [np.arange(a + int(c) * self.chunk, min(a + (int(c) + 1) * self.chunk, a + size), dtype=np.int64)
-                 for c in perm]
-        return np.concatenate(parts)[:count]
+        a, b = self.bounds(p)
+        parts = [np.arange(a + int(c) * self.chunk, min(a + (int(c) + 1) * self.chunk, b), dtype=np.int64)
+                 for c in self._chunks(p, epoch)[0]]
+        return np.concatenate(parts)[:None if count is None else int(count)]
 
 
 def block(v: int, num_partitions: int) -> tuple[int, int]:

@@ -1,12 +1,9 @@
 """The plan interface: what the one reader core (``core.GroupReader``) asks of an order, and the read it gets back.
 
 An order decides *which* sample each read of a group is, how its random choices are drawn and what its state is;
-the core does everything else (cooking, drops, the data watch, read-ahead, counters). The two orders:
-``elastic.ElasticPlan`` (``data.order: elastic``, the default) and ``official.OfficialPlan`` (the parity order).
-
-A plan's next read is a :class:`Read` (or a :class:`Skip`: a unit with nothing to read), a plain record the core
-reads from and a pool worker can be sent; :meth:`Plan.read_of` rebuilds the read of a sample from its restore key
-``(read.key, rng choices)``, so a packer's buffer and an elastic hand-over are saved as keys, never samples.
+the core does everything else. A plan's next read is a :class:`Read` (or a :class:`Skip`), a plain record a pool
+worker can be sent; :meth:`Plan.read_of` rebuilds a read from its restore key ``(read.key, rng choices)``, so a
+packer's buffer and an elastic hand-over are saved as keys, never samples.
 """
 
 from __future__ import annotations
@@ -60,36 +57,28 @@ class Plan(Protocol):
 
     def next_read(self) -> Read | Skip:
         """The next read, advancing the plan; raises StopIteration at the end of a finite plan."""
-        ...
 
     def copy(self) -> "Plan":
         """A copy at the same point, for the read-ahead to advance (``prefetch`` plans only)."""
-        ...
 
     def rng(self, read: Read) -> random.Random | Any:
         """The generator a fresh read's random choices are drawn from (``cooking.Draws(rng=...)``)."""
-        ...
 
     def read_of(self, restore_key: Any) -> Read:
         """The read that rebuilds the sample of ``restore_key`` (its choices replayed); ``StateError`` for a key of
         another order or out of range."""
-        ...
 
     def stall_limit(self, dataset: int) -> int:
         """Drops in a row from ``dataset`` after which the plan can never yield a sample (the liveness rule)."""
-        ...
 
     def stall_source(self, dataset: int) -> str | None:
         """What the drops in a row are counted over, in words (None: per dataset, named by the reader)."""
-        ...
 
     def stats(self) -> dict[str, Any]:
         """The plan's part of ``GroupReader.stats()``."""
-        ...
 
     def identity(self) -> dict[str, Any]:
         """What a saved plan state must match (part of the resume fingerprint)."""
-        ...
 
     def state_dict(self) -> dict[str, Any]:
         ...

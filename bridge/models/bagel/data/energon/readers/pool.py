@@ -3,8 +3,7 @@
 A reader whose order is a pure function of its plan (the elastic order: each read's random choices are seeded by its
 selection position and epoch) may read ahead: it submits its next planned reads to the pool and takes the results in
 plan order, so the stream does not depend on how many workers there are or which one read what. One pool serves all
-of a rank's group readers (before, each group owned its own ``num_workers`` Energon worker processes: three groups
-made three times as many processes, each holding its own copy of the process's memory).
+of a rank's group readers (not ``num_workers`` processes per group, each holding its own copy of the process's memory).
 
 The pool is the standard library's ``ProcessPoolExecutor`` with forked workers, started on the first read (so with
 ``data.prefetch`` the workers are children of the prefetch producer, as Energon's were). A worker holds the rank's
@@ -16,7 +15,6 @@ that started them is gone.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing as mp
 import os
 import signal
@@ -29,18 +27,15 @@ from typing import Any
 
 __all__ = ["ReadPool"]
 
-logger = logging.getLogger(__name__)
-
 _worker_readers: list[Any] = []  # the registered readers, in a worker process (set by _init_worker)
 _forking: list[Any] = []  # the readers of the pool whose workers are being forked right now (parent, one call)
 _PARENT_POLL_S = 1.0
 
 
 def _watch_parent(parent: int) -> None:
-    while True:
+    while os.getppid() == parent:
         time.sleep(_PARENT_POLL_S)
-        if os.getppid() != parent:  # the process that started this pool is gone: nobody reads our results
-            os._exit(0)
+    os._exit(0)  # the process that started this pool is gone: nobody reads our results
 
 
 def _init_worker(parent: int) -> None:
@@ -65,11 +60,8 @@ def _read(reader_id: int, item: Any) -> Any:
 
 
 class ReadPool:
-    """``num_workers`` forked read processes for every reader registered before the first read (``register``).
-
-    ``submit(reader_id, item)`` returns a ``Future`` of ``reader.read_item(item)`` run in a worker. Started lazily on
-    the first ``submit``; shut down when the last registered reader is released (``release``) or on ``shutdown``.
-    Raises RuntimeError when a reader registers after the workers were started (they would not know it).
+    """``num_workers`` forked read processes for every reader registered before the first read (``register``),
+    started lazily on the first ``submit``, shut down when the last registered reader is released or on ``shutdown``.
     """
 
     def __init__(self, num_workers: int) -> None:
@@ -79,12 +71,9 @@ class ReadPool:
         self._executor: ProcessPoolExecutor | None = None
         self._owner = os.getpid()
 
-    @property
-    def started(self) -> bool:
-        return self._executor is not None
-
     def register(self, reader: Any) -> int:
-        """Add ``reader`` (it needs ``read_item(item)``); returns its id for ``submit``."""
+        """Add ``reader`` (it needs ``read_item(item)``); returns its id for ``submit``. RuntimeError once the workers
+        are started (they would not know it)."""
         if self._executor is not None:
             raise RuntimeError("ReadPool: a reader was registered after the read workers started; build every group "
                                "reader of the rank before the first read")
@@ -111,8 +100,7 @@ class ReadPool:
 
     def pids(self) -> list[int]:
         """The worker processes' pids (empty before the first read)."""
-        procs = getattr(self._executor, "_processes", None) or {}
-        return sorted(procs)
+        return sorted(getattr(self._executor, "_processes", None) or {})
 
     def release(self, reader_id: int) -> None:
         """Reader ``reader_id`` is done (closed); the last one shuts the workers down."""

@@ -11,13 +11,11 @@ Official rules (spec bagel_packer.md §4.2–§4.5, mirroring ``data/parquet_uti
 * vlm: the file's lines in order, shuffled with ``random.Random(shuffle_seed)`` when ``shuffle_lines``,
   the first ``n`` kept (no repetition).
 
-:func:`manifest_runs` gives the selection of one converted dataset directly as ``(start, end, repetitions)``
-runs of consecutive sample indices: the elastic order lays them out as one epoch's selection positions
-(``partitions.GroupLayout``). Cost: t2i / edit O(files) at C speed from the per-file ``first_sample`` / ``num_samples`` (the
-format-2 dict's entries, or the int64 columns of a ``layout.ManifestIndex``; no per-sample object); vlm
-O(1) unless a shuffled strict subset is asked, then one exact permutation of the lines as a numpy array
+:func:`manifest_runs` gives one converted dataset's selection as ``(start, end, repetitions)`` runs of consecutive
+sample indices (laid out by the elastic order as one epoch's selection positions: ``partitions.GroupLayout``). Cost:
+t2i / edit O(files) at C speed (a format-2 dict's entries or a ``layout.ManifestIndex``'s int64 columns; no
+per-sample object); vlm O(1) unless a shuffled strict subset is asked, then one exact permutation of the lines
 (:func:`shuffled_range`, 4 bytes per line) and one run per stretch of consecutive selected lines.
-``selection_counts`` (``{sample index: times selected}``) is the per-sample view, for tests.
 """
 
 from __future__ import annotations
@@ -38,9 +36,7 @@ Run = tuple[int, int, int]
 
 def select_files(files: Sequence[Any], n: int) -> list[Any]:
     """``get_parquet_data_paths``: the listing repeated ``n // len + 1`` times, first ``n`` entries."""
-    if not files:
-        return []
-    return (list(files) * (n // len(files) + 1))[:n]
+    return (list(files) * (n // len(files) + 1))[:n] if files else []
 
 
 def shuffled_range(n: int, seed: int) -> np.ndarray:
@@ -59,49 +55,25 @@ def shuffled_range(n: int, seed: int) -> np.ndarray:
 Manifest = Mapping[str, Any] | ManifestIndex
 
 
-def _v2(manifest: Manifest) -> Manifest:
-    """A format-2 view of ``manifest`` (an in-memory format-1 dict with ``samples`` is upgraded; an index as it is)."""
+def _index(manifest: Manifest) -> ManifestIndex:
+    """``manifest`` as a :class:`ManifestIndex` (an in-memory format-1 dict with ``samples`` upgraded first; a vlm
+    dict's file ranges are left empty: its selection needs ``num_lines`` only)."""
     if isinstance(manifest, ManifestIndex):
         return manifest
-    files = manifest.get("files") or [{}]
-    if "samples" in manifest and "first_sample" not in files[0]:
-        return upgrade_manifest_v1(manifest, "<in-memory manifest>")
-    return manifest
-
-
-def _num_lines(manifest: Manifest) -> int:
-    if isinstance(manifest, ManifestIndex):
-        return manifest.num_lines
-    return int(manifest.get("num_lines", manifest.get("num_samples", 0)))
-
-
-def _group(manifest: Manifest) -> str:
-    return manifest.group if isinstance(manifest, ManifestIndex) else manifest["group"]
-
-
-def _file_ranges(manifest: Manifest) -> tuple[np.ndarray, np.ndarray]:
-    """``(first_sample, num_samples)`` per file, int64 ``[files]``."""
-    if isinstance(manifest, ManifestIndex):
-        return manifest.file_first_sample, manifest.file_num_samples
-    return file_ranges(manifest["files"])
+    if "samples" in manifest and "first_sample" not in (manifest.get("files") or [{}])[0]:
+        manifest = upgrade_manifest_v1(manifest, "<in-memory manifest>")
+    lines = int(manifest.get("num_lines", manifest.get("num_samples", 0)))
+    ranges = file_ranges(manifest["files"] if manifest["group"] != VLM else [])
+    return ManifestIndex("", manifest["group"], lines, lines, *ranges)
 
 
 def vlm_lines(manifest: Manifest, n: int | None, shuffle_lines: bool, shuffle_seed: int) -> np.ndarray | None:
     """The selected line numbers of a vlm dataset in selection order (the official ``lines[:n]`` after the
     optional shuffle), or None when they are simply ``0 .. min(n, num_lines) - 1`` in order."""
-    num_lines = _num_lines(_v2(manifest))
+    num_lines = _index(manifest).num_lines
     if not shuffle_lines:
         return None
     return shuffled_range(num_lines, shuffle_seed)[: num_lines if n is None else max(n, 0)]
-
-
-def _runs_of_sorted(idx: np.ndarray) -> list[Run]:
-    if len(idx) == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(idx) != 1)
-    starts = np.concatenate(([idx[0]], idx[breaks + 1]))
-    ends = np.concatenate((idx[breaks], [idx[-1]])) + 1
-    return [(int(s), int(e), 1) for s, e in zip(starts.tolist(), ends.tolist())]
 
 
 def manifest_runs(manifest: Manifest, n: int | None, *, shuffle_lines: bool = False,
@@ -112,23 +84,23 @@ def manifest_runs(manifest: Manifest, n: int | None, *, shuffle_lines: bool = Fa
     ``n`` is the dataset's ``num_used_data`` entry; None selects every converted sample once. Equal to
     ``selection_runs(selection_counts(...))`` without building a per-sample dict.
     """
-    man = _v2(manifest)
-    if _group(man) == VLM:
-        num_lines = _num_lines(man)
+    man = _index(manifest)
+    if man.group == VLM:
+        num_lines = man.num_lines
         used = num_lines if n is None else min(max(n, 0), num_lines)
-        if used == num_lines or not shuffle_lines:  # every line, or the first ``used`` lines
+        if used in (0, num_lines) or not shuffle_lines:  # every line, or the first ``used`` lines
             return [(0, used, 1)] if used else []
-        return _runs_of_sorted(np.sort(vlm_lines(man, used, shuffle_lines, shuffle_seed)))
-    starts, nums = _file_ranges(man)
+        idx = np.sort(vlm_lines(man, used, shuffle_lines, shuffle_seed))  # one run per stretch of consecutive lines
+        breaks = np.flatnonzero(np.diff(idx) != 1)
+        starts, ends = np.concatenate(([idx[0]], idx[breaks + 1])), np.concatenate((idx[breaks], [idx[-1]])) + 1
+        return [(int(s), int(e), 1) for s, e in zip(starts.tolist(), ends.tolist())]
+    starts, nums = man.file_first_sample, man.file_num_samples
     if len(starts) == 0:
         return []
     ends = starts + nums
-    if n is None:
-        reps = np.ones(len(starts), dtype=np.int64)
-    else:  # times each file appears in select_files(files, n)
-        k, extra = divmod(max(n, 0), len(starts))
-        reps = np.full(len(starts), k, dtype=np.int64)
-        reps[:extra] += 1
+    k, extra = (1, 0) if n is None else divmod(max(n, 0), len(starts))  # times each file is in select_files(files, n)
+    reps = np.full(len(starts), k, dtype=np.int64)
+    reps[:extra] += 1
     keep = (reps > 0) & (ends > starts)
     starts, ends, reps = starts[keep], ends[keep], reps[keep]
     if len(starts) == 0:

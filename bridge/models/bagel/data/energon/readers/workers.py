@@ -11,12 +11,10 @@ iterator's ``__del__``: the ``None`` it sends each worker is never written, and 
 later call when a few 2-worker readers were collected together). Shutting the iterator down explicitly, while
 its queues are alive, takes milliseconds.
 
-Energon's tar readers (``ITarReader``) keep the shard files they open cached on the dataset object. A random
-read in the parent (``restore_sample``: a packer buffer or an elastic hand-over restored before iterating)
-leaves files open there; worker processes forked afterwards inherit those file objects, and forked processes
-share one file offset per open file, so two workers seeking and reading the same shard (or its ``.tar.idx``
-index) read each other's positions ("ValueError: Unexpected end of tar file", or a header of the wrong sample). :func:`close_tar_files`
-closes them after every such read in the parent; each worker then opens its own.
+Energon's tar readers (``ITarReader``) keep the shard (and ``.tar.idx``) files they open cached on the dataset
+object; workers forked after a read in the parent (``restore_sample``) would share one file offset per file and read
+each other's positions (``docs/upstream.md``). :func:`close_tar_files` closes them after every such read in the
+parent; each worker then opens its own.
 """
 
 from __future__ import annotations
