@@ -8,15 +8,5 @@ from .packer import SPECIAL_TOKEN_KEYS, BagelPacker, restore_key_of
 from .sequence import PackLayout, SequenceBuilder
 from .sources import ListGroupSource
 
-__all__ = [
-    "BagelPacker",
-    "BalancedPacker",
-    "ListGroupSource",
-    "PackLayout",
-    "SequenceBuilder",
-    "SPECIAL_TOKEN_KEYS",
-    "batch_digest",
-    "dense_attention_mask",
-    "first_difference",
-    "restore_key_of",
-]
+__all__ = ["BagelPacker", "BalancedPacker", "ListGroupSource", "PackLayout", "SequenceBuilder", "SPECIAL_TOKEN_KEYS",
+           "batch_digest", "dense_attention_mask", "first_difference", "restore_key_of"]

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..config.lengths import is_overlength
-from .step import GroupDraw, PackBudgets, draw_mandatory
+from .step import GroupDraw, LoopTarget, PackBudgets, draw_mandatory
 
 __all__ = ["COMPLETION_GAP", "BalanceTarget", "BalancedLoop", "PoolBook"]
 
@@ -69,22 +69,14 @@ S = TypeVar("S")
 COMPLETION_GAP = 0.004
 
 
-class BalanceTarget(Protocol[S]):
-    """What :meth:`BalancedLoop.fill` needs from its caller.
+class BalanceTarget(LoopTarget[S], Protocol[S]):
+    """What :meth:`BalancedLoop.fill` needs from its caller (``drop`` reasons: ``overlength`` /
+    ``overlength_mandatory``).
 
     A sample that enters the pool gets a *note* (a small int, saved with the pool) from :meth:`enter`: what
     the caller must draw when a sample is drawn rather than when it is packed (the packer: its CFG dropout
     coins, so that the loop knows the sample's exact packed length and cost). :meth:`measure` must be a pure
     function of (sample, note)."""
-
-    def random(self) -> float:
-        """One uniform draw in [0, 1) for a group choice."""
-
-    def next_sample(self, group: int) -> S:
-        """The next sample of group ``group`` (may raise StopIteration)."""
-
-    def estimate(self, sample: S) -> int:
-        """The sample's official length estimate (tokens, :func:`..config.lengths.estimate`; the over-length rule)."""
 
     def enter(self, sample: S) -> int:
         """The note of a sample entering the pool (draws what must be drawn now; 0 if nothing)."""
@@ -94,9 +86,6 @@ class BalanceTarget(Protocol[S]):
 
     def add(self, group: int, sample: S, length: int, note: int) -> None:
         """Pack ``sample`` into the current pack."""
-
-    def drop(self, reason: str, group: int, sample: S, est: int, curr: int) -> None:
-        """Count ``sample`` as dropped for ``reason`` (``overlength`` / ``overlength_mandatory``)."""
 
 
 @dataclass
@@ -196,31 +185,18 @@ class BalancedLoop(Generic[S]):
         chosen = [False] * n
         tok, cst = 0, 0.0
         firsts: list[int] = []
-        for group in self.mandatory:
-            pick = cheapest = -1
-            for i in range(n):
-                if pool[i][0] != group or chosen[i]:
-                    continue
-                e, c = metrics[i]
-                if tok + e <= cap and cst + c <= limit:
-                    pick = i
-                    break
-                if cheapest < 0 or c < metrics[cheapest][1]:
-                    cheapest = i
-            pick = pick if pick >= 0 else cheapest
+        for group in self.mandatory:  # its oldest sample that fits, else its cheapest
+            mine = [i for i in range(n) if pool[i][0] == group and not chosen[i]]
+            pick = next((i for i in mine if tok + metrics[i][0] <= cap and cst + metrics[i][1] <= limit),
+                        min(mine, key=lambda i: metrics[i][1]))
             chosen[pick] = True
             firsts.append(pick)
             tok += metrics[pick][0]
             cst += metrics[pick][1]
         overdue_before = packs - self.max_wait
         rest: list[int] = []
-        for i in range(n):
-            if chosen[i]:
-                continue
-            e, c = metrics[i]
-            if tok + e > cap:
-                continue
-            if cst + c <= limit or since[i] <= overdue_before:
+        for i, (e, c) in enumerate(metrics):
+            if not chosen[i] and tok + e <= cap and (cst + c <= limit or since[i] <= overdue_before):
                 chosen[i] = True
                 rest.append(i)
                 tok += e
@@ -275,8 +251,6 @@ class BalancedLoop(Generic[S]):
         taken = set(firsts) | set(rest)
         keep = [i for i in range(len(pool)) if i not in taken]
         pool[:] = [pool[i] for i in keep]
-        book.since = [book.since[i] for i in keep]
-        book.notes = [book.notes[i] for i in keep]
-        book.metrics = [book.metrics[i] for i in keep]
+        book.since, book.notes, book.metrics = ([xs[i] for i in keep] for xs in (book.since, book.notes, book.metrics))
         book.packs += 1
         return tokens, cost

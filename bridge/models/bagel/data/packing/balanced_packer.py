@@ -4,14 +4,12 @@ It is ``BagelPacker`` (same sources, layout, batch, drops, ledger, buffer as res
 loop replaced by :class:`.balance.BalancedLoop`: the buffer becomes the look-ahead pool. A sample's CFG
 dropout coins are drawn (global ``random``, as officially, but when it enters the pool) and replayed when it is
 packed, so its packed length and its cost (:meth:`.cost.CostModel.cost` of :func:`.cost.sample_work`) are
-exact when the loop chooses.
-The design and its guarantees are in :mod:`.balance`; the official strategy (``BagelPacker``) is untouched.
+exact when the loop chooses. The design and its guarantees are in :mod:`.balance`; the official strategy
+(``BagelPacker``) is untouched.
 
 State: ``BagelPacker``'s fields plus ``balance`` (:meth:`.balance.PoolBook.state`: the pack at which each
 pooled sample entered and its dropout coins as a bit mask, this rank's pack count, and the sums of cost and
-tokens of every sample drawn, from which the target follows). On an elastic resize (:meth:`BalancedPacker.resize_state`) the pool is handed to
-the readers as ``BagelPacker``'s buffer is, every new rank starts with an empty pool and a pack count of 0,
-and every new rank gets the old world's sums (one common target from the first pack after the resize).
+tokens of every sample drawn, from which the target follows; elastic resize: :meth:`BalancedPacker.resize_state`).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from ..config.schema import PackerConfig
 from ..state import ResizeContext, StateError
 from .balance import BalancedLoop, PoolBook
 from .cost import CostModel, Work, sample_work
-from .packer import BagelPacker, _PackFill, _resize_packer_state
+from .packer import BagelPacker, _PackFill
 from .sequence import SequenceBuilder, sample_field
 from .step import PackBudgets
 
@@ -40,8 +38,7 @@ def _check_book(state: Any, where: str) -> None:
     """Raise ``StateError`` unless ``state`` is a ``PoolBook.state()``."""
     ok = (isinstance(state, dict) and set(state) == set(_BOOK_KEYS) and isinstance(state["since"], list)
           and isinstance(state["notes"], list) and len(state["notes"]) == len(state["since"])
-          and all(isinstance(v, int) for v in (*state["since"], *state["notes"], state["packs"],
-                                               state["seen_tokens"]))
+          and all(isinstance(v, int) for v in (*state["since"], *state["notes"], state["packs"], state["seen_tokens"]))
           and isinstance(state["seen_cost"], (int, float)))
     if not ok:
         raise StateError(f"{where}: the balance state {state!r:.100} is not a balanced packer's (keys "
@@ -49,18 +46,15 @@ def _check_book(state: Any, where: str) -> None:
 
 
 class _PresetDropout(SequenceBuilder):
-    """``SequenceBuilder`` whose CFG dropout replays the coins drawn when the sample entered the pool (the note
-    of :meth:`BalancedPacker.draw_dropout`) instead of drawing them from the global ``random`` now."""
+    """``SequenceBuilder`` whose CFG dropout replays ``dropped``, the coins drawn when the sample entered the pool
+    (the note of :meth:`BalancedPacker.draw_dropout`, ``cost.sample_work``'s bit order), instead of drawing them
+    from the global ``random`` now."""
 
-    def __init__(self, layout: Any) -> None:
-        super().__init__(layout)
-        self.dropped = 0
+    dropped = 0
+
+    def pack_sample(self, sample: Any) -> None:
         self._k = 0
-
-    def pack_noted(self, sample: Any, dropped: int) -> None:
-        """``pack_sample`` with the items ``dropped`` names (``cost.sample_work``'s bit order) CFG-dropped."""
-        self.dropped, self._k = int(dropped), 0
-        self.pack_sample(sample)
+        super().pack_sample(sample)
 
     def _cfg_dropped(self, item: dict, prob: float) -> bool:  # type: ignore[override]
         if item["enable_cfg"] != 1:
@@ -69,22 +63,12 @@ class _PresetDropout(SequenceBuilder):
         return bool(self.dropped >> (self._k - 1) & 1)
 
 
-class _CostedFill:
+class _CostedFill(_PackFill):
     """``BagelPacker``'s pack target as ``BalancedLoop`` sees it (``balance.BalanceTarget``)."""
 
-    __slots__ = ("fill", "packer")
-
-    def __init__(self, fill: _PackFill, packer: "BalancedPacker") -> None:
-        self.fill, self.packer = fill, packer
-
-    def random(self) -> float:
-        return self.fill.random()
-
-    def next_sample(self, group: int) -> Any:
-        return self.fill.next_sample(group)
-
-    def estimate(self, sample: Any) -> int:
-        return self.fill.estimate(sample)
+    __slots__ = ()
+    packer: "BalancedPacker"
+    pack: _PresetDropout
 
     def enter(self, sample: Any) -> int:
         return self.packer.draw_dropout(sample)
@@ -93,14 +77,9 @@ class _CostedFill:
         work = self.packer.sample_work(sample, note)
         return int(work.tokens), self.packer.cost_model.cost(work)
 
-    def add(self, group: int, sample: Any, length: int, note: int) -> None:
-        self.fill.pack.pack_noted(sample, note)
-        self.fill.data_indexes.append(sample_field(sample, "data_indexes"))
-        self.fill.groups.append(group)
-        self.packer._stall.ok(self.packer.group_names[group])
-
-    def drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:
-        self.fill.drop(reason, group, sample, est, curr)
+    def add(self, group: int, sample: Any, length: int, note: int) -> None:  # type: ignore[override]
+        self.pack.dropped = int(note)
+        super().add(group, sample, length)
 
 
 class BalancedPacker(BagelPacker):
@@ -111,6 +90,8 @@ class BalancedPacker(BagelPacker):
     """
 
     _savable_fields = (*BagelPacker._savable_fields, "balance")
+    _fill_type = _CostedFill
+    _builder_type = _PresetDropout
 
     def __init__(self, sources: Sequence[Iterator[Any]], group_weights: Sequence[float],
                  is_mandatory: Sequence[bool], special_tokens: Mapping[str, int], config: PackerConfig | None = None,
@@ -139,13 +120,8 @@ class BalancedPacker(BagelPacker):
         c = self.config
         prob = {"text": c.text_cond_dropout_prob, "vit_image": c.vit_cond_dropout_prob,
                 "vae_image": c.vae_cond_dropout_prob}
-        mask, k = 0, 0
-        for item in sample_field(sample, "sequence_plan"):
-            if item["enable_cfg"] == 1:
-                if random.random() < prob[item["type"]]:
-                    mask |= 1 << k
-                k += 1
-        return mask
+        items = [item for item in sample_field(sample, "sequence_plan") if item["enable_cfg"] == 1]
+        return sum(1 << k for k, item in enumerate(items) if random.random() < prob[item["type"]])
 
     def sample_work(self, sample: Any, dropped: int = 0) -> Work:
         """``cost.sample_work`` of ``sample`` with the items ``dropped`` names dropped, at this packer's patch sizes."""
@@ -153,20 +129,12 @@ class BalancedPacker(BagelPacker):
         return sample_work(sample, vit_patch_size=c.vit_patch_size, vae_image_downsample=c.vae_image_downsample,
                            dropped=dropped)
 
-    def _builder(self) -> _PresetDropout:
-        return _PresetDropout(self.layout)
-
     @property
     def balance(self) -> dict[str, Any]:
         """The balanced loop's record (``PoolBook.state``): entry pack and note per pooled sample, packs, cost
-        sums (the declared state field ``balance``)."""
+        sums (the declared state field ``balance``, saved by ``BagelPacker.state_dict`` beside the pool, its
+        ``buffer`` as restore keys)."""
         return self._book.state()
-
-    def state_dict(self) -> dict[str, Any]:
-        """``BagelPacker.state_dict()`` (the pool is its ``buffer``, as restore keys) plus ``balance``."""
-        state = super().state_dict()
-        state["balance"] = self._book.state()
-        return state
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """``BagelPacker.check_compatible``, and ``balance`` must be a balanced packer's record with one entry
@@ -184,38 +152,26 @@ class BalancedPacker(BagelPacker):
         self._book = PoolBook.of_state(state["balance"])
 
     def _fill(self, fill: _PackFill) -> None:
-        self.last_pack = self._balanced.fill(_CostedFill(fill, self), self.buffer, self._book)
+        self.last_pack = self._balanced.fill(fill, self.buffer, self._book)
 
     def resize_state(self, olds: list[dict[str, Any]], ctx: ResizeContext, **kw: Any) -> dict[str, Any]:
         """``BagelPacker.resize_state`` (the pool is handed to the readers as the buffer is;
-        docs/packing_ledger.md), plus ``balance``: an empty record with the old world's summed cost and token
-        sums, on every new rank (one common target from the first pack after the resize). Raises ``StateError``
-        (one line) for states that are not balanced packer states."""
-        base = BagelPacker._savable_fields
-        if not isinstance(olds, (list, tuple)) or not olds:
-            raise StateError(f"BalancedPacker.resize_state: needs the packer states of all old ranks (a non-empty "
-                             f"list), got {olds!r:.80}")
+        docs/packing_ledger.md), plus ``balance``: on every new rank an empty pool, a pack count of 0 and the old
+        world's summed cost and token sums (one common target from the first pack after the resize). Raises
+        ``StateError`` (one line) for states that are not balanced packer states."""
+        state = super().resize_state(olds, ctx)
         for i, old in enumerate(olds):
-            if not isinstance(old, dict) or set(old) != set(self._savable_fields):
-                got = sorted(old) if isinstance(old, dict) else type(old).__name__
-                raise StateError(f"BalancedPacker.resize_state: old rank {i}'s state has fields {got}, a "
-                                 f"BalancedPacker state has {list(self._savable_fields)} (saved under another "
-                                 "packer.strategy or version)")
             _check_book(old["balance"], f"BalancedPacker.resize_state: old rank {i}")
-        state = _resize_packer_state(base, self.source, [{k: old[k] for k in base} for old in olds], ctx)
-        state["balance"] = {"since": [], "notes": [], "packs": 0,
-                            "seen_cost": float(sum(float(old["balance"]["seen_cost"]) for old in olds)),
-                            "seen_tokens": sum(int(old["balance"]["seen_tokens"]) for old in olds)}
+        state["balance"] = PoolBook(seen_cost=float(sum(float(old["balance"]["seen_cost"]) for old in olds)),
+                                    seen_tokens=sum(int(old["balance"]["seen_tokens"]) for old in olds)).state()
         return state
 
     def stats(self) -> dict[str, Any]:
         """``BagelPacker.stats()`` plus ``balance``: this rank's ``packs``, the ``target_flops`` of a pack, the
         ``flops_per_token`` it derives from (mean over the samples drawn), the ``last_pack_flops`` /
         ``last_pack_tokens`` the loop planned for the last pack and the ``pool_flops`` waiting."""
-        out = super().stats()
         book = self._book
-        out["balance"] = {"packs": book.packs, "target_flops": self._balanced.target_cost(book),
-                          "last_pack_tokens": self.last_pack[0], "last_pack_flops": self.last_pack[1],
-                          "flops_per_token": book.cost_per_token,
-                          "pool_flops": sum(c for _, c in book.metrics or ())}
-        return out
+        return {**super().stats(), "balance": {
+            "packs": book.packs, "target_flops": self._balanced.target_cost(book),
+            "last_pack_tokens": self.last_pack[0], "last_pack_flops": self.last_pack[1],
+            "flops_per_token": book.cost_per_token, "pool_flops": sum(c for _, c in book.metrics or ())}}

@@ -138,13 +138,8 @@ def splits_of_plan(plan: Sequence[Mapping[str, Any]], item_tokens: Sequence[int]
     for item, n in zip(plan, item_tokens):
         if item.get("split_start", True):
             split_len = 0
-            kind = item["type"]
-            if kind == "text":
-                mode = "causal"
-            elif kind == "vit_image":
-                mode = "full"
-            else:
-                mode = "noise" if item.get("loss") == 1 and "frame_delta" not in item else "full"
+            noise = item["type"] == "vae_image" and item.get("loss") == 1 and "frame_delta" not in item
+            mode = "causal" if item["type"] == "text" else "noise" if noise else "full"
         split_len += n + 2
         if item.get("split_end", True):
             lens.append(split_len)
@@ -159,22 +154,18 @@ def sample_work(sample: Any, *, vit_patch_size: int, vae_image_downsample: int, 
     consumes its text or image). With ``dropped = 0`` its ``tokens`` are ``lengths.estimate`` of the sample,
     less the images no plan item uses (quirk §13.14: counted in ``num_tokens``, never packed)."""
     get = sample.get if isinstance(sample, dict) else lambda k: getattr(sample, k)
-    plan = get("sequence_plan")
-    texts, images = get("text_ids_list"), get("image_tensor_list")
+    plan, texts, images = get("sequence_plan"), get("text_ids_list"), get("image_tensor_list")
     kept: list[Mapping[str, Any]] = []
     sizes: list[int] = []
-    vit_seqlens: list[int] = []
-    vae = 0
     text_i = image_i = cfg_k = 0
     for item in plan:
-        kind = item["type"]
-        if kind == "text":
+        if item["type"] == "text":
             n = len(texts[text_i])
             text_i += 1
         else:
             image = images[image_i]
             image_i += 1
-            p = vit_patch_size if kind == "vit_image" else vae_image_downsample
+            p = vit_patch_size if item["type"] == "vit_image" else vae_image_downsample
             n = (int(image.shape[-2]) // p) * (int(image.shape[-1]) // p)
         if item["enable_cfg"] == 1:
             cfg_k += 1
@@ -182,10 +173,6 @@ def sample_work(sample: Any, *, vit_patch_size: int, vae_image_downsample: int, 
                 continue
         kept.append(item)
         sizes.append(n)
-        if kind == "vit_image":
-            vit_seqlens.append(n)
-        elif kind == "vae_image":
-            vae += n
     return layout_work(kept, sizes)
 
 
@@ -234,31 +221,23 @@ def _dense_splits(mask: Any) -> tuple[list[int], list[str]]:
     ``full`` / ``noise`` split; such a split is ``noise`` when the token right after it cannot see its first
     token. The tokens in between become one ``causal`` split (adjacent causal splits cost the same as one)."""
     n = int(mask.shape[0])
-    if n == 0:
-        return [], []
     together = (mask.diagonal(1) == 0).tolist()
-    lens: list[int] = []
-    modes: list[str] = []
+    splits: list[tuple[int, str]] = []
     start = i = 0
     while i < n:
         if i < n - 1 and together[i]:
-            j = i
-            while j < n - 1 and together[j]:
-                j += 1
+            end = i + 1  # tokens i .. end - 1 form the split
+            while end < n and together[end - 1]:
+                end += 1
             if i > start:
-                lens.append(i - start)
-                modes.append("causal")
-            end = j + 1  # tokens i .. j form the split
-            noise = end < n and bool(mask[end, i] != 0)
-            lens.append(end - i)
-            modes.append("noise" if noise else "full")
+                splits.append((i - start, "causal"))
+            splits.append((end - i, "noise" if end < n and bool(mask[end, i] != 0) else "full"))
             start = i = end
         else:
             i += 1
     if n > start:
-        lens.append(n - start)
-        modes.append("causal")
-    return lens, modes
+        splits.append((n - start, "causal"))
+    return [length for length, _ in splits], [mode for _, mode in splits]
 
 
 def batch_work(batch: Mapping[str, Any]) -> Work:
@@ -272,19 +251,17 @@ def batch_work(batch: Mapping[str, Any]) -> Work:
     pairs = 0
     if "split_lens" in batch:
         sample_lens = [int(n) for n in batch["sample_lens"][:-1]]
-        splits = list(zip((int(n) for n in batch["split_lens"][:-1]), batch["attn_modes"][:-1]))
+        split_lens, modes = [int(n) for n in batch["split_lens"][:-1]], batch["attn_modes"][:-1]
         k = 0
         for length in sample_lens:
-            lens: list[int] = []
-            modes: list[str] = []
-            while length > 0 and k < len(splits):
-                lens.append(splits[k][0])
-                modes.append(splits[k][1])
-                length -= splits[k][0]
-                k += 1
+            j = k
+            while length > 0 and j < len(split_lens):
+                length -= split_lens[j]
+                j += 1
             if length != 0:
                 raise ValueError("batch_work: the flex split_lens do not tile sample_lens")
-            pairs += split_pairs(lens, modes)
+            pairs += split_pairs(split_lens[k:j], modes[k:j])
+            k = j
         tokens = sum(sample_lens)
     else:
         tokens = 0

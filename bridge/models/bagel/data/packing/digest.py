@@ -20,9 +20,7 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu().contiguous()
-    if t.is_floating_point():
-        return t.view(_INT_VIEW[t.element_size()])
-    return t
+    return t.view(_INT_VIEW[t.element_size()]) if t.is_floating_point() else t
 
 
 def first_difference(expected: Any, actual: Any, path: str = "batch") -> str | None:
@@ -42,19 +40,13 @@ def first_difference(expected: Any, actual: Any, path: str = "batch") -> str | N
     if isinstance(expected, dict):
         if set(expected) != set(actual):
             return f"{path}: keys differ ({sorted(map(str, set(expected) ^ set(actual)))})"
-        for k in expected:
-            diff = first_difference(expected[k], actual[k], f"{path}.{k}")
-            if diff:
-                return diff
-        return None
+        items = ((f"{path}.{k}", expected[k], actual[k]) for k in expected)
+        return next(filter(None, (first_difference(x, y, where) for where, x, y in items)), None)
     if isinstance(expected, (list, tuple)):
         if len(expected) != len(actual):
             return f"{path}: length {len(expected)} != {len(actual)}"
-        for i, (x, y) in enumerate(zip(expected, actual)):
-            diff = first_difference(x, y, f"{path}[{i}]")
-            if diff:
-                return diff
-        return None
+        items = ((f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(expected, actual)))
+        return next(filter(None, (first_difference(x, y, where) for where, x, y in items)), None)
     if expected != actual and not (isinstance(expected, float) and expected != expected and actual != actual):
         return f"{path}: {expected!r} != {actual!r}"
     return None

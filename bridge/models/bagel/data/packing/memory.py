@@ -7,8 +7,8 @@ are carved from reusable blocks (uninitialised ``uint8`` NumPy arrays) and hande
 through ``torch.from_numpy`` on a NumPy view of the block made for this buffer alone (the "lease"). The
 tensor's storage holds the lease for as long as *any* tensor, view or NumPy array of that memory is alive;
 only when the last one is gone is the lease collected and its block returned to the pool
-(``weakref.finalize``). A
-consumer that keeps a batch therefore keeps its memory: nothing is reused while referenced.
+(``weakref.finalize``). A consumer that keeps a batch therefore keeps its memory: nothing is reused while
+referenced.
 
 Free blocks kept in the pool are capped at ``pool_limit_bytes`` (default 2 GiB, env
 ``BAGEL_DATA_POOL_BYTES``; 0 disables pooling); beyond it freed blocks are released to the system.
@@ -46,9 +46,8 @@ __all__ = ["POOL_MIN_BYTES", "empty", "pool_stats", "release_shared", "set_pool_
 POOL_MIN_BYTES = 1 << 20  # smaller buffers come from the ordinary allocator (it keeps them warm itself)
 _SHARED = False
 _LOCK = threading.Lock()
-_FREE: list[tuple[int, int, np.ndarray]] = []  # (capacity bytes, serial, block), sorted by capacity
+_FREE: list[tuple[int, np.ndarray]] = []  # (capacity bytes, block), sorted by capacity, oldest first
 _STATS = {"hits": 0, "misses": 0, "released": 0}
-_serial = 0
 _limit = int(os.environ.get("BAGEL_DATA_POOL_BYTES", str(2 << 30)))
 _shm_limit = int(os.environ.get("BAGEL_DATA_SHM_POOL_BYTES", str(512 << 20)))
 _SHM_BLOCKS: list[torch.UntypedStorage] = []  # shared-memory blocks owned by this process's pool
@@ -106,7 +105,7 @@ def pool_stats() -> dict[str, int]:
     """Counters: ``hits`` (buffers served from a warm block), ``misses`` (new blocks), ``released`` (blocks
     given back to the system over the limit), ``free_blocks`` / ``free_bytes`` currently pooled."""
     with _LOCK:
-        return {**_STATS, "free_blocks": len(_FREE), "free_bytes": sum(c for c, _, _ in _FREE),
+        return {**_STATS, "free_blocks": len(_FREE), "free_bytes": sum(c for c, _ in _FREE),
                 "shared_blocks": len(_SHM_BLOCKS), "shared_bytes": sum(b.nbytes() for b in _SHM_BLOCKS)}
 
 
@@ -125,18 +124,16 @@ def _capacity(nbytes: int) -> int:
 
 
 def _trim_locked() -> None:
-    total = sum(c for c, _, _ in _FREE)
+    total = sum(c for c, _ in _FREE)
     while _FREE and total > _limit:
-        cap, _, _ = _FREE.pop(0)  # smallest first: big blocks are the expensive ones to fault in
+        cap, _ = _FREE.pop(0)  # smallest first: big blocks are the expensive ones to fault in
         total -= cap
         _STATS["released"] += 1
 
 
 def _give_back(block: np.ndarray) -> None:
-    global _serial
     with _LOCK:
-        _serial += 1
-        bisect.insort(_FREE, (block.nbytes, _serial, block), key=lambda e: (e[0], e[1]))
+        bisect.insort(_FREE, (block.nbytes, block), key=lambda e: e[0])  # after the blocks of its size
         _trim_locked()
 
 
@@ -146,7 +143,7 @@ def _take(nbytes: int) -> np.ndarray:
         i = bisect.bisect_left(_FREE, nbytes, key=lambda e: e[0])
         if i < len(_FREE) and _FREE[i][0] <= REUSE_SPAN * nbytes:
             _STATS["hits"] += 1
-            return _FREE.pop(i)[2]
+            return _FREE.pop(i)[1]
         _STATS["misses"] += 1
     return np.empty(_capacity(nbytes), dtype=np.uint8)
 
@@ -197,18 +194,9 @@ def _trim_shared_locked(keep: int) -> None:
         _STATS["released"] += 1
 
 
-#: Pool the producer's shared-memory blocks (False: every shared buffer is fresh). It was off for a while:
-#: run as one pytest process, prefetched dense batches changed under the trainer. Cause (reproduced, then fixed
-#: by ``_reset_lock_in_child``): a process that had pooled shared blocks forked a producer, which inherited the
-#: pool; a fork adds no cross-process count and the trainer's torch ``shared_cache`` maps a handle it already
-#: holds without adding one, so the child saw "free" blocks the trainer still used.
-POOL_SHARED = True
-
-
 def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    if not POOL_SHARED or nbytes < POOL_MIN_BYTES or _shm_limit <= 0 or not _check_refcount_layout():
-        storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+    if nbytes < POOL_MIN_BYTES or _shm_limit <= 0 or not _check_refcount_layout():
+        return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(max(nbytes, 1)), 0, shape)
     with _LOCK:
         fits = [b for b in _SHM_BLOCKS if nbytes <= b.nbytes() <= REUSE_SPAN * nbytes and _shared_free(b)]
         if fits:

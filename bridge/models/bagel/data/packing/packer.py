@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,9 +46,7 @@ _STALL_HINT = ("Raise packer.max_num_tokens_per_sample (at most max_num_tokens) 
 
 def restore_key_of(sample: Any) -> Any:
     """The small key a group source can rebuild ``sample`` from (``restore_key`` field), or None."""
-    if isinstance(sample, dict):
-        return sample.get("restore_key")
-    return getattr(sample, "restore_key", None)
+    return sample.get("restore_key") if isinstance(sample, dict) else getattr(sample, "restore_key", None)
 
 
 def ledger_errors(ledger: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -62,82 +61,71 @@ def ledger_errors(ledger: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return out
 
 
-# -- elastic resize (pure data; BagelPacker.resize_state) ------------------------------------------------
-
-def _resize_packer_state(fields: Sequence[str], sources: Sequence[Any], olds: Any, ctx: ResizeContext) -> dict[str, Any]:
-    """``BagelPacker.resize_state``'s rule on saved states ``olds`` (fields ``fields``), for new rank ``ctx``."""
-    where = "BagelPacker.resize_state"
-    if not isinstance(olds, (list, tuple)) or not olds:
-        raise StateError(f"{where}: needs the packer states of all old ranks (a non-empty list), got {olds!r:.80}")
-    for i, old in enumerate(olds):
-        if not isinstance(old, dict) or set(old) != set(fields):
-            got = sorted(old) if isinstance(old, dict) else type(old).__name__
-            raise StateError(f"{where}: old rank {i}'s state has fields {got}, a BagelPacker state has "
-                             f"{list(fields)} (saved by another version, or not a packer state)")
-    names, n = list(olds[0]["groups"]), len(olds[0]["groups"])
-    if n != len(sources):
-        raise StateError(f"{where}: the old ranks' packers have {n} groups {names}, this packer {len(sources)}")
-    tags = [s.get("stage") if isinstance(s, dict) else None for s in olds[0]["source"]]
-    for i, old in enumerate(olds):
-        if list(old["groups"]) != names:
-            raise StateError(f"{where}: old rank {i} has groups {list(old['groups'])}, old rank 0 has {names}: "
-                             "the old ranks ran different configs; resume with the config they were saved with")
-        for field in ("source", "consumed", "packed", "group_drops"):
-            if not isinstance(old[field], list) or len(old[field]) != n:
-                got = len(old[field]) if isinstance(old[field], list) else type(old[field]).__name__
-                raise StateError(f"{where}: old rank {i} has {got} {field} entries for {n} groups {names}")
-        if [s.get("stage") if isinstance(s, dict) else None for s in old["source"]] != tags:
-            raise StateError(f"{where}: old rank {i}'s group sources differ from old rank 0's {tags}")
-        bad = [e for f in ("buffer", "carry") for e in old[f]
-               if not (isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int) and 0 <= e[0] < n)]
-        drops = old["drops"]
-        if bad or not (isinstance(drops, dict) and drops.get("stage") == "DropCounter"):
-            raise StateError(f"{where}: old rank {i}'s buffer/carry entries {bad[:3]} or drops {drops!r:.60} are "
-                             f"malformed for groups {names}")
-    rank, size = int(ctx.dp_rank), int(ctx.dp_size)
-    if not 0 <= rank < size:
-        raise StateError(f"{where}: new dp_rank {rank} is out of range for dp_size {size}")
-    if ctx.same_world and len(olds) != 1:
-        raise StateError(f"{where}: a budget change rebuilds a rank from its own state only, got {len(olds)} states")
-    first = ctx.carries_counters
-    # old-rank order; within a rank buffer order, carry last
-    waiting = [[key for old in olds for f in ("buffer", "carry") for gg, key in old[f] if gg == g]
-               for g in range(n)]
-    ctx.note_handover(sum(len(keys) for keys in waiting))
-
-    def summed(field: str, minus: Sequence[list] = ()) -> list[int]:
-        return [sum(int(old[field][g]) for old in olds) - len(minus[g] if minus else ()) if first else 0
-                for g in range(n)]
-
-    state: dict[str, Any] = {
-        "groups": names,
-        "source": [ctx.resize(sources[g], [old["source"][g] for old in olds], handover=waiting[g]) for g in range(n)],
-        "buffer": [],
-        "carry": [],
-        "drops": {"stage": "DropCounter", "state": {"counts": merge_counts(
-            old["drops"]["state"].get("counts", {}) for old in olds) if first else {}}},
-        "num_batches": sum(int(old["num_batches"]) for old in olds) if first else 0,
-        "consumed": summed("consumed", waiting),  # the handed-over samples are consumed again by their new owner
-        "packed": summed("packed"),
-        "group_drops": [merge_counts(old["group_drops"][g] for old in olds) if first else {} for g in range(n)],
-    }
-    if set(state) != set(fields):  # a new declared field needs a rule here
-        raise StateError(f"{where}: no resize rule for packer state fields {sorted(set(fields) - set(state))}")
-    return state
+_FIELDS = ("groups", "source", "buffer", "carry", "drops", "num_batches", "consumed", "packed", "group_drops")
 
 
 def _dataset_part(sample: Any) -> str:
     """`` (dataset NAME)`` for samples that know their Energon dataset (``__sources__``), else empty."""
-    for info in getattr(sample, "__sources__", None) or ():
-        path = getattr(info, "dataset_path", None)
-        if path is not None:
-            return f" (dataset {str(path).rstrip('/').rsplit('/', 1)[-1]!r})"
-    return ""
+    paths = (getattr(info, "dataset_path", None) for info in getattr(sample, "__sources__", None) or ())
+    path = next((p for p in paths if p is not None), None)
+    return "" if path is None else f" (dataset {str(path).rstrip('/').rsplit('/', 1)[-1]!r})"
 
 
-def _estimate(sample: Any) -> int:
-    """Official length estimate of a sample (``lengths.estimate``: num_tokens + 2 per plan item)."""
-    return estimate(sample_field(sample, "num_tokens"), len(sample_field(sample, "sequence_plan")))
+class _PackFill:
+    """One pack under construction as the ``PackLoop``'s target: samples from the packer's sources, laid out by its
+    ``_builder_type`` (``curr`` is the real packed length), group draws from the global ``random``."""
+
+    __slots__ = ("packer", "pack", "data_indexes", "groups")
+
+    def __init__(self, packer: BagelPacker) -> None:
+        self.packer = packer
+        self.pack = packer._builder_type(packer.layout)
+        self.data_indexes: list[Any] = []
+        self.groups: list[int] = []  # group of each packed sample, in pack order
+
+    @property
+    def curr(self) -> int:
+        return self.pack.curr
+
+    def random(self) -> float:
+        return random.random()
+
+    def next_sample(self, group: int) -> Any:
+        packer = self.packer
+        try:
+            sample = next(packer.source[group])
+        except StopIteration:
+            logger.warning("BagelPacker: group %r is exhausted; stopping", packer.group_names[group])
+            raise
+        packer.consumed[group] += 1
+        return sample
+
+    def estimate(self, sample: Any) -> int:
+        """Official length estimate (``lengths.estimate``: num_tokens + 2 per plan item)."""
+        return estimate(sample_field(sample, "num_tokens"), len(sample_field(sample, "sequence_plan")))
+
+    def add(self, group: int, sample: Any, est: int) -> None:
+        self.pack.pack_sample(sample)
+        self.data_indexes.append(sample_field(sample, "data_indexes"))
+        self.groups.append(group)
+        self.packer._stall.ok(self.packer.group_names[group])
+
+    def drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:
+        """Count a drop of the pack loop; a group that only ever drops over-length samples raises
+        ``DataStallError`` (liveness rule)."""
+        packer, name = self.packer, self.packer.group_names[group]
+        packer.group_drops[group][reason] = packer.group_drops[group].get(reason, 0) + 1
+        where = f"group {name!r} sample {sample_field(sample, 'data_indexes')}"
+        limit = packer.config.max_num_tokens_per_sample
+        if reason in ("overlength_mandatory", "overlength"):
+            op = ">=" if reason == "overlength_mandatory" else ">"
+            detail = f"{where} estimated {est} tokens {op} max_num_tokens_per_sample {limit}"
+            packer.drops.drop(reason, detail)
+            packer._stall.drop(name, reason, detail, limit=packer.config.max_consecutive_drops,
+                               where=f"group {name!r}{_dataset_part(sample)}")
+            return
+        why = "after leaving the buffer" if reason == "flush_drop_buffered" else "and the buffer is full"
+        packer.drops.drop(reason, f"{where} ({est} tokens) did not fit a pack of {curr} tokens {why} (official flush)")
 
 
 class BagelPacker(Stage):
@@ -150,19 +138,13 @@ class BagelPacker(Stage):
     four ids of ``SPECIAL_TOKEN_KEYS``. Raises ValueError when the per-group arguments do not line up.
     """
 
-    _savable_fields = ("groups", "source", "buffer", "carry", "drops", "num_batches", "consumed", "packed",
-                       "group_drops")
+    _savable_fields = _FIELDS
+    _fill_type: type[_PackFill] = _PackFill  # the loop's target for one pack
+    _builder_type: type[SequenceBuilder] = SequenceBuilder  # a pack's layout (``BalancedPacker``'s replays CFG coins)
 
-    def __init__(
-        self,
-        sources: Sequence[Iterator[Any]],
-        group_weights: Sequence[float],
-        is_mandatory: Sequence[bool],
-        special_tokens: Mapping[str, int],
-        config: PackerConfig | None = None,
-        *,
-        group_names: Sequence[str] | None = None,
-    ) -> None:
+    def __init__(self, sources: Sequence[Iterator[Any]], group_weights: Sequence[float],
+                 is_mandatory: Sequence[bool], special_tokens: Mapping[str, int], config: PackerConfig | None = None,
+                 *, group_names: Sequence[str] | None = None) -> None:
         n = len(sources)
         if n == 0:
             raise ValueError("BagelPacker needs at least one group")
@@ -198,18 +180,16 @@ class BagelPacker(Stage):
         """Packing knobs, groups, weights and special tokens: a saved state applies only to the same packer."""
         return {"config": self.config.stream_identity(), "group_names": list(self.group_names),
                 "group_weights": list(self.group_weights), "is_mandatory": list(self.is_mandatory),
-                "special_tokens": [self.layout.bos_token_id, self.layout.eos_token_id, self.layout.start_of_image,
-                                   self.layout.end_of_image]}
+                "special_tokens": [getattr(self.layout, k) for k in SPECIAL_TOKEN_KEYS]}
 
     def _keys_of(self, entries: list[tuple[int, Any]], what: str) -> list[list[Any]]:
         out = []
         for group, sample in entries:
             key = restore_key_of(sample)
             if key is None:
-                raise StateError(
-                    f"BagelPacker.state_dict: a {what} sample of group {self.group_names[group]!r} "
-                    f"({sample_field(sample, 'data_indexes')}) has no restore_key, so the {what} cannot be saved"
-                )
+                raise StateError(f"BagelPacker.state_dict: a {what} sample of group {self.group_names[group]!r} "
+                                 f"({sample_field(sample, 'data_indexes')}) has no restore_key, so the {what} cannot "
+                                 "be saved")
             out.append([group, key])
         return out
 
@@ -220,21 +200,22 @@ class BagelPacker(Stage):
                 raise StateError(f"BagelPacker.load_state_dict: {what} entry for unknown group index {group}")
             restore = getattr(self.source[group], "restore_sample", None)
             if restore is None:
-                raise StateError(
-                    f"BagelPacker.load_state_dict: group {self.group_names[group]!r} has no restore_sample(key), "
-                    f"so its {what} samples cannot be rebuilt"
-                )
+                raise StateError(f"BagelPacker.load_state_dict: group {self.group_names[group]!r} has no "
+                                 f"restore_sample(key), so its {what} samples cannot be rebuilt")
             out.append((group, restore(key)))
         return out
 
     def state_dict(self) -> dict[str, Any]:
         """The declared fields; ``buffer`` and ``carry`` as ``[group index, restore key]`` pairs (samples are rebuilt
-        on load through their group source's ``restore_sample``, never stored)."""
+        on load through their group source's ``restore_sample``, never stored); a subclass's own fields (the
+        ``BalancedPacker``'s ``balance``) as its attributes of that name."""
         return {"groups": list(self.group_names), "source": save_value(self.source, "BagelPacker.source"),
                 "buffer": self._keys_of(self.buffer, "buffered"), "carry": self._keys_of(self.carry, "carried"),
                 "drops": save_value(self.drops, "BagelPacker.drops"), "num_batches": int(self.num_batches),
                 "consumed": [int(c) for c in self.consumed], "packed": [int(c) for c in self.packed],
-                "group_drops": [dict(d) for d in self.group_drops]}
+                "group_drops": [dict(d) for d in self.group_drops],
+                **{f: save_value(getattr(self, f), f"{type(self).__name__}.{f}") for f in self._savable_fields
+                   if f not in _FIELDS}}
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """A state applies only to a packer of the same groups, with one entry per group in every per-group field."""
@@ -270,17 +251,71 @@ class BagelPacker(Stage):
         ``ctx.resize(self.source[g], [old["source"][g] for old in olds], handover=keys)`` (``keys``: old-rank order,
         buffer order, carry last). New rank 0 carries the sums of the old counters, with ``consumed`` less the
         handed-over samples (their new owner consumes them again); other new ranks start at zero, so the world's
-        ledger still balances. Raises ``StateError`` (one line) when the olds disagree on groups or sources.
+        ledger still balances. Raises ``StateError`` (one line) when the olds disagree on groups or sources. A
+        subclass checks and fills the fields it adds to ``_FIELDS``.
         """
-        return _resize_packer_state(self._savable_fields, self.source, olds, ctx)
+        cls, fields = type(self).__name__, self._savable_fields
+        where = f"{cls}.resize_state"
+        if not isinstance(olds, (list, tuple)) or not olds:
+            raise StateError(f"{where}: needs the packer states of all old ranks (a non-empty list), got {olds!r:.80}")
+        for i, old in enumerate(olds):
+            if not isinstance(old, dict) or set(old) != set(fields):
+                got = sorted(old) if isinstance(old, dict) else type(old).__name__
+                raise StateError(f"{where}: old rank {i}'s state has fields {got}, a {cls} state has {list(fields)} "
+                                 "(saved under another packer.strategy or version, or not a packer state)")
+        names, n = list(olds[0]["groups"]), len(olds[0]["groups"])
+        if n != len(self.source):
+            raise StateError(f"{where}: the old ranks' packers have {n} groups {names}, this packer {len(self.source)}")
+        tags = [s.get("stage") if isinstance(s, dict) else None for s in olds[0]["source"]]
+        for i, old in enumerate(olds):
+            if list(old["groups"]) != names:
+                raise StateError(f"{where}: old rank {i} has groups {list(old['groups'])}, old rank 0 has {names}: "
+                                 "the old ranks ran different configs; resume with the config they were saved with")
+            for field in ("source", "consumed", "packed", "group_drops"):
+                if not isinstance(old[field], list) or len(old[field]) != n:
+                    got = len(old[field]) if isinstance(old[field], list) else type(old[field]).__name__
+                    raise StateError(f"{where}: old rank {i} has {got} {field} entries for {n} groups {names}")
+            if [s.get("stage") if isinstance(s, dict) else None for s in old["source"]] != tags:
+                raise StateError(f"{where}: old rank {i}'s group sources differ from old rank 0's {tags}")
+            bad = [e for f in ("buffer", "carry") for e in old[f]
+                   if not (isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], int) and 0 <= e[0] < n)]
+            drops = old["drops"]
+            if bad or not (isinstance(drops, dict) and drops.get("stage") == "DropCounter"):
+                raise StateError(f"{where}: old rank {i}'s buffer/carry entries {bad[:3]} or drops {drops!r:.60} are "
+                                 f"malformed for groups {names}")
+        rank, size = int(ctx.dp_rank), int(ctx.dp_size)
+        if not 0 <= rank < size:
+            raise StateError(f"{where}: new dp_rank {rank} is out of range for dp_size {size}")
+        if ctx.same_world and len(olds) != 1:
+            raise StateError(f"{where}: a budget change rebuilds a rank from its own state only, got {len(olds)} "
+                             "states")
+        first = ctx.carries_counters
+        # old-rank order; within a rank buffer order, carry last
+        waiting = [[key for old in olds for f in ("buffer", "carry") for gg, key in old[f] if gg == g]
+                   for g in range(n)]
+        ctx.note_handover(sum(len(keys) for keys in waiting))
+        state: dict[str, Any] = {
+            "groups": names, "buffer": [], "carry": [],
+            "source": [ctx.resize(self.source[g], [old["source"][g] for old in olds], handover=waiting[g])
+                       for g in range(n)],
+            "drops": {"stage": "DropCounter", "state": {"counts": merge_counts(
+                old["drops"]["state"].get("counts", {}) for old in olds) if first else {}}},
+            "num_batches": sum(int(old["num_batches"]) for old in olds) if first else 0,
+            # the handed-over samples are consumed again by their new owner
+            "consumed": [sum(int(old["consumed"][g]) for old in olds) - len(waiting[g]) if first else 0
+                         for g in range(n)],
+            "packed": [sum(int(old["packed"][g]) for old in olds) if first else 0 for g in range(n)],
+            "group_drops": [merge_counts(old["group_drops"][g] for old in olds) if first else {} for g in range(n)],
+        }
+        if set(state) != set(_FIELDS):  # a new declared field needs a rule here
+            raise StateError(f"{where}: no resize rule for packer state fields {sorted(set(_FIELDS) - set(state))}")
+        return state
 
     def ledger(self) -> dict[str, dict[str, Any]]:
         """Per group: ``consumed`` (taken from its source), ``packed`` (into yielded batches), ``dropped`` (by the
         packer, reason -> count; the source's own drops are in ``source_drops``) and ``buffered`` (waiting in the
         buffer or the carry); ``consumed == packed + sum(dropped) + buffered`` (``ledger_errors``)."""
-        waiting = [0] * len(self.source)
-        for group, _ in (*self.buffer, *self.carry):
-            waiting[group] += 1
+        waiting = Counter(group for group, _ in (*self.buffer, *self.carry))
         return {name: {"consumed": self.consumed[g], "packed": self.packed[g],
                        "dropped": dict(sorted(self.group_drops[g].items())), "buffered": waiting[g]}
                 for g, name in enumerate(self.group_names)}
@@ -296,59 +331,22 @@ class BagelPacker(Stage):
         and the per-group ``ledger`` (:meth:`ledger`)."""
         sources = {name: s.stats() for name, s in zip(self.group_names, self.source)
                    if callable(getattr(s, "stats", None))}
-        return {
-            "num_batches": self.num_batches,
-            "consumed": dict(zip(self.group_names, self.consumed)),
-            "buffer_len": len(self.buffer),
-            "carry_len": len(self.carry),
-            "drops": merge_counts([self.drops.counts, *(st.get("drops", {}) for st in sources.values())]),
-            "unused": merge_counts(st.get("unused", {}) for st in sources.values()),
-            "packer_drops": dict(self.drops.counts),
-            "source_drops": {name: st.get("drops", {}) for name, st in sources.items()},
-            "sources": sources,  # each group source's own counters (the elastic readers' ledger and cursors)
-            "ledger": self.ledger(),
-        }
+        return {"num_batches": self.num_batches, "consumed": dict(zip(self.group_names, self.consumed)),
+                "buffer_len": len(self.buffer), "carry_len": len(self.carry),
+                "drops": merge_counts([self.drops.counts, *(st.get("drops", {}) for st in sources.values())]),
+                "unused": merge_counts(st.get("unused", {}) for st in sources.values()),
+                "packer_drops": dict(self.drops.counts),
+                "source_drops": {name: st.get("drops", {}) for name, st in sources.items()},
+                "sources": sources,  # each group source's own counters (the elastic readers' ledger and cursors)
+                "ledger": self.ledger()}
 
     # -- the official loop (``step.PackLoop``; this class supplies the samples and lays them out) ----------
-    def _next_from(self, group: int) -> Any:
-        try:
-            sample = next(self.source[group])
-        except StopIteration:
-            logger.warning("BagelPacker: group %r is exhausted; stopping", self.group_names[group])
-            raise
-        self.consumed[group] += 1
-        return sample
-
-    def _drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:
-        """Count a drop of the pack loop; a group that only ever drops over-length samples raises
-        ``DataStallError`` (liveness rule)."""
-        name = self.group_names[group]
-        self.group_drops[group][reason] = self.group_drops[group].get(reason, 0) + 1
-        where = f"group {name!r} sample {sample_field(sample, 'data_indexes')}"
-        limit = self.config.max_num_tokens_per_sample
-        if reason in ("overlength_mandatory", "overlength"):
-            op = ">=" if reason == "overlength_mandatory" else ">"
-            detail = f"{where} estimated {est} tokens {op} max_num_tokens_per_sample {limit}"
-            self.drops.drop(reason, detail)
-            self._stall.drop(name, reason, detail, limit=self.config.max_consecutive_drops,
-                             where=f"group {name!r}{_dataset_part(sample)}")
-            return
-        why = "after leaving the buffer" if reason == "flush_drop_buffered" else "and the buffer is full"
-        self.drops.drop(reason, f"{where} ({est} tokens) did not fit a pack of {curr} tokens {why} (official flush)")
-
-    def __iter__(self) -> "BagelPacker":
-        return self
-
-    def _builder(self) -> SequenceBuilder:
-        """A new pack's layout builder (``BalancedPacker`` replays CFG coins drawn earlier)."""
-        return SequenceBuilder(self.layout)
-
     def _fill(self, fill: "_PackFill") -> None:
         """Fill one pack through the strategy's loop (the official ``PackLoop`` here; ``BalancedPacker``'s own)."""
         self._loop.fill(fill, self.buffer, self.carry)
 
     def __next__(self) -> dict[str, Any]:
-        fill = _PackFill(self, self._builder())
+        fill = self._fill_type(self)
         try:
             self._fill(fill)
         except StopIteration:
@@ -357,44 +355,8 @@ class BagelPacker(Stage):
                 self.drops.drop(END_OF_STREAM, f"group {self.group_names[group]!r} sample {indexes} was in the "
                                                "unfinished pack when a group source ended")
             raise
-        batch = fill.pack.to_batch()
-        batch["batch_data_indexes"] = fill.data_indexes
+        batch = {**fill.pack.to_batch(), "batch_data_indexes": fill.data_indexes}
         for group in fill.groups:
             self.packed[group] += 1
         self.num_batches += 1
         return batch
-
-
-class _PackFill:
-    """One pack under construction as the ``PackLoop``'s target: samples from the packer's sources, laid out by a
-    ``SequenceBuilder`` (``curr`` is the real packed length), group draws from the global ``random``."""
-
-    __slots__ = ("packer", "pack", "data_indexes", "groups")
-
-    def __init__(self, packer: BagelPacker, pack: SequenceBuilder) -> None:
-        self.packer = packer
-        self.pack = pack
-        self.data_indexes: list[Any] = []
-        self.groups: list[int] = []  # group of each packed sample, in pack order
-
-    @property
-    def curr(self) -> int:
-        return self.pack.curr
-
-    def random(self) -> float:
-        return random.random()
-
-    def next_sample(self, group: int) -> Any:
-        return self.packer._next_from(group)
-
-    def estimate(self, sample: Any) -> int:
-        return _estimate(sample)
-
-    def add(self, group: int, sample: Any, est: int) -> None:
-        self.pack.pack_sample(sample)
-        self.data_indexes.append(sample_field(sample, "data_indexes"))
-        self.groups.append(group)
-        self.packer._stall.ok(self.packer.group_names[group])
-
-    def drop(self, reason: str, group: int, sample: Any, est: int, curr: int) -> None:
-        self.packer._drop(reason, group, sample, est, curr)

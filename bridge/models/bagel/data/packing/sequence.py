@@ -14,11 +14,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..transforms import (
-    get_flattened_position_ids_extrapolate,
-    get_flattened_position_ids_interpolate,
-    len2weight,
-)
+from ..transforms import get_flattened_position_ids_extrapolate, get_flattened_position_ids_interpolate, len2weight
 from . import memory
 from .masks import dense_attention_mask
 from ..config.schema import PackerConfig
@@ -44,15 +40,14 @@ class PackLayout:
     end_of_image: int
 
 
-def _runs(starts: list[int], lengths: list[int]) -> np.ndarray:
-    """Concatenate ``range(s, s + n)`` for every run, vectorised."""
-    if not starts:
-        return np.zeros(0, dtype=np.int64)
-    st = np.asarray(starts, dtype=np.int64)
+def _runs(starts: list[int], lengths: list[int], steps: list[int] | None = None) -> np.ndarray:
+    """Concatenate ``range(s, s + n)`` for every run, vectorised; with ``steps`` (0 or 1 per run) a run of step 0
+    repeats ``s`` ``n`` times (int64)."""
     ln = np.asarray(lengths, dtype=np.int64)
-    total = int(ln.sum())
-    offsets = np.cumsum(ln) - ln
-    return np.repeat(st - offsets, ln) + np.arange(total, dtype=np.int64)
+    within = np.arange(int(ln.sum()), dtype=np.int64) - np.repeat(np.cumsum(ln) - ln, ln)
+    if steps is not None:
+        within *= np.repeat(np.asarray(steps, dtype=np.int64), ln)
+    return np.repeat(np.asarray(starts, dtype=np.int64), ln) + within
 
 
 def _repeat(values: list, lengths: list[int], dtype) -> np.ndarray:
@@ -126,7 +121,7 @@ class SequenceBuilder:
         self.sample_lens: list[int] = []
         self.text_ids: list[int] = []
         self.text_idx_runs: tuple[list[int], list[int]] = ([], [])
-        self.rope_runs: tuple[list[int], list[int], list[int]] = ([], [], [])  # start value, length, step (0/1)
+        self.rope_runs: tuple[list[int], list[int], list[int]] = ([], [], [])  # start, length, step: 0 repeats start
         self.label_ids: list[int] = []
         self.ce_runs: tuple[list[int], list[int]] = ([], [])
         self.ce_weight_runs: tuple[list[float], list[int]] = ([], [])
@@ -146,15 +141,10 @@ class SequenceBuilder:
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
-    def _add_run(runs: tuple[list, list], start: Any, length: int) -> None:
-        runs[0].append(start)
-        runs[1].append(length)
-
-    def _add_rope(self, start: int, length: int, step: int) -> None:
-        """RoPE ids for ``length`` tokens: ``start`` repeated (step 0) or counting up from it (step 1)."""
-        self.rope_runs[0].append(start)
-        self.rope_runs[1].append(length)
-        self.rope_runs[2].append(step)
+    def _add_run(runs: tuple[list, ...], *values: Any) -> None:
+        """Append one run: (start or value, length), for ``rope_runs`` also the step."""
+        for run, value in zip(runs, values, strict=True):
+            run.append(value)
 
     @staticmethod
     def _cfg_dropped(item: dict, prob: float) -> bool:
@@ -166,17 +156,18 @@ class SequenceBuilder:
         self._add_run(self.ce_weight_runs, 1.0, 1)
         self.label_ids.append(label)
 
-    def _image_tokens(self, curr: int, n: int, item: dict) -> int:
-        """Record <soi> at ``curr`` and <eoi> after ``n`` image tokens; return the new ``curr``."""
+    def _image_tokens(self, cur: "_SampleCursor", n: int, item: dict, idx_runs: tuple[list[int], list[int]]) -> None:
+        """Record <soi> at ``cur.curr``, ``n`` image tokens in ``idx_runs`` and <eoi>; advance ``cur`` past them."""
         lay = self.layout
-        self.text_ids.append(lay.start_of_image)
-        self._add_run(self.text_idx_runs, curr, 1)
-        eoi = curr + 1 + n
-        self.text_ids.append(lay.end_of_image)
+        eoi = cur.curr + 1 + n
+        self.text_ids += [lay.start_of_image, lay.end_of_image]
+        self._add_run(self.text_idx_runs, cur.curr, 1)
+        self._add_run(idx_runs, cur.curr + 1, n)
         self._add_run(self.text_idx_runs, eoi, 1)
         if item["special_token_loss"] == 1:
             self._add_ce(eoi, item["special_token_label"])
-        return eoi + 1
+        cur.curr = eoi + 1
+        cur.split_len += n + 2
 
     # -- the official pack_sequence ---------------------------------------------------------------
     def pack_sample(self, sample: Any) -> None:
@@ -188,8 +179,7 @@ class SequenceBuilder:
         image (names the sample's ``data_indexes``).
         """
         cur = _SampleCursor(self.curr, sample)
-        texts = sample_field(sample, "text_ids_list")
-        images = sample_field(sample, "image_tensor_list")
+        texts, images = sample_field(sample, "text_ids_list"), sample_field(sample, "image_tensor_list")
         text_i = image_i = 0
         for item in sample_field(sample, "sequence_plan"):
             split_start = item.get("split_start", True)
@@ -225,21 +215,18 @@ class SequenceBuilder:
             return False
         curr = cur.curr
         n = len(ids) + 1  # bos + ids
-        self.text_ids.append(lay.bos_token_id)
-        self.text_ids.extend(ids)
-        self.text_ids.append(lay.eos_token_id)
+        self.text_ids += [lay.bos_token_id, *ids, lay.eos_token_id]
         self._add_run(self.text_idx_runs, curr, n + 1)
         if item["loss"] == 1:
             self._add_run(self.ce_runs, curr, n)
             self._add_run(self.ce_weight_runs, self._len2weight(n), n)
-            self.label_ids.extend(ids)
-            self.label_ids.append(lay.eos_token_id)
+            self.label_ids += [*ids, lay.eos_token_id]
         if item["special_token_loss"] == 1:
             self._add_ce(curr + n, item["special_token_label"])
         cur.curr = curr + n + 1
         cur.split_len += n + 1
         cur.attn_modes.append("causal")
-        self._add_rope(cur.rope, cur.split_len, 1)
+        self._add_run(self.rope_runs, cur.rope, cur.split_len, 1)
         cur.rope += cur.split_len
         return True
 
@@ -252,19 +239,15 @@ class SequenceBuilder:
             return False
         p = cfg.vit_patch_size
         if image.dim() != 3 or image.shape[1] % p or image.shape[2] % p:
-            raise ValueError(
-                f"vit_image of shape {tuple(image.shape)} is not a (C, H, W) tensor divisible by the "
-                f"patch size {p} (sample {cur.where()})"
-            )
+            raise ValueError(f"vit_image of shape {tuple(image.shape)} is not a (C, H, W) tensor divisible by the "
+                             f"patch size {p} (sample {cur.where()})")
         n = (image.shape[1] // p) * (image.shape[2] // p)
-        self._add_run(self.vit_idx_runs, cur.curr + 1, n)
         self.vit_images.append(image)
         self.vit_seqlens.append(n)
         self.vit_pos.append(self._pos_fn(image.size(1), image.size(2), p, cfg.max_num_patch_per_side))
-        cur.curr = self._image_tokens(cur.curr, n, item)
-        cur.split_len += n + 2
+        self._image_tokens(cur, n, item, self.vit_idx_runs)
         cur.attn_modes.append("full")
-        self._add_rope(cur.rope, cur.split_len, 0)
+        self._add_run(self.rope_runs, cur.rope, cur.split_len, 0)
         cur.rope += 1
         return True
 
@@ -281,52 +264,32 @@ class SequenceBuilder:
         h, w = H // cfg.vae_image_downsample, W // cfg.vae_image_downsample
         self.vae_shapes.append((h, w))
         n = h * w
-        self._add_run(self.vae_idx_runs, cur.curr + 1, n)
         if item["loss"] == 1:
             self._add_run(self.mse_runs, cur.curr + 1, n)
             if split_start:
                 cur.timestep = np.random.randn()
             elif cur.timestep is None:
-                raise ValueError(
-                    f"a noised vae_image that does not start a split must follow one that does (sample {cur.where()})"
-                )
+                raise ValueError("a noised vae_image that does not start a split must follow one that does "
+                                 f"(sample {cur.where()})")
         else:
             cur.timestep = float("-inf")
         self._add_run(self.timestep_runs, cur.timestep, n)
-        cur.curr = self._image_tokens(cur.curr, n, item)
-        cur.split_len += n + 2
+        self._image_tokens(cur, n, item, self.vae_idx_runs)
         if split_start:
             cur.attn_modes.append("noise" if item["loss"] == 1 and "frame_delta" not in item else "full")
-        self._add_rope(cur.rope, n + 2, 0)
-        if "frame_delta" in item:
-            cur.rope += item["frame_delta"]
-        elif item["loss"] == 0:
-            cur.rope += 1
+        self._add_run(self.rope_runs, cur.rope, n + 2, 0)
+        cur.rope += item["frame_delta"] if "frame_delta" in item else int(item["loss"] == 0)  # a clean image: +1
         return True
 
     # -- the official to_tensor -------------------------------------------------------------------
-    def _position_ids(self) -> np.ndarray:
-        starts, lengths, steps = self.rope_runs
-        if not starts:
-            return np.zeros(0, dtype=np.int64)
-        ln = np.asarray(lengths, dtype=np.int64)
-        st = np.asarray(starts, dtype=np.int64)
-        step = np.asarray(steps, dtype=np.int64)
-        offsets = np.cumsum(ln) - ln
-        within = np.arange(int(ln.sum()), dtype=np.int64) - np.repeat(offsets, ln)
-        return np.repeat(st, ln) + within * np.repeat(step, ln)
-
     def to_batch(self) -> dict[str, Any]:
         """The official batch dict (without ``batch_data_indexes``, which the packer adds)."""
         lay = self.layout
         sequence_length = sum(self.sample_lens)
-        data: dict[str, Any] = {
-            "sequence_length": sequence_length,
-            "sample_lens": self.sample_lens,
-            "packed_text_ids": _tensor(self.text_ids, torch.int64),
-            "packed_text_indexes": _tensor(_runs(*self.text_idx_runs), torch.int64),
-            "packed_position_ids": _tensor(self._position_ids(), torch.int64),
-        }
+        data: dict[str, Any] = {"sequence_length": sequence_length, "sample_lens": self.sample_lens,
+                                "packed_text_ids": _tensor(self.text_ids, torch.int64),
+                                "packed_text_indexes": _tensor(_runs(*self.text_idx_runs), torch.int64),
+                                "packed_position_ids": _tensor(_runs(*self.rope_runs), torch.int64)}
         if lay.config.use_flex:
             pad_len = lay.config.max_num_tokens - sequence_length
             data["split_lens"] = self.split_lens + [pad_len]
@@ -342,10 +305,8 @@ class SequenceBuilder:
         if self.vit_images:
             p = lay.config.vit_patch_size
             tokens = memory.empty((sum(self.vit_seqlens), p * p * self.vit_images[0].shape[0]), torch.float32)
-            start = 0
-            for image, n in zip(self.vit_images, self.vit_seqlens):
-                _patchify_into(tokens[start : start + n], image, p)
-                start += n
+            for out, image in zip(tokens.split(self.vit_seqlens), self.vit_images):
+                _patchify_into(out, image, p)
             data["packed_vit_tokens"] = tokens
             data["packed_vit_position_ids"] = torch.cat(self.vit_pos, dim=0)
             data["packed_vit_token_indexes"] = _tensor(_runs(*self.vit_idx_runs), torch.int64)

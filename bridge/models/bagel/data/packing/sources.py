@@ -63,11 +63,9 @@ class ListGroupSource(Savable):
         if bad:
             raise StateError(f"ListGroupSource.resize_state: handover keys must be list indices, got {bad[:3]}")
         mine = olds[rank] if rank < len(olds) else {"position": 0, "handover": []}
-        pending = [int(k) for k in mine["handover"]] if rank < len(olds) else []
         # the pending handover of old ranks that the new world lacks is dealt like the fresh one
-        orphaned = [int(k) for old in olds[size:] for k in old["handover"]]
-        return {"position": int(mine["position"]), "handover": pending + [int(k) for k in
-                                                                         [*handover, *orphaned][rank::size]]}
+        dealt = [*handover, *(k for old in olds[size:] for k in old["handover"])][rank::size]
+        return {"position": int(mine["position"]), "handover": [int(k) for k in (*mine["handover"], *dealt)]}
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name, "num_samples": len(self.samples), "cycle": self.cycle}

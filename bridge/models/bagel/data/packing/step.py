@@ -12,23 +12,25 @@ Lossless mode (``PackLoop(..., lossless=True)``, the ``packer.lossless`` knob; o
 the official one unchanged): a candidate the official flush would discard (``flush_drop`` /
 ``flush_drop_buffered``) ends the pack and waits in the *carry* (a FIFO the caller keeps next to the buffer) for
 the next pack, which takes it right after its mandatory samples. Mandatory samples cannot overflow
-``max_num_tokens`` there: the constructor refuses budgets where ``mandatory groups x (max_num_tokens_per_sample
-- 1) > max_num_tokens``. Over-length samples are still dropped (they can never fit).
+``max_num_tokens`` there: ``config.validate_data`` refuses budgets where ``mandatory groups x
+(max_num_tokens_per_sample - 1) > max_num_tokens``. Over-length samples are still dropped (they can never fit).
 
-Pure Python, no torch; of the configuration only the length rules (``config.lengths``); units are tokens (packed sequence positions).
+Pure Python, no torch; of the configuration only the length rules (``config.lengths``); units are tokens (packed
+sequence positions).
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..config.lengths import is_overlength
 
-__all__ = ["ADD", "BUFFER", "CARRY", "DROP_REASONS", "GroupDraw", "PackBudgets", "PackLoop", "PackTarget",
-           "draw_mandatory", "step"]
+__all__ = ["ADD", "BUFFER", "CARRY", "DROP_REASONS", "GroupDraw", "LoopTarget", "PackBudgets", "PackLoop",
+           "PackTarget", "draw_mandatory", "step"]
 
 S = TypeVar("S")
 
@@ -77,10 +79,10 @@ def step(budgets: PackBudgets, curr: int, est: int, *, from_buffer: bool, buffer
     return ADD
 
 
-def draw_mandatory(target: Any, group: int, limit: int, curr: int) -> tuple[Any, int]:
+def draw_mandatory(target: LoopTarget[S], group: int, limit: int, curr: int) -> tuple[S, int]:
     """The next sample of mandatory ``group`` under ``limit`` = ``max_num_tokens_per_sample`` and its estimate, the
     ones at or over it dropped (``overlength_mandatory`` at a pack of ``curr`` tokens; strict, quirk §13.1): the
-    mandatory draw of both loops (``target``: a :class:`PackTarget` or ``balance.BalanceTarget``)."""
+    mandatory draw of both loops."""
     while True:
         sample = target.next_sample(group)
         est = target.estimate(sample)
@@ -95,22 +97,16 @@ class GroupDraw:
 
     def __init__(self, weights: Sequence[float]) -> None:
         total = float(sum(weights))
-        acc, self.cum = 0.0, []
-        for w in weights:
-            acc += float(w)
-            self.cum.append(acc / total)
+        self.cum = [acc / total for acc in itertools.accumulate(float(w) for w in weights)]
 
     def __call__(self, u: float) -> int:
         i = bisect.bisect_right(self.cum, u)  # first i with u < cum_i
         return i if i < len(self.cum) else 0
 
 
-class PackTarget(Protocol[S]):
-    """What :meth:`PackLoop.fill` needs from its caller for one pack (``S``: the caller's sample type)."""
-
-    @property
-    def curr(self) -> int:
-        """Tokens packed so far into the current pack."""
+class LoopTarget(Protocol[S]):
+    """What both pack loops (:class:`PackLoop`, ``balance.BalancedLoop``) need from their caller (``S``: the
+    caller's sample type)."""
 
     def random(self) -> float:
         """One uniform draw in [0, 1) for the group choice (the packer: the global ``random``)."""
@@ -119,13 +115,21 @@ class PackTarget(Protocol[S]):
         """The next sample of group ``group`` (may raise StopIteration)."""
 
     def estimate(self, sample: S) -> int:
-        """The sample's length estimate (``config.lengths.estimate``)."""
-
-    def add(self, group: int, sample: S, est: int) -> None:
-        """Pack ``sample`` (``curr`` grows)."""
+        """The sample's official length estimate (tokens, ``config.lengths.estimate``; the over-length rule)."""
 
     def drop(self, reason: str, group: int, sample: S, est: int, curr: int) -> None:
         """Count ``sample`` as dropped for ``reason`` (one of ``DROP_REASONS``) at a pack of ``curr`` tokens."""
+
+
+class PackTarget(LoopTarget[S], Protocol[S]):
+    """What :meth:`PackLoop.fill` needs from its caller for one pack."""
+
+    @property
+    def curr(self) -> int:
+        """Tokens packed so far into the current pack."""
+
+    def add(self, group: int, sample: S, est: int) -> None:
+        """Pack ``sample`` (``curr`` grows)."""
 
 
 class PackLoop(Generic[S]):
@@ -143,16 +147,14 @@ class PackLoop(Generic[S]):
             raise ValueError(f"{len(weights)} group weights but {len(mandatory)} mandatory flags")
         self.budgets = budgets
         self.draw_group = GroupDraw(weights)
-        self.mandatory = [bool(m) for m in mandatory]
+        self.mandatory = [g for g, m in enumerate(mandatory) if m]  # mandatory group indexes, in group order
         self.lossless = bool(lossless)
 
     def _mandatory_fill(self, target: PackTarget[S]) -> None:
         """One sample per mandatory group, in group order; samples with ``est >= max_num_tokens_per_sample`` are
         dropped (strict, quirk §13.1) and none is checked against ``max_num_tokens`` (quirk §13.3; in lossless
-        mode the constructor's budget rule makes an overflow impossible, and it is asserted)."""
-        for group, mandatory in enumerate(self.mandatory):
-            if not mandatory:
-                continue
+        mode the validated budgets make an overflow impossible, and it is asserted)."""
+        for group in self.mandatory:
             sample, est = draw_mandatory(target, group, self.budgets.max_num_tokens_per_sample, target.curr)
             if self.lossless and target.curr + est > self.budgets.max_num_tokens:
                 raise AssertionError(f"lossless pack loop: mandatory group {group} sample of {est} tokens overflows a "
