@@ -159,7 +159,8 @@ def read_digest_reads(paths: Sequence[str | os.PathLike], *, up_to_step: int | N
                 if up_to_step is not None and key[2] > up_to_step:
                     continue
                 rows.pop(key, None)  # the last occurrence wins, in file order
-                rows[key] = [{"dataset_name": g, "position": int(j), "epoch": int(e)} for g, j, e in row.get("reads", ())]
+                rows[key] = [{"dataset_name": g, "position": int(j), "epoch": int(e)}
+                             for g, j, e in row.get("reads", ())]
     reads = [r for batch in rows.values() for r in batch]
     if rows and not reads:
         raise ValueError(f"{', '.join(map(str, paths))}: no row records 'reads' (only data.order: elastic logs them)")
