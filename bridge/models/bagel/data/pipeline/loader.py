@@ -2,14 +2,10 @@
 
 Megatron's ``dataloader_type="external"`` hands the object returned by ``build_datasets`` straight to
 ``RerunDataIterator``: no sampler, no collation, no workers, no fast-forward. ``BagelExternalLoader`` is that
-object. Its ``save_state()`` / ``restore_state()`` (the names Bridge's ``maybe_save/load_dataloader_state``
-call; the only place those names are used — inside the package every stage speaks ``state_dict`` /
-``load_state_dict``) save the whole chain it owns — prefetch stage, RNG streams, packer, per-group readers,
-each through its own declared state — plus a fingerprint that refuses a resume under a changed
-configuration (``state.fingerprint``). ``resize_states`` turns every old rank's state into this rank's on another
-DP size (elastic order), by walking the live chain (``state.resize``); ``budget_change_state`` does the same for a
-change of packer budgets on one rank (``data.resume_budget_change``). Public through ``external`` (the seed
-import path).
+object; its ``save_state()`` / ``restore_state()`` (the names Bridge's ``maybe_save/load_dataloader_state`` call,
+used nowhere else: inside the package every stage speaks ``state_dict`` / ``load_state_dict``) save the whole chain
+it owns, each stage through its own declared state, plus the fingerprint (``state.fingerprint``). Public through
+``external`` (the seed import path).
 """
 
 from __future__ import annotations
@@ -112,13 +108,11 @@ class BagelExternalLoader(Stage):
     (dotted paths) that may differ on restore because the stream does not depend on them (the elastic order's,
     ``state.ELASTIC_TOPOLOGY_KEYS``).
 
-    ``fresh_stream`` (``data.fresh_stream``): ``restore_state`` does not restore anything; it says so in one
-    log line and the stream starts fresh while the model resumes (a deliberate change of the data configuration).
-
-    ``resume_budget_change`` (``data.resume_budget_change``, elastic order only): a state whose fingerprint differs
-    from this loader's in packer budgets only (``config.schema.PACKER_BUDGET_KEYS``) is restored through
-    ``budget_change_state``: the packer's waiting samples go back to the readers, which keep their blocks and
-    cursors, and the epoch continues exactly once. Any other difference is still refused.
+    ``fresh_stream`` (``data.fresh_stream``): ``restore_state`` restores nothing and the stream starts fresh while
+    the model resumes (a deliberate change of the data configuration). ``resume_budget_change``
+    (``data.resume_budget_change``, elastic order only): a state whose fingerprint differs from this loader's in
+    packer budgets only (``config.schema.PACKER_BUDGET_KEYS``) is restored through ``budget_change_state``; any other
+    difference is still refused.
 
     ``__len__`` is only a positive hint (Megatron's MIMO setup calls ``len``); iteration is not bounded by it
     and it is not part of the state, so a run may resume with a different ``train_iters``.
@@ -130,7 +124,8 @@ class BagelExternalLoader(Stage):
                  fingerprint: Mapping[str, Any] | None = None, topology_keys: Iterable[str] = (),
                  fresh_stream: bool = False, resume_budget_change: bool = False) -> None:
         if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
-            raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got {length!r}")
+            raise ValueError(f"BagelExternalLoader: length must be a positive int (a hint for Megatron), got "
+                             f"{length!r}")
         self.source = batches
         self.length = length
         owned = {id(stage) for stage in walk(self.source)}
@@ -157,8 +152,7 @@ class BagelExternalLoader(Stage):
                            "; ".join(unsavable))
 
     def reset_state(self) -> None:
-        self.position = 0
-        self.generation = 0
+        self.position = self.generation = 0
 
     def fingerprint(self) -> dict[str, Any]:
         """Everything that changes the stream: the builder's part plus every stage's ``identity()``."""
@@ -171,9 +165,6 @@ class BagelExternalLoader(Stage):
         return self._config_fingerprint.get("order")
 
     # -- iteration ----------------------------------------------------------------------------------
-    def __iter__(self) -> "BagelExternalLoader":
-        return self
-
     def __next__(self) -> dict[str, Any]:
         if self._closed:
             raise RuntimeError("BagelExternalLoader: next() after close()")
@@ -196,9 +187,7 @@ class BagelExternalLoader(Stage):
         overflow buffer), ``drops`` (reason → count, packer and readers together), ``packer_drops`` and
         ``source_drops`` (per group) — whatever the source reports, plus ``position``.
         """
-        out = super().stats()
-        out["position"] = self.position
-        return out
+        return {**super().stats(), "position": self.position}
 
     # -- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -208,10 +197,8 @@ class BagelExternalLoader(Stage):
                 "stateful_loaders": save_value(self.stateful_loaders, "BagelExternalLoader.stateful_loaders")}
 
     def save_state(self) -> dict[str, Any]:
-        """State describing the next batch this loader will yield (Bridge calls this at every checkpoint).
-
-        Checked against Megatron's restricted unpickler types here, so a bad state fails at save, not at resume.
-        """
+        """State describing the next batch this loader will yield (Bridge calls this at every checkpoint), checked
+        against Megatron's restricted unpickler types here, so a bad state fails at save, not at resume."""
         state = self.state_dict()
         check_restricted(state, "BagelExternalLoader.save_state()", allow=energon_state_classes())
         return state
@@ -228,7 +215,7 @@ class BagelExternalLoader(Stage):
         only_budgets = len(budgets) > 0 and all(budget_of(k) for k in changes)
         if only_budgets and self.resume_budget_change and self.order == "elastic":
             return budgets
-        names = ", ".join(f"data.packer.{b}" for b in budgets)
+        names, note = ", ".join(f"data.packer.{b}" for b in budgets), ""
         if only_budgets and self.order == "official":
             note = (f"only packer budgets differ ({names}), but data.order: official cannot change them across a "
                     "resume: its stream is the official loader's, whose order is a function of the packer state "
@@ -240,8 +227,6 @@ class BagelExternalLoader(Stage):
         elif self.resume_budget_change and budgets:
             note = (f"{BUDGET_CHANGE_KEY}=true lets only the packer budgets change ({', '.join(PACKER_BUDGET_KEYS)}); "
                     "the other keys above must match")
-        else:
-            note = ""
         diff = dict.fromkeys(f"{_shown_key(k)}: saved={old!r} current={new!r}" for k, (old, new) in changes.items())
         raise ResumeMismatchError(mismatch_message(list(diff), note))
 
@@ -251,6 +236,7 @@ class BagelExternalLoader(Stage):
         the elastic order), or of another DP rank / size (the elastic order resizes with ``resize_states`` first)."""
         if state.get("version") != STATE_VERSION:
             raise StateError(_version_problem(state))
+        check_fields(self, state, "BagelExternalLoader.restore_state")
         position = state.get("position")
         if not isinstance(position, int) or isinstance(position, bool) or position < 0:
             raise StateError(f"BagelExternalLoader.restore_state: position must be an int >= 0, got {position!r}")
@@ -275,9 +261,6 @@ class BagelExternalLoader(Stage):
             raise StateError(f"BagelExternalLoader.restore_state: not a loader state (no {', '.join(missing)}; "
                              f"keys: {sorted(map(str, state))[:8]}): pass what save_state() returned (Bridge keeps it "
                              "as the 'dataloader_state_dict' of train_dataloader_dprankNNN.pt)")
-        if state["version"] != STATE_VERSION:
-            raise StateError(_version_problem(state))
-        check_fields(self, state, "BagelExternalLoader.restore_state")
         self.check_compatible(state)
         if self._budget_changes(state["fingerprint"], self.topology_keys):
             state = self.budget_change_state(state)
@@ -319,7 +302,8 @@ class BagelExternalLoader(Stage):
         ``ResumeMismatchError`` when anything but budgets differs or the change is not allowed here.
         """
         if state.get("stateful_loaders"):
-            raise StateError("budget change: a loader with hand-wired stateful_loaders cannot change its packer budgets")
+            raise StateError("budget change: a loader with hand-wired stateful_loaders cannot change its packer "
+                             "budgets")
         budgets = self._budget_changes(state["fingerprint"], self.topology_keys)
         _, rank, size = saved_world(state)
         generation = int(state["generation"]) + 1
@@ -359,8 +343,8 @@ class BagelExternalLoader(Stage):
                 raise StateError(f"elastic resize: the checkpoint was written with data.order {order!r}, whose stream "
                                  "depends on the DP size; restarts on another DP size need data.order: elastic")
             if (rank, size) != (k, len(olds)):
-                raise StateError(f"elastic resize: state {k} of {len(olds)} was saved by DP rank {rank} of {size}; give "
-                                 "every old rank's file, in rank order")
+                raise StateError(f"elastic resize: state {k} of {len(olds)} was saved by DP rank {rank} of {size}; "
+                                 "give every old rank's file, in rank order")
             diff = fingerprint_diff(olds[0]["fingerprint"], old["fingerprint"], ELASTIC_TOPOLOGY_KEYS)
             if diff:
                 raise StateError(f"elastic resize: old ranks 0 and {k} differ in configuration: {diff[0]}")

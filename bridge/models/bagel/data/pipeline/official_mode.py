@@ -30,9 +30,8 @@ logger = logging.getLogger(__name__)
 class OfficialWorkers(Stage):
     """Round-robin over per-worker chains (``source[w]`` = emulated DataLoader worker w), like ``DataLoader``.
 
-    ``next()`` returns the next batch of worker ``next_worker`` and advances it modulo the worker count.
-    State: ``source`` (each chain's own tagged state) and ``next_worker`` (int in ``[0, W)``).
-    """
+    ``next()`` returns the next batch of worker ``next_worker`` and advances it modulo the worker count. State:
+    ``source`` (each chain's own tagged state) and ``next_worker`` (int in ``[0, W)``)."""
 
     _savable_fields = ("source", "next_worker")
 
@@ -54,24 +53,18 @@ class OfficialWorkers(Stage):
             raise StateError(f"OfficialWorkers: next_worker {value!r} out of range for {len(self.source)} workers")
 
     def stats(self) -> dict[str, Any]:
-        """The packer counters summed over workers (``num_batches``, ``consumed`` per group, ``buffer_len``,
-        ``drops``, ``packer_drops``, ``source_drops`` per group, the per-group ``ledger``) and each worker's own
-        (``workers``)."""
+        """The packer counters summed over workers (``num_batches``, ``consumed`` per group, ``buffer_len``, ``drops``,
+        ``packer_drops``, ``source_drops`` per group, the per-group ``ledger``) and each worker's own (``workers``)."""
         per = [w.stats() if callable(getattr(w, "stats", None)) else {} for w in self.source]
         groups = list(per[0].get("source_drops", {})) if per else []
-        ledgers = [s.get("ledger", {}) for s in per]
-        ledger = {g: {"consumed": sum(int(x[g]["consumed"]) for x in ledgers if g in x),
-                      "packed": sum(int(x[g]["packed"]) for x in ledgers if g in x),
-                      "dropped": merge_counts([x[g]["dropped"] for x in ledgers if g in x]),
-                      "buffered": sum(int(x[g]["buffered"]) for x in ledgers if g in x)} for g in groups}
-        return {"num_batches": sum(int(s.get("num_batches", 0)) for s in per),
-                "consumed": merge_counts([s.get("consumed", {}) for s in per]),
-                "buffer_len": sum(int(s.get("buffer_len", 0)) for s in per),
-                "drops": merge_counts([s.get("drops", {}) for s in per]),
-                "unused": merge_counts([s.get("unused", {}) for s in per]),
-                "packer_drops": merge_counts([s.get("packer_drops", {}) for s in per]),
-                "source_drops": {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups},
-                "ledger": ledger, "workers": per}
+        rows = {g: [s["ledger"][g] for s in per if g in s.get("ledger", {})] for g in groups}
+        ledger = {g: {k: merge_counts([r[k] for r in rs]) if k == "dropped" else sum(int(r[k]) for r in rs)
+                      for k in ("consumed", "packed", "dropped", "buffered")} for g, rs in rows.items()}
+        numbers = ("num_batches", "buffer_len")  # summed; the others are reason / group -> count maps, merged
+        out = {k: sum(int(s.get(k, 0)) for s in per) if k in numbers else merge_counts([s.get(k, {}) for s in per])
+               for k in ("num_batches", "consumed", "buffer_len", "drops", "unused", "packer_drops")}
+        out["source_drops"] = {g: merge_counts([s.get("source_drops", {}).get(g, {}) for s in per]) for g in groups}
+        return {**out, "ledger": ledger, "workers": per}
 
     def __next__(self) -> Any:
         batch = next(self.source[self.next_worker])

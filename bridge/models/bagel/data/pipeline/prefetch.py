@@ -27,6 +27,7 @@ import contextlib
 import copy
 import ctypes
 import gc
+import itertools
 import logging
 import multiprocessing as mp
 import multiprocessing.reduction
@@ -37,8 +38,9 @@ import signal
 import time
 import traceback
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -61,6 +63,9 @@ START_METHODS: tuple[str, ...] = PREFETCH_STARTS
 _FORKSERVER_PRELOAD = ["torch", "numpy", "PIL.Image", "megatron.energon", "bridge.models.bagel.data.build"]
 _POLL_S = 0.5
 _JOIN_S = 10.0
+_INLINE_BYTES = 8 << 10  # a tensor below this is sent inline (``_Inline``)
+#: Offset alignment (bytes) of the tensors gathered into one shared block (``_gather_shared``).
+_GATHER_ALIGN = 64
 
 
 class RemoteTraceback(Exception):
@@ -78,32 +83,19 @@ class PrefetchError(RuntimeError):
     """The producer process failed in a way that could not be forwarded as its own exception."""
 
 
-_INLINE_BYTES = 8 << 10
-
-
-class _Inline:
+class _Inline(NamedTuple):
     """A tiny tensor sent inline (pickled bytes) instead of as a shared-memory segment of its own."""
 
-    __slots__ = ("array",)
-
-    def __init__(self, array: Any) -> None:
-        self.array = array
+    array: Any
 
 
-#: Offset alignment (bytes) of the tensors gathered into one shared block (``_gather_shared``).
-_GATHER_ALIGN = 64
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``obj`` (dicts, lists, tuples), in order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif type(obj) in (list, tuple):
-        for v in obj:
-            yield from _tensors(v)
+def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``fn`` applied to every value that is not a dict, list or tuple (containers rebuilt, in order)."""
+    if isinstance(obj, dict):
+        return {k: _map(v, fn) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_map(v, fn) for v in obj)
+    return fn(obj)
 
 
 def _gather_shared(obj: Any) -> dict[int, torch.Tensor]:
@@ -117,54 +109,37 @@ def _gather_shared(obj: Any) -> dict[int, torch.Tensor]:
     against ~0.3 ms for the copies; the block itself is reused once the trainer drops the batch. Only tensors
     that own their whole storage are gathered (aliasing between tensors stays as it was); fewer than two: none.
     """
-    found: dict[int, torch.Tensor] = {}
-    owners: dict[int, int] = {}  # storage address -> tensors on it
-    for t in _tensors(obj):
-        if (t.nbytes >= _INLINE_BYTES and t.device.type == "cpu" and not t.is_shared() and not t.requires_grad
-                and t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes):
-            found[id(t)] = t
-            ptr = t.untyped_storage().data_ptr()
-            owners[ptr] = owners.get(ptr, 0) + 1
-    found = {k: t for k, t in found.items() if owners[t.untyped_storage().data_ptr()] == 1}
+    tensors: list[torch.Tensor] = []
+    _map(obj, lambda v: tensors.append(v) if isinstance(v, torch.Tensor) else None)
+    fit = [t for t in tensors if t.nbytes >= _INLINE_BYTES and t.device.type == "cpu" and not t.is_shared()
+           and not t.requires_grad and t.is_contiguous() and t.storage_offset() == 0
+           and t.untyped_storage().nbytes() == t.nbytes]
+    owners = Counter(t.untyped_storage().data_ptr() for t in fit)  # storage address -> tensors on it
+    found = {id(t): t for t in fit if owners[t.untyped_storage().data_ptr()] == 1}
     if len(found) < 2:
         return {}
-    offsets, total = [], 0
-    for t in found.values():
-        offsets.append(total)
-        total += -(-t.nbytes // _GATHER_ALIGN) * _GATHER_ALIGN
-    block = memory.empty((total,), torch.uint8)
-    out = {}
-    for (key, t), off in zip(found.items(), offsets):
-        copy = block[off : off + t.nbytes].view(t.dtype).view(t.shape)
-        copy.copy_(t)
-        out[key] = copy
-    return out
+    offsets = [0, *itertools.accumulate(-(-t.nbytes // _GATHER_ALIGN) * _GATHER_ALIGN for t in found.values())]
+    block = memory.empty((offsets[-1],), torch.uint8)
+    return {key: block[off : off + t.nbytes].view(t.dtype).view(t.shape).copy_(t)
+            for (key, t), off in zip(found.items(), offsets)}
 
 
 def _to_wire(obj: Any, gathered: dict[int, torch.Tensor] | None = None) -> Any:
     """``obj`` as sent to the trainer: tiny tensors inline, the ``gathered`` ones (``_gather_shared``) as their
     shared copies, the rest as they are (torch shares them)."""
-    if isinstance(obj, torch.Tensor):
-        if gathered and id(obj) in gathered:
-            return gathered[id(obj)]
-        if obj.nbytes < _INLINE_BYTES and not obj.is_shared() and obj.dtype not in (torch.bfloat16,):
-            return _Inline(obj.numpy())
-        return obj
-    if isinstance(obj, dict):
-        return {k: _to_wire(v, gathered) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_to_wire(v, gathered) for v in obj)
-    return obj
+    def leaf(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor):
+            return v
+        if gathered and id(v) in gathered:
+            return gathered[id(v)]
+        inline = v.nbytes < _INLINE_BYTES and not v.is_shared() and v.dtype != torch.bfloat16
+        return _Inline(v.numpy()) if inline else v
+
+    return _map(obj, leaf)
 
 
 def _from_wire(obj: Any) -> Any:
-    if isinstance(obj, _Inline):
-        return torch.from_numpy(obj.array)
-    if isinstance(obj, dict):
-        return {k: _from_wire(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_from_wire(v) for v in obj)
-    return obj
+    return _map(obj, lambda v: torch.from_numpy(v.array) if isinstance(v, _Inline) else v)
 
 
 class _PassedFd:
@@ -175,9 +150,7 @@ class _PassedFd:
         self.fd = fd
 
     def __reduce__(self) -> tuple:
-        if self.fd < 0:
-            return (_PassedFd, (-1,))
-        return (_PassedFd._rebuild, (multiprocessing.reduction.DupFd(self.fd),))
+        return (_PassedFd, (-1,)) if self.fd < 0 else (_PassedFd._rebuild, (multiprocessing.reduction.DupFd(self.fd),))
 
     @staticmethod
     def _rebuild(dup: Any) -> "_PassedFd":
@@ -186,20 +159,14 @@ class _PassedFd:
 
 def _default_threads() -> int:
     """This process's CPUs shared among the node's ranks (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
 
 
 def _die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies (best effort)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _produce(*args: Any) -> None:
@@ -246,16 +213,14 @@ def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, ou
             load_nested(upstream, restore, "PrefetchStage.source")
         while not stop.is_set():
             batch = watchdog.batch_call(next, upstream)  # the producer's reads: one hand-over per batch
-            item = ("batch", _to_wire(batch, _gather_shared(batch)), _to_wire(save_nested(upstream)),
-                    _stats_of(upstream))
+            stats = upstream.stats() if callable(getattr(upstream, "stats", None)) else {}
+            item = ("batch", _to_wire(batch, _gather_shared(batch)), _to_wire(save_nested(upstream)), stats)
             while not stop.is_set():
                 if not parent.is_alive():
                     return
-                try:
+                with contextlib.suppress(queue.Full):
                     out.put(item, timeout=_POLL_S)
                     break
-                except queue.Full:
-                    continue
     except BaseException as exc:  # forwarded to the trainer's next()
         tb = traceback.format_exc()
         try:
@@ -273,20 +238,13 @@ def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, ou
             return
 
 
-def _stats_of(stage: Any) -> dict[str, Any]:
-    stats = getattr(stage, "stats", None)
-    return stats() if callable(stats) else {}
-
-
 def _shutdown(proc: Any, stop: Any, release: Any, out: Any, shm_job: Any = None) -> None:
     stop.set()
     if proc is None:
         return
-    try:
+    with contextlib.suppress(queue.Empty, OSError, ValueError, EOFError):
         while proc.is_alive():  # drain while the producer lives: frees its shared memory, unblocks put()
             out.get(timeout=0.05)
-    except (queue.Empty, OSError, ValueError, EOFError):
-        pass
     release.set()
     proc.join(_JOIN_S)
     if proc.is_alive():
@@ -301,14 +259,11 @@ def _shutdown(proc: Any, stop: Any, release: Any, out: Any, shm_job: Any = None)
 
 
 class PrefetchStage(Stage):
-    """Iterator over packed batches that ``source`` produces ``depth`` ahead in a forked process.
+    """Iterator over packed batches that ``source`` produces ``depth`` ahead in a producer process (module docstring).
 
-    The stage does not change the stream, so its saved form *is* its source's: ``state_tag()``, ``state_dict()`` and
-    ``fingerprint()`` answer with the source's (the state that yields the next batch the trainer receives: the
-    snapshot that travelled with the last batch handed out), and ``data.prefetch`` may change between a save and a
-    restore. Restore only before the first ``next()``; the restored state is applied inside the producer.
-    ``stats()`` are the source's counters as of the last batch handed out, so they are identical to running without
-    prefetch over the same batches.
+    The stage does not change the stream, so its saved form *is* its source's (``state_tag()``, ``state_dict()`` and
+    ``fingerprint()`` answer with the source's) and ``data.prefetch`` may change between a save and a restore.
+    Restore only before the first ``next()``; the restored state is applied inside the producer.
     """
 
     _savable_fields = ("source",)
@@ -369,10 +324,8 @@ class PrefetchStage(Stage):
         return self.source.resize_state(olds, ctx, **kw)
 
     def stats(self) -> dict[str, Any]:
-        """The source's counters as of the last batch handed to the trainer.
-
-        Before the first batch: the source's initial counters (after a restore, those of the restored state
-        are known only once the first batch arrives; until then this is ``{}``).
+        """The source's counters as of the last batch handed to the trainer; before the first batch, the source's
+        initial counters (after a restore, ``{}``: the restored state's are known only once the first batch arrives).
         """
         if self._stats is not None:
             return copy.deepcopy(self._stats)
@@ -408,14 +361,10 @@ class PrefetchStage(Stage):
                 f"config and the tokenizer) must be picklable: {type(exc).__name__}: {exc}. Use prefetch_start "
                 "'fork' for this tokenizer.")
             raise self._failed from exc
-        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out,
-                                           shm_job)
+        self._finalizer = weakref.finalize(self, _shutdown, self._proc, self._stop, self._release, self._out, shm_job)
         atexit.register(self._finalizer)
         logger.info("prefetch producer started (pid %d, depth %d, %s%s)", self._proc.pid, self.depth,
                     self.start_method, f", {self.threads} torch threads" if clean else "")
-
-    def __iter__(self) -> "PrefetchStage":
-        return self
 
     def __next__(self) -> Any:
         if self._failed is not None:
@@ -458,10 +407,6 @@ class PrefetchStage(Stage):
             f"{self.timeout_s:g} plus a margin for its own readers' time-out) waiting on {where}\nSee the debug log "
             "for its stack. Check the storage of the datasets, or raise data.timeout_s",
             brief=f"data time-out in the prefetch producer, waiting on {where}")
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
 
     def close(self) -> None:
         """Stop the producer and reap it, then close the source in this process (idempotent)."""

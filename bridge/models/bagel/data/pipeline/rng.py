@@ -23,43 +23,33 @@ from ..state import ResizeContext, Stage, StateError, check_fields, load_nested,
 
 __all__ = ["BagelRNGIterator", "elastic_rank_seed", "initial_worker_rng_states"]
 
-# -- RNG state conversion (live form <-> plain restricted form) ----------------------------------------
-
-
-def _python_to_plain(state: tuple) -> list:
-    version, internal, gauss = state
-    return [int(version), [int(x) for x in internal], gauss]
-
-
-def _python_from_plain(value: Any) -> tuple:
-    if not (isinstance(value, (list, tuple)) and len(value) == 3 and isinstance(value[1], (list, tuple))
-            and len(value[1]) == 625):
-        raise StateError("BagelRNGIterator: python_rng must be [version, 625 ints, gauss]")
-    return (int(value[0]), tuple(int(x) for x in value[1]), value[2])
-
-
-def _numpy_to_plain(state: tuple) -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = state
-    return {"bit_generator": str(name), "keys": [int(k) for k in np.asarray(keys).tolist()], "pos": int(pos),
-            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-
-
-def _numpy_from_plain(value: Any) -> tuple:
-    need = ("bit_generator", "keys", "pos", "has_gauss", "cached_gaussian")
-    if not isinstance(value, dict) or any(k not in value for k in need) or len(value["keys"]) != 624:
-        raise StateError(f"BagelRNGIterator: numpy_rng must be a dict with {list(need)} and 624 keys")
-    keys = np.asarray(value["keys"], dtype=np.uint32)
-    return (value["bit_generator"], keys, int(value["pos"]), int(value["has_gauss"]), float(value["cached_gaussian"]))
-
-
-def _torch_from_plain(value: Any) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
-        raise StateError("BagelRNGIterator: torch_rng must be a 1-D uint8 tensor (torch.get_rng_state())")
-    return value.detach().clone()
-
-
+_NUMPY_FIELDS = ("bit_generator", "keys", "pos", "has_gauss", "cached_gaussian")
 #: What ``torch.Generator.manual_seed`` takes (an int64 or a uint64).
 _SEED_RANGE = (-(2**63), 2**64)
+
+
+def _to_plain(python: tuple, numpy_: tuple, torch_: torch.Tensor) -> dict[str, Any]:
+    """The three live streams in plain forms (Python: ``[version, 625 ints, gauss]``; NumPy: a dict with 624 keys;
+    torch: the 1-D uint8 ``get_rng_state()`` tensor)."""
+    name, keys, pos, has_gauss, cached = numpy_
+    return {"python_rng": [int(python[0]), [int(x) for x in python[1]], python[2]],
+            "numpy_rng": {"bit_generator": str(name), "keys": [int(k) for k in np.asarray(keys).tolist()],
+                          "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+            "torch_rng": torch_}
+
+
+def _from_plain(state: dict[str, Any]) -> tuple[tuple, tuple, torch.Tensor]:
+    """The live streams of ``_to_plain`` output; ``StateError`` naming a malformed one."""
+    py, npy, th = state["python_rng"], state["numpy_rng"], state["torch_rng"]
+    if not (isinstance(py, (list, tuple)) and len(py) == 3 and isinstance(py[1], (list, tuple)) and len(py[1]) == 625):
+        raise StateError("BagelRNGIterator: python_rng must be [version, 625 ints, gauss]")
+    if not isinstance(npy, dict) or any(k not in npy for k in _NUMPY_FIELDS) or len(npy["keys"]) != 624:
+        raise StateError(f"BagelRNGIterator: numpy_rng must be a dict with {list(_NUMPY_FIELDS)} and 624 keys")
+    if not isinstance(th, torch.Tensor) or th.dtype != torch.uint8 or th.dim() != 1:
+        raise StateError("BagelRNGIterator: torch_rng must be a 1-D uint8 tensor (torch.get_rng_state())")
+    return ((int(py[0]), tuple(int(x) for x in py[1]), py[2]),
+            (npy["bit_generator"], np.asarray(npy["keys"], dtype=np.uint32), int(npy["pos"]), int(npy["has_gauss"]),
+             float(npy["cached_gaussian"])), th.detach().clone())
 
 
 def _checked_seed(rank_seed: Any) -> int:
@@ -116,13 +106,9 @@ def _process_rng_kept() -> Iterator[None]:
 
 
 class BagelRNGIterator(Stage):
-    """Runs ``source`` (the packer) with private, saved Python/NumPy/torch-CPU RNG streams.
+    """Runs ``source`` (the packer) with private, saved Python/NumPy/torch-CPU RNG streams (module docstring).
 
-    The official loader draws packer randomness in a DataLoader worker; here the same initial streams are
-    derived from ``rank_seed`` and swapped into the process globals only while the source runs, so model
-    code and data code never disturb each other and a resume continues the exact stream. State: the three
-    streams (plain, restricted-unpickler-safe forms) and the source's own state.
-    """
+    State: the three streams (plain, restricted-unpickler-safe forms) and the source's own state."""
 
     _savable_fields = ("python_rng", "numpy_rng", "torch_rng", "source")
 
@@ -140,18 +126,16 @@ class BagelRNGIterator(Stage):
         return {"rank_seed": self.rank_seed, **({"worker_id": self.worker_id} if self.worker_id else {})}
 
     def state_dict(self) -> dict[str, Any]:
-        """The three streams in plain forms (Python: ``[version, 625 ints, gauss]``; NumPy: a dict with 624 keys;
-        torch: the 1-D uint8 ``get_rng_state()`` tensor) and the source's tagged state. Saving the source neither
+        """The three streams in plain forms (``_to_plain``) and the source's tagged state. Saving the source neither
         uses nor disturbs any RNG stream."""
         with _process_rng_kept():
-            return {"python_rng": _python_to_plain(self._python), "numpy_rng": _numpy_to_plain(self._numpy),
-                    "torch_rng": self._torch.clone(), "source": save_value(self.source, "BagelRNGIterator.source")}
+            return {**_to_plain(self._python, self._numpy, self._torch.clone()),
+                    "source": save_value(self.source, "BagelRNGIterator.source")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the streams (checked: ``StateError`` for a malformed one) and the source."""
         check_fields(self, state)
-        streams = (_python_from_plain(state["python_rng"]), _numpy_from_plain(state["numpy_rng"]),
-                   _torch_from_plain(state["torch_rng"]))
+        streams = _from_plain(state)
         with _process_rng_kept():
             load_nested(self.source, state["source"], "BagelRNGIterator.source")
         self._python, self._numpy, self._torch = streams
@@ -159,9 +143,8 @@ class BagelRNGIterator(Stage):
     def resize_state(self, olds: list[dict[str, Any]], ctx: ResizeContext, **kw: Any) -> dict[str, Any]:
         """A new rank's state after a resize: fresh streams seeded ``elastic_rank_seed(ctx.seed, ctx.dp_rank,
         ctx.generation)`` (never reusing an old rank's), and the source's resized state."""
-        python, numpy_, torch_ = initial_worker_rng_states(elastic_rank_seed(ctx.seed, ctx.dp_rank, ctx.generation))
-        return {"python_rng": _python_to_plain(python), "numpy_rng": _numpy_to_plain(numpy_), "torch_rng": torch_,
-                "source": ctx.resize(self.source, [old["source"] for old in olds])}
+        streams = initial_worker_rng_states(elastic_rank_seed(ctx.seed, ctx.dp_rank, ctx.generation))
+        return {**_to_plain(*streams), "source": ctx.resize(self.source, [old["source"] for old in olds])}
 
     def __next__(self) -> Any:
         with _process_rng_kept():

@@ -23,13 +23,14 @@ So every producer is registered under an *owner file* ``/dev/shm/bagel-prefetch-
   prefetch producer): the same owner file for the trainer's own forked children, recorded by an at-fork hook; a
   worker's ``torch_<pid>_*`` segments (its tensors on their way to the trainer) are reclaimed like a producer's.
 
-The hand-over path is untouched (tensors still travel by name, no round trip to the producer), so the trainer's
-``next()`` costs what it did; the bookkeeping is one small file per producer and a scan of /dev/shm per start.
+Tensors still travel by name (no round trip to the producer); the bookkeeping is one small file per producer and a
+scan of /dev/shm per start.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import glob
 import json
@@ -83,10 +84,8 @@ class JobRecord:
         global _current
         if self.fd < 0 or os.getpid() != self._owner_pid:
             return
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
         os.close(self.fd)
         self.fd = -1
         atexit.unregister(self.release)
@@ -150,9 +149,7 @@ def register_process() -> None:
 
 
 def _read_owner(fd: int) -> tuple[dict[str, Any] | None, list[int]]:
-    with os.fdopen(os.dup(fd), "r", encoding="utf-8") as fh:
-        fh.seek(0)
-        lines = fh.read().splitlines()
+    lines = os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8").splitlines()
     try:
         header = json.loads(lines[0]) if lines else None
     except ValueError:
@@ -200,12 +197,10 @@ def _reclaim_one(path: str, pidns: str, shm_dir: str) -> tuple[int, int]:
                                path, pid)
                 continue
             for seg in segments_of(pid, shm_dir):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     nbytes = os.stat(seg).st_size
                     os.unlink(seg)
-                except FileNotFoundError:
-                    continue
-                count, size = count + 1, size + nbytes
+                    count, size = count + 1, size + nbytes
         os.unlink(path)
         if count:
             logger.info("shm: reclaimed %d shared-memory segments (%.1f MB) in %s left by an earlier job on this "
@@ -219,18 +214,14 @@ def _reclaim_one(path: str, pidns: str, shm_dir: str) -> tuple[int, int]:
 
 def reclaim_stale(shm_dir: str = SHM_DIR) -> tuple[int, int]:
     """Unlink the segments of prefetch jobs that died without cleaning up (owner dead); returns (segments, bytes).
-
-    Never raises: a failure to reclaim is logged and the job goes on.
-    """
-    total = [0, 0]
+    Never raises: a failure to reclaim is logged and the job goes on."""
+    segments = size = 0
     pidns = _pid_namespace()
-    for path in glob.glob(os.path.join(shm_dir, f"{_PREFIX}*{_SUFFIX}")) + \
-            glob.glob(os.path.join(shm_dir, f"{_PREFIX}*{_SUFFIX}.partial")):
+    for path in owner_files(shm_dir) + glob.glob(os.path.join(shm_dir, f"{_PREFIX}*{_SUFFIX}.partial")):
         try:
             n, b = _reclaim_one(path, pidns, shm_dir)
         except OSError as exc:
             logger.warning("shm: could not reclaim %s: %s", path, exc)
             continue
-        total[0] += n
-        total[1] += b
-    return total[0], total[1]
+        segments, size = segments + n, size + b
+    return segments, size

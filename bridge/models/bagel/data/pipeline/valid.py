@@ -31,7 +31,8 @@ class BagelValidLoader:
     ``close()``; ``first`` is True for the first build only, so it may log once). ``batches_per_eval``: batches one
     evaluation pulls on this rank (> 0). ``seq_length``: the packed sequence length (tokens; the packer's
     ``max_num_tokens``), read by the providers. ``len()`` is ``batches_per_eval`` (a hint, as the training loader's).
-    Nothing is saved: the stream restarts from the configuration.
+    ``evaluations_started``: how many evaluations have started pulling (loaders built so far). Nothing is saved: the
+    stream restarts from the configuration.
     """
 
     def __init__(self, build: Callable[[bool], Any], batches_per_eval: int, *, seq_length: int | None = None) -> None:
@@ -42,7 +43,7 @@ class BagelValidLoader:
         self.seq_length = seq_length
         self._loader: Any = None
         self._served = 0
-        self._builds = 0
+        self.evaluations_started = 0
 
     def __iter__(self) -> "BagelValidLoader":
         return self
@@ -50,19 +51,13 @@ class BagelValidLoader:
     def __len__(self) -> int:
         return self.batches_per_eval
 
-    @property
-    def evaluations_started(self) -> int:
-        """How many evaluations have started pulling (loaders built so far)."""
-        return self._builds
-
     def __next__(self) -> dict[str, Any]:
-        """The next batch of the current evaluation; the first of an evaluation builds the stream afresh.
-
-        Raises ``StopIteration`` only if the validation groups cannot fill one evaluation (they never end: the
-        readers cycle over epochs, as training's do)."""
+        """The next batch of the current evaluation; the first of an evaluation builds the stream afresh. Raises
+        ``StopIteration`` only if the validation groups cannot fill one evaluation (they never end: the readers cycle
+        over epochs, as training's do)."""
         if self._loader is None:
-            self._loader = self._build(self._builds == 0)
-            self._builds += 1
+            self._loader = self._build(self.evaluations_started == 0)
+            self.evaluations_started += 1
         try:
             batch = next(self._loader)
         except BaseException:

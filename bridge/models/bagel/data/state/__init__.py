@@ -16,10 +16,8 @@ from .resize import ResizeContext
 from .restricted import check_restricted, energon_state_classes
 from .savable import Savable, Stage, check_fields, unsavable_fields, walk
 
-__all__ = [
-    "ABSENT", "BUDGET_CHANGE_KEY", "ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM_KEY", "STATE_PROTOCOLS", "ResizeContext",
-    "ResumeMismatchError", "Savable", "Stage", "StateError", "check_fields", "check_restricted", "energon_rank_state",
-    "energon_state_classes", "fingerprint_changes", "fingerprint_diff", "fingerprint_of", "is_stateful",
-    "is_stateful_list", "load_nested", "load_value", "mismatch_message", "restore_of", "save_nested", "save_of",
-    "save_value", "state_protocol", "tag_of", "unsavable_fields", "walk",
-]
+__all__ = ["ABSENT", "BUDGET_CHANGE_KEY", "ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM_KEY", "STATE_PROTOCOLS",
+           "ResizeContext", "ResumeMismatchError", "Savable", "Stage", "StateError", "check_fields", "check_restricted",
+           "energon_rank_state", "energon_state_classes", "fingerprint_changes", "fingerprint_diff", "fingerprint_of",
+           "is_stateful", "is_stateful_list", "load_nested", "load_value", "mismatch_message", "restore_of",
+           "save_nested", "save_of", "save_value", "state_protocol", "tag_of", "unsavable_fields", "walk"]

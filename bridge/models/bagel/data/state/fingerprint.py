@@ -22,6 +22,8 @@ __all__ = ["ABSENT", "BUDGET_CHANGE_KEY", "ELASTIC_TOPOLOGY_KEYS", "FRESH_STREAM
 #: Fingerprint keys the elastic order's stream does not depend on: the loader's DP rank/size and worker count,
 #: and the RNG iterator's rank seed (a function of the DP rank).
 ELASTIC_TOPOLOGY_KEYS = ("loader.dp_rank", "loader.dp_size", "loader.num_workers", "source.rank_seed")
+#: The value ``fingerprint_changes`` reports for a key one of the two fingerprints does not have.
+ABSENT = "<absent>"
 
 
 class ResumeMismatchError(StateError):
@@ -31,8 +33,7 @@ class ResumeMismatchError(StateError):
 def fingerprint_of(obj: Any) -> dict[str, Any]:
     """``{"stage": tag, **obj.identity(), "source": <fingerprint of each source>}`` (JSON-like, no paths).
 
-    An object with its own ``fingerprint()`` method answers for itself (a transparent stage gives its source's).
-    """
+    An object with its own ``fingerprint()`` method answers for itself (a transparent stage gives its source's)."""
     own = getattr(obj, "fingerprint", None)
     if callable(own):
         return own()
@@ -58,10 +59,6 @@ def _flatten(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     else:
         out[prefix] = value
     return out
-
-
-#: The value ``fingerprint_changes`` reports for a key one of the two fingerprints does not have.
-ABSENT = "<absent>"
 
 
 def fingerprint_changes(saved: Mapping[str, Any], current: Mapping[str, Any],

@@ -10,9 +10,9 @@ loader). Each is saved through its own state, whichever of the two protocols it 
 Nested, the state travels *tagged* — ``{"stage": tag, "state": ...}`` — and the tag is checked on load, so a state
 never lands in a stage of another kind. One of Energon's own objects also records the Energon version that saved
 it (``"energon"``): its state is Energon's classes, and a restore under another Energon version is refused in one
-line (the stages' own states hold no Energon classes and restore under any supported Energon). A stage's tag is its ``state_tag()`` (the class name by default; a stage
-that does not change the stream, like prefetch, answers with its source's tag and so may be added or removed between
-a save and a restore).
+line (the stages' own states hold no Energon classes and restore under any supported Energon). A stage's tag is its
+``state_tag()`` (the class name by default; a stage that does not change the stream, like prefetch, answers with its
+source's tag and so may be added or removed between a save and a restore).
 """
 
 from __future__ import annotations
@@ -88,11 +88,8 @@ def save_nested(obj: Any) -> dict[str, Any]:
     """``{"stage": tag_of(obj), "state": save_of(obj)}``: a nested object's saved form; for one of Energon's own
     objects (a hand-wired ``SavableDataLoader``) also ``"energon": <its version>``, because its state is Energon's
     own classes, which Energon does not promise to read across its versions (``load_nested`` refuses then)."""
-    saved = {"stage": tag_of(obj), "state": save_of(obj)}
     version = _energon_version(obj)
-    if version is not None:
-        saved["energon"] = version
-    return saved
+    return {"stage": tag_of(obj), "state": save_of(obj), **({"energon": version} if version is not None else {})}
 
 
 def load_nested(obj: Any, saved: Any, where: str) -> None:

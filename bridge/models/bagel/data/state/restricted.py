@@ -23,8 +23,7 @@ _PLAIN = (bool, int, float, complex, str, bytes, bytearray, type(None), slice, r
 def check_restricted(obj: Any, path: str = "state", *, allow: tuple[type, ...] = ()) -> None:
     """Raise ``StateError`` naming the first value that a builtins/tensor/NumPy-only unpickler refuses.
 
-    ``allow`` adds extra permitted classes (e.g. Energon's own state classes, which Bridge allows).
-    """
+    ``allow`` adds extra permitted classes (e.g. Energon's own state classes, which Bridge allows)."""
     if isinstance(obj, _PLAIN) or isinstance(obj, (torch.Tensor, np.ndarray, np.generic, np.dtype)):
         if type(obj) in (torch.nn.Parameter,):
             raise StateError(f"{path}: nn.Parameter is not allowed in loader state")
@@ -51,12 +50,8 @@ def energon_state_classes() -> tuple[type, ...]:
     ``stateful_loaders`` save them)."""
     from megatron.energon.flavors.webdataset.sample_loader import SliceState
     from megatron.energon.rng import SystemRngState
-    from megatron.energon.savable_loader import (
-        SavableCheckpoint,
-        SavableDataLoaderState,
-        SavableDatasetCheckpoint,
-        SavableDatasetState,
-    )
+    from megatron.energon.savable_loader import (SavableCheckpoint, SavableDataLoaderState, SavableDatasetCheckpoint,
+                                                 SavableDatasetState)
     from megatron.energon.state import FlexState
 
     return (FlexState, SystemRngState, SavableCheckpoint, SavableDataLoaderState, SavableDatasetCheckpoint,

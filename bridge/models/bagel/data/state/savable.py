@@ -7,11 +7,7 @@ tagged (``protocol.save_nested``), and restored in place; any other field is dee
 whose live form is not storable as it is (RNG state tuples, a buffer of samples saved as restore keys) overrides
 ``state_dict`` / ``load_state_dict`` — still for exactly the declared fields — rather than hooking into the base.
 Before any field is restored, ``check_compatible(state)`` may refuse a state that belongs to another configuration;
-no restore happens as a side effect of setting an attribute.
-
-``Stage`` adds what every element of the chain shares, as Energon's ``BaseWrapperDataset`` and torchdata's
-``BaseNode`` do: its input is always ``self.source`` (one upstream, or a list of them), and delegation is inherited
-(``stats``, ``seq_length``, ``close``, the fingerprint, ``resize_state``).
+no restore happens as a side effect of setting an attribute. ``Stage`` adds what every element of the chain shares.
 """
 
 from __future__ import annotations
@@ -33,19 +29,14 @@ def check_fields(obj: Any, state: Any, where: str | None = None) -> None:
     if not isinstance(state, dict):
         raise StateError(f"{where}: state must be a dict, got {type(state).__name__}")
     fields = obj._savable_fields
-    missing = [f for f in fields if f not in state]
-    extra = [k for k in state if k not in fields]
+    missing, extra = [f for f in fields if f not in state], [k for k in state if k not in fields]
     if missing or extra:
         raise StateError(f"{where}: state fields do not match (missing {missing}, unexpected {extra})")
 
 
 class Savable:
     """State = the attributes named in ``_savable_fields`` (nested stateful objects through their own state).
-
-    Subclasses may implement ``reset_state()`` (every field back to its initial value) and
-    ``check_compatible(state)`` (raise ``StateError`` for a state of another configuration; called by
-    ``load_state_dict`` before any field is restored).
-    """
+    Subclasses may implement ``reset_state()`` (every field back to its initial value) and ``check_compatible``."""
 
     _savable_fields: ClassVar[tuple[str, ...]] = ()
 
@@ -75,18 +66,11 @@ class Savable:
 
 
 class Stage(Savable):
-    """An element of the chain: owns its input as ``self.source`` (one upstream, or a list of them for a stage over
-    several, like the packer's group readers) and inherits the delegation every stage needs.
-
-    * ``sources()``: the source as a list;
-    * ``identity()``: this stage's own configuration that a saved state must match (default: none); the chain's
-      fingerprint (``state.fingerprint.fingerprint_of``) is every stage's identity, walked through ``source``;
-    * ``stats()``: the only source's counters (``{}`` when it has none); a stage over several sources or with
-      counters of its own overrides it;
-    * ``seq_length``: the first source's packed sequence length (``max_num_tokens``), or None;
-    * ``close()``: closes every source that can be closed;
-    * ``resize_state(olds, ctx)``: this stage's state on a new DP rank from every old rank's; by default a stage
-      cannot be resized (its stream depends on the DP size).
+    """An element of the chain, as Energon's ``BaseWrapperDataset`` and torchdata's ``BaseNode``: owns its input as
+    ``self.source`` (one upstream, or a list of them for a stage over several, like the packer's group readers) and
+    inherits the delegation every stage needs (``sources``,
+    ``identity``: walked through ``source`` by ``state.fingerprint.fingerprint_of``, ``stats``, ``seq_length``,
+    ``close``, ``resize_state``; a stage over several sources or with counters of its own overrides ``stats``).
 
     Inside the package every stage saves with ``state_dict()`` / ``load_state_dict()``; only the loader Megatron
     receives adds Bridge's ``save_state()`` / ``restore_state()``.
@@ -148,8 +132,5 @@ def walk(obj: Any) -> Iterator[Any]:
 def unsavable_fields(obj: Any) -> list[str]:
     """``"Class.field: Type"`` for every declared field under ``obj`` holding an iterator that speaks no state
     protocol: ``state_dict()`` would raise ``StateError`` there (the chain cannot be checkpointed)."""
-    out = []
-    for s in walk(obj):
-        for name in getattr(s, "_savable_fields", ()):
-            out += [f"{type(s).__name__}.{name}: {t.split(' (entry')[0]}" for t in unsavable_entries(getattr(s, name, None))]
-    return out
+    return [f"{type(s).__name__}.{name}: {t.split(' (entry')[0]}" for s in walk(obj)
+            for name in getattr(s, "_savable_fields", ()) for t in unsavable_entries(getattr(s, name, None))]

@@ -2,8 +2,8 @@
 
 Every read that can block the trainer's ``next()`` goes through ``ReadWatch.call``: a group reader's reads
 (``energon.readers.core.GroupReader``: inline, or the wait on the rank's read pool), in either order, in the
-trainer or in the prefetch producer; the trainer's side of the prefetch queue
-is watched by ``PrefetchStage`` itself with a later deadline (a safety net for a producer stuck elsewhere).
+trainer or in the prefetch producer; the trainer's side of the prefetch queue is watched by ``PrefetchStage`` itself
+with a later deadline (a safety net for a producer stuck elsewhere).
 
 Two ways to wait, one behaviour (bit-identical stream with the watchdog on or off):
 

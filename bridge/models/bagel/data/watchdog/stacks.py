@@ -1,11 +1,8 @@
 """What a stuck thread or process is doing, for the data watchdog (``watchdog.watch``).
 
-``describe_frame`` finds the group, dataset and shard file from a thread's frames (the Energon tar reader's
-``tar_file_id`` / sample pointer, the BAGEL reader's group). Energon worker processes are asked through
-*agents*: every process forked after ``enable_agents()`` (the Energon workers, the prefetch producer and its
-workers) gets a daemon thread that polls a shared counter (4 times a second, lock-free) and, when the watchdog
-bumps it, writes what its threads are doing to a report file (``collect_reports``); ``summarize`` picks the one
-thing the chain waits on. The report files live in one ``bagel-watch-*`` directory per owner process in the
+``describe_frame`` finds the group, dataset and shard file from a thread's frames; worker processes answer through
+the *agents* of the package docstring (``enable_agents``, ``collect_reports``); ``summarize`` picks the one thing
+the chain waits on. The report files live in one ``bagel-watch-*`` directory per owner process in the
 temp dir, removed when the owner exits or, after a crash, by the next owner's start (``_Agents``).
 """
 
@@ -34,15 +31,18 @@ __all__ = ["collect_reports", "describe_frame", "enable_agents", "process_role",
 
 _REPORT_WAIT_S = 1.0
 _AGENT_POLL_S = 0.25
+_REPORTS_PREFIX = "bagel-watch-"
+_OWNER_LOCK = "owner.lock"
+_role: str | None = None  # set in a process that has a role of its own (``set_process_role``)
+_agents: _Agents | None = None
+_hook_installed = False
 
 
 # -- what a stuck thread is doing ---------------------------------------------------------------------
 def describe_frame(frame: Any) -> dict[str, Any]:
-    """``{"dataset", "shard", "group", "stack"}`` of a (stuck) thread from its innermost ``frame``.
-
-    The shard is the file an Energon tar reader is opening or reading (``energon.patches.shard_in_frame``: Energon's
-    internals); the group that of a BAGEL reader frame. Missing parts are None.
-    """
+    """``{"dataset", "shard", "group", "stack"}`` of a (stuck) thread from its innermost ``frame``: the shard an
+    Energon tar reader is opening or reading (``energon.patches.shard_in_frame``: Energon's internals), the group of a
+    BAGEL reader frame. Missing parts are None."""
     out: dict[str, Any] = {"dataset": None, "shard": None, "group": None,
                            "stack": "".join(traceback.format_stack(frame))}
     f = frame
@@ -55,15 +55,10 @@ def describe_frame(frame: Any) -> dict[str, Any]:
         found = shard_in_frame(loc) if out["shard"] is None else None
         if found is not None:
             out["shard"], out["dataset"] = found
-        if out["group"] is None and obj is not None:
-            group = getattr(obj, "group", None) if type(obj).__name__ == "GroupReader" else None
-            if isinstance(group, str):
-                out["group"] = group
+        if out["group"] is None and type(obj).__name__ == "GroupReader" and isinstance(getattr(obj, "group", 0), str):
+            out["group"] = obj.group
         f = f.f_back
     return out
-
-
-_role: str | None = None  # set in a process that has a role of its own (``set_process_role``)
 
 
 def set_process_role(role: str) -> None:
@@ -91,31 +86,20 @@ def process_role() -> str:
 
 
 def _thread_reports(skip: set[int]) -> list[dict[str, Any]]:
-    reports = []
-    for ident, frame in sys._current_frames().items():
-        if ident in skip:
-            continue
-        rep = describe_frame(frame)
-        rep["thread"] = ident
-        reports.append(rep)
+    reports = [{**describe_frame(frame), "thread": ident} for ident, frame in sys._current_frames().items()
+               if ident not in skip]
     reports.sort(key=lambda r: (r["shard"] is None, r["group"] is None))
     return reports
 
 
 # -- agents in forked processes -----------------------------------------------------------------------
-_REPORTS_PREFIX = "bagel-watch-"
-_OWNER_LOCK = "owner.lock"
-
-
 class _Agents:
     """The report directory (one ``<pid>.json`` per reporting process) and the request counter of one owner.
 
-    Without cleanup every process that ever enabled agents left one directory in the temp dir, one per rank and
-    restart of every job on the node. The owner removes it when it exits (``atexit``; a forked process that
-    exits through the interpreter leaves it alone), and a process that exits without that (``os._exit``, a
-    SIGKILL, a preemption) holds an exclusive ``flock`` on ``owner.lock`` inside it, which the kernel drops
-    when the owner and every process forked from it are gone: the next owner's start removes such
-    directories (``_reclaim_reports``), never one whose lock is held.
+    The owner removes the directory when it exits (``atexit``; a forked process that exits through the interpreter
+    leaves it alone). An owner that exits without that (``os._exit``, a SIGKILL, a preemption) held an exclusive
+    ``flock`` on ``owner.lock`` inside it, which the kernel drops when the owner and every process forked from it
+    are gone: the next owner's start removes such directories (``_reclaim_reports``), never one whose lock is held.
     """
 
     def __init__(self) -> None:
@@ -140,9 +124,7 @@ def _remove_reports(path: str, owner: int) -> None:
 
 def _reclaim_reports(temp_dir: str | None = None) -> int:
     """Remove the report directories of owners that are gone (their ``owner.lock`` free); how many were removed.
-
-    A directory without ``owner.lock`` (being created, or left by a version before the lock) is left alone.
-    """
+    A directory without ``owner.lock`` (being created, or left by a version before the lock) is left alone."""
     removed = 0
     root = tempfile.gettempdir() if temp_dir is None else temp_dir
     try:
@@ -167,10 +149,6 @@ def _reclaim_reports(temp_dir: str | None = None) -> int:
         logger.info("removed %d report directories of data watchdogs whose processes are gone (%s/%s*)",
                     removed, root, _REPORTS_PREFIX)
     return removed
-
-
-_agents: _Agents | None = None
-_hook_installed = False
 
 
 def _agent_loop(agents: _Agents, seen: int) -> None:
@@ -224,9 +202,7 @@ def collect_reports(wait_s: float = _REPORT_WAIT_S) -> list[dict[str, Any]]:
         names = os.listdir(agents.dir)
     except OSError:  # the owner exited (and removed it) while a forked process, e.g. the producer, still runs
         return []
-    for name in names:
-        if not name.endswith(".json"):
-            continue
+    for name in (n for n in names if n.endswith(".json")):
         try:
             with open(os.path.join(agents.dir, name), encoding="utf-8") as fh:
                 rep = json.load(fh)

@@ -4,6 +4,7 @@ defaults; see the package docstring (``bridge.models.bagel.data.watchdog``) for 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -35,21 +36,6 @@ _local = threading.local()  # .batch: the _BatchThread this thread runs for (set
 _live: weakref.WeakSet = weakref.WeakSet()  # the enabled, not stopped ReadWatches of this process
 
 
-def _serve(jobs: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
-    """A watched thread's loop (the reader thread of a ``ReadWatch``, a batch thread): run each ``(fn, args)`` job,
-    hand ``(True, result)`` or ``(False, exception)`` to the waiting thread; ``None`` ends it."""
-    while True:
-        job = jobs.get()
-        if job is None:
-            return
-        fn, args = job
-        try:
-            done.put((True, fn(*args)))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            done.put((False, exc))
-        del job, fn, args
-
-
 class ReadWatch:
     """Waits for blocking reads with ``stall_warn_s`` / ``timeout_s``: per batch or on a reader thread.
 
@@ -69,11 +55,9 @@ class ReadWatch:
         self.enabled = self.stall_warn_s > 0 or self.timeout_s > 0
         self.stuck: DataTimeoutError | None = None
         self.stuck_pids: list[int] = []
-        self._thread: threading.Thread | None = None
+        self._thread: _BatchThread | None = None  # this watch's reader thread
         self._stuck_thread: threading.Thread | None = None  # the thread left in the read that timed out
         self._owner = os.getpid()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
         if self.enabled:
             _live.add(self)
             if self.workers:
@@ -88,7 +72,7 @@ class ReadWatch:
         """``fn(*args)`` under the watchdog; raises what it raises, or the time-out.
 
         Disabled: called directly. On a batch thread (``batch_call``): called inline, the read stamped for the
-        batch's waiter. Else on this watch's reader thread, waited for here.
+        batch's waiter. Else on this watch's reader thread, stamped the same way and waited for here.
         """
         if not self.enabled:
             return fn(*args)
@@ -97,41 +81,17 @@ class ReadWatch:
         batch = getattr(_local, "batch", None)
         if batch is not None and batch.owner == os.getpid():
             return batch.read(self, fn, args)
-        if self._thread is None or self._owner != os.getpid() or not self._thread.is_alive():
+        reader = self._thread
+        if reader is None or self._owner != os.getpid() or not reader.thread.is_alive():
             self._owner = os.getpid()
-            self._jobs, self._done = queue.SimpleQueue(), queue.SimpleQueue()
-            self._thread = threading.Thread(target=_serve, args=(self._jobs, self._done), name="bagel-data-read",
-                                            daemon=True)
-            self._thread.start()
+            reader = self._thread = _BatchThread("bagel-data-read")
             _live.add(self)
-        self._jobs.put((fn, args))
-        t0 = time.monotonic()
-        warned = False
-        while True:
-            waited = time.monotonic() - t0
-            limits = [x for x in ((self.stall_warn_s if not warned else 0), self.timeout_s) if x > 0]
-            try:
-                ok, value = self._done.get(timeout=max(0.0, min(limits) - waited) if limits else None)
-            except queue.Empty:
-                waited = time.monotonic() - t0
-                if self.stall_warn_s > 0 and not warned and waited >= self.stall_warn_s:
-                    warned = True
-                    self._warn(waited, self._thread)
-                if self.timeout_s > 0 and waited >= self.timeout_s:
-                    self._time_out(waited, self._thread)
-                continue
-            if warned:
-                logger.warning("%s: the read returned after %.1fs", self.what, time.monotonic() - t0)
-            if ok:
-                return value
-            raise value
+        return reader.run(reader.read, (self, fn, args))
 
     def _look(self, thread: threading.Thread | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
-        local = describe_frame(frame) if frame is not None else {}
-        if local:
-            local.update(role=process_role(), pid=os.getpid())
-        reports = ([local] if local else []) + (collect_reports() if self.workers else [])
+        local = [{**describe_frame(frame), "role": process_role(), "pid": os.getpid()}] if frame is not None else []
+        reports = local + (collect_reports() if self.workers else [])
         reports.sort(key=lambda r: (r.get("shard") is None, r.get("group") is None))
         return summarize(reports, self.group, self.datasets), reports
 
@@ -163,26 +123,21 @@ class ReadWatch:
         were any (then torch reports their deaths: see ``energon.workers.killed_workers_expected``)."""
         killed = bool(self.stuck_pids)
         for pid in self.stuck_pids:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         self.stuck_pids = []
         return killed
 
     def stop(self, wait_s: float = 0.0) -> bool:
-        """End the reader thread (idle: at once; stuck: waits up to ``wait_s``). True if it ended.
-
-        A thread blocked in the kernel cannot be cancelled from Python: if it does not end within ``wait_s`` it
-        is left behind as a daemon thread (it does not keep the process from exiting).
-        """
+        """End the reader thread (idle: at once; stuck: waits up to ``wait_s``, else it is left behind as a daemon
+        thread, package docstring). True if it ended."""
         _live.discard(self)
         t, stuck = self._thread, self._stuck_thread
         if self._owner != os.getpid():
             return True
         if t is not None:
-            self._jobs.put(None)
-        for thread in {x for x in (t, stuck) if x is not None}:
+            t.jobs.put(None)
+        for thread in {x for x in (t and t.thread, stuck) if x is not None}:
             thread.join(wait_s if self.stuck is not None else None)
             if thread.is_alive():
                 logger.debug("%s: a thread is still stuck in a read; left as a daemon thread", self.what)
@@ -192,19 +147,28 @@ class ReadWatch:
 
 
 class _BatchThread:
-    """The thread that builds whole batches for one calling thread; the reads in it stamp ``reading``."""
+    """The thread that builds whole batches for one calling thread (or runs a ``ReadWatch``'s reads: its reader
+    thread); the reads in it stamp ``reading``, which the waiting thread looks at."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "bagel-data-batch") -> None:
         self.owner = os.getpid()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.reading: list[list[Any]] = []  # [watch, started (monotonic), warned] of each read in progress
-        self.thread = threading.Thread(target=self._loop, name="bagel-data-batch", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
+        """Run each ``(fn, args)`` job, handing ``(True, result)`` or ``(False, exception)`` to the waiting thread;
+        ``None`` ends it."""
         _local.batch = self
-        _serve(self.jobs, self.done)
+        while (job := self.jobs.get()) is not None:
+            fn, args = job
+            try:
+                self.done.put((True, fn(*args)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                self.done.put((False, exc))
+            del job, fn, args
 
     def read(self, watch: ReadWatch, fn: Callable[..., Any], args: tuple) -> Any:
         """A read on this thread: inline, stamped for the waiter (nested reads stack)."""
@@ -256,13 +220,10 @@ class _BatchThread:
 
 
 def batch_call(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` (a whole batch: ``next(upstream)``) on this thread's batch thread, under the watchdog.
-
-    The reads inside run inline (``ReadWatch.call``), so a batch costs one hand-over instead of one per
-    sample. Called directly when no enabled ``ReadWatch`` lives in this process (the watchdog is off), when
-    already on a batch thread, or when ``args[0]`` watches itself (``watchdog_scope = False``: the prefetch
-    stage, whose producer process batches its own reads). Raises what ``fn`` raises, or ``DataTimeoutError``.
-    """
+    """``fn(*args)`` (a whole batch: ``next(upstream)``) on this thread's batch thread, under the watchdog, its reads
+    inline (package docstring). Called directly when no enabled ``ReadWatch`` lives in this process (the watchdog is
+    off), when already on a batch thread, or when ``args[0]`` watches itself (``watchdog_scope = False``: the prefetch
+    stage, whose producer process batches its own reads). Raises what ``fn`` raises, or ``DataTimeoutError``."""
     on = getattr(_local, "batch", None)
     if not _live or (on is not None and on.owner == os.getpid()) or \
             (args and getattr(args[0], "watchdog_scope", True) is False):
