@@ -18,7 +18,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 gc.disable()
 
 
-def pytest_collection_finish(session):
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session):
+    """Collection is over (also in the xdist controller, which collects nothing): freeze and collect again."""
     gc.freeze()
     gc.enable()
 
