@@ -16,7 +16,7 @@ rank 0's ``start-up:`` line (logged as the first step begins: ``job_first_step_s
 split from its summary (``job_<phase>_s``: rank 0's ``startup_s``). The baseline, measured in the same run:
 ``job_import_floor_s``, the same launch of a 2-rank script that only imports what the job's path imports (torch,
 Megatron-Core, transformers' Qwen2 tokenizer module, Megatron-Bridge's data and checkpoint modules, this
-package's job) and exits at once; ``job_over_floor`` is the ratio, what the job adds on top of its imports.
+package's job; with the cyclic collector paused, as the job has it) and exits at once; ``job_over_floor`` is the ratio, what the job adds on top of its imports.
 Runs alternate job / floor; medians of ``--runs``.
 
 ``--quick`` is the CI smoke run (one run of each, no verdict; ``tests/test_benches.py``): it proves the bench still
@@ -41,6 +41,8 @@ KEYS = ("imports_s", "tokenizer_s", "build_s", "first_batch_s", "after_imports_s
 FLOOR = """
 import sys
 sys.path.insert(0, {repo!r})
+from bridge.models.bagel.data.job.startup import pause_gc
+pause_gc()  # the job imports with the collector paused (job/startup.py): the floor imports the same way
 import torch, megatron.core.parallel_state
 from transformers import Qwen2Tokenizer
 from bridge.models.bagel.data._bridge import import_bridge
