@@ -19,8 +19,8 @@ Megatron-Core, transformers' Qwen2 tokenizer module, Megatron-Bridge's data and 
 package's job; with the cyclic collector paused, as the job has it) and exits at once; ``job_over_floor`` is the ratio, what the job adds on top of its imports.
 Runs alternate job / floor; medians of ``--runs``.
 
-``--quick`` is the CI smoke run (one run of each, no verdict; ``tests/test_benches.py``): it proves the bench still
-works, its numbers mean nothing.
+``--quick`` is the CI smoke run (one run of each, the job and its floor on 1 rank instead of 2, no verdict;
+``tests/test_benches.py``): it proves the bench still works, its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ print("imports done", flush=True)
 """
 
 
-def _torchrun(script: list[str], port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
+def _torchrun(script: list[str], port: int, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
             "--master-port", str(port), *script]
 
 
@@ -86,20 +86,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def job_startup(demo_dir: str, runs: int, model: str, work: str) -> dict[str, float]:
-    """Median launch -> first step of the 2-rank job and of its import floor (alternated), with the job's phases."""
+def job_startup(demo_dir: str, runs: int, model: str, work: str, nproc: int = 2) -> dict[str, float]:
+    """Median launch -> first step of the ``nproc``-rank job and of its import floor (alternated), with the job's
+    phases."""
     floor_py = os.path.join(work, "import_floor.py")
     with open(floor_py, "w", encoding="utf-8") as fh:
         fh.write(FLOOR.format(repo=REPO))
     job = [os.path.join(REPO, "scripts", "pretrain_bagel.py"), f"--config={os.path.join(REPO, 'configs', 'demo.yaml')}",
            f"demo_data={demo_dir}", f"data.groups={demo_dir}/groups.yaml",
-           f"data.dataset_info={demo_dir}/dataset_info.yaml", "train.train_iters=1", "train.global_batch_size=2",
+           f"data.dataset_info={demo_dir}/dataset_info.yaml", "train.train_iters=1", f"train.global_batch_size={nproc}",
            "train.save=null", "train.progress=false", f"model.name={model}"]
     firsts, floors, phases = [], [], []
     for i in range(runs):
-        first, out = _time_until(_torchrun(["--log-dir", os.path.join(work, "te"), *job], _free_port()),
+        first, out = _time_until(_torchrun(["--log-dir", os.path.join(work, "te"), *job], _free_port(), nproc),
                                  "start-up:", os.path.join(work, f"job{i}.log"))
-        floor, _ = _time_until(_torchrun(["--log-dir", os.path.join(work, "te"), floor_py], _free_port()),
+        floor, _ = _time_until(_torchrun(["--log-dir", os.path.join(work, "te"), floor_py], _free_port(), nproc),
                                "imports done", os.path.join(work, f"floor{i}.log"))
         summary = json.loads(out.split("summary: ", 1)[1].splitlines()[0])
         firsts.append(first)
@@ -154,7 +155,7 @@ def main() -> int:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--loader-only", action="store_true", help="skip the 2-rank job and its import floor")
     ap.add_argument("--model", default="null", help="the job's model.name (default %(default)s: data only)")
-    ap.add_argument("--quick", action="store_true", help="CI smoke run: one fresh process (and one job run)")
+    ap.add_argument("--quick", action="store_true", help="CI smoke run: one fresh process (and one 1-rank job run)")
     args = ap.parse_args()
     if args.quick:
         args.runs = 1
@@ -179,8 +180,8 @@ def main() -> int:
           f"<= {TARGET_S:.0f} s: {verdict}")
     if not args.loader_only:
         with tempfile.TemporaryDirectory(prefix="bench_startup_") as work:
-            job = job_startup(args.demo_dir, args.runs, args.model, work)
-        print(f"2-rank job (model {args.model}): launch -> first step {job['job_first_step_s']:.2f} s, its imports "
+            job = job_startup(args.demo_dir, args.runs, args.model, work, nproc=1 if args.quick else 2)
+        print(f"{1 if args.quick else 2}-rank job (model {args.model}): launch -> first step {job['job_first_step_s']:.2f} s, its imports "
               f"alone {job['job_import_floor_s']:.2f} s (x{job['job_over_floor']:.2f})")
         med.update(job)
     print("startup: " + " ".join(f"{k}={v:.2f}" for k, v in med.items()))
