@@ -24,8 +24,14 @@ _gc_paused = False
 
 
 def _enable_gc_in_child() -> None:
+    """After a fork while paused: the child's collector is on (its start-up is not this process's)."""
+    global _gc_paused
     if _gc_paused:
+        _gc_paused = False
         gc.enable()
+
+
+os.register_at_fork(after_in_child=_enable_gc_in_child)
 
 
 def pause_gc() -> None:
@@ -41,9 +47,6 @@ def pause_gc() -> None:
     if _gc_paused or not gc.isenabled():
         return
     gc.disable()
-    if not hasattr(pause_gc, "_hooked"):
-        os.register_at_fork(after_in_child=_enable_gc_in_child)
-        pause_gc._hooked = True  # type: ignore[attr-defined]
     _gc_paused = True
 
 
