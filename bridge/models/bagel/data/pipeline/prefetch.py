@@ -98,6 +98,15 @@ def _map(obj: Any, fn: Callable[[Any], Any]) -> Any:
     return fn(obj)
 
 
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj`` (dicts, lists, tuples), in order, without rebuilding the containers."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict) or type(obj) in (list, tuple):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(v)
+
+
 def _gather_shared(obj: Any) -> dict[int, torch.Tensor]:
     """Copy the batch's mid-size tensors (``_INLINE_BYTES`` or more, not yet in shared memory: position ids, token
     indexes, timesteps, ... seven of 20-300 KB each at default budgets) into one pooled shared-memory block
@@ -109,9 +118,7 @@ def _gather_shared(obj: Any) -> dict[int, torch.Tensor]:
     against ~0.3 ms for the copies; the block itself is reused once the trainer drops the batch. Only tensors
     that own their whole storage are gathered (aliasing between tensors stays as it was); fewer than two: none.
     """
-    tensors: list[torch.Tensor] = []
-    _map(obj, lambda v: tensors.append(v) if isinstance(v, torch.Tensor) else None)
-    fit = [t for t in tensors if t.nbytes >= _INLINE_BYTES and t.device.type == "cpu" and not t.is_shared()
+    fit = [t for t in _tensors(obj) if t.nbytes >= _INLINE_BYTES and t.device.type == "cpu" and not t.is_shared()
            and not t.requires_grad and t.is_contiguous() and t.storage_offset() == 0
            and t.untyped_storage().nbytes() == t.nbytes]
     owners = Counter(t.untyped_storage().data_ptr() for t in fit)  # storage address -> tensors on it
