@@ -35,6 +35,10 @@ setup_env() {
   if [ ! -f .venv/.bytecode-compiled ] || [ uv.lock -nt .venv/.bytecode-compiled ]; then compile=(--compile-bytecode); fi
   UV_PYTHON_DOWNLOADS=never .tools/bin/uv sync --frozen --extra bridge "${compile[@]}" --python "$py" -q
   [ ${#compile[@]} -eq 0 ] || touch .venv/.bytecode-compiled
+  # This package's own modules (an editable install: they are read from ./bridge) are compiled here too: under
+  # PYTHONDONTWRITEBYTECODE every process -- each torchrun rank, worker and CLI of the suite -- would otherwise
+  # compile its ~100 modules from source again (~0.4 CPU s each). Only changed files are compiled (~1 s).
+  .venv/bin/python -m compileall -q -j 0 bridge >/dev/null
 }
 
 # The second environment (.ci/run, issue 30): a user's own virtual environment that already has a torch other
