@@ -17,14 +17,14 @@ import io
 import os
 import pathlib
 from collections.abc import Callable
-from typing import IO, Any, TypeVar
+from typing import IO, TypeVar
 
 import numpy as np
 
 from ..errors import DataReadError
 
-__all__ = ["MSC_PREFIX", "S3_EXTRA", "RemoteStorageError", "absolute", "describe", "epath",
-           "is_remote", "isdir", "isfile", "join", "load_npy", "open_binary", "read_bytes", "remote_call", "size"]
+__all__ = ["MSC_PREFIX", "S3_EXTRA", "RemoteStorageError", "absolute", "describe", "is_remote", "isfile",
+           "join", "load_npy", "open_binary", "read_bytes", "remote_call", "size"]
 
 #: The URL scheme of Energon's Multi-Storage Client paths.
 MSC_PREFIX = "msc://"
@@ -99,27 +99,19 @@ def remote_call(url: str, fn: Callable[[], _T]) -> _T:
         raise RemoteStorageError(line, brief=line[:200]) from exc
 
 
-def epath(url: str) -> Any:
-    """Energon's ``EPath`` of ``url`` (its profile resolved; a :class:`RemoteStorageError` line when the profile is
-    unknown or its client is not installed)."""
+def _through(path: str, local: Callable[[str], _T], method: str) -> _T:
+    """``local(path)`` for a local path; for a URL, its Energon ``EPath``'s ``method()`` through :func:`remote_call`
+    (the profile resolved too: a :class:`RemoteStorageError` line when it is unknown or its client not installed)."""
+    if not is_remote(path):
+        return local(path)
     from megatron.energon.epathlib import EPath
 
-    return remote_call(url, lambda: EPath(url))
-
-
-def _through(path: str, local: Callable[[str], _T], method: str) -> _T:
-    """``local(path)`` for a local path; for a URL, its ``EPath``'s ``method()`` through :func:`remote_call`."""
-    return remote_call(path, getattr(epath(path), method)) if is_remote(path) else local(path)
+    return remote_call(path, lambda: getattr(EPath(path), method)())
 
 
 def isfile(path: str) -> bool:
     """Whether the file (object) ``path`` exists."""
     return _through(path, os.path.isfile, "is_file")
-
-
-def isdir(path: str) -> bool:
-    """Whether the directory (object prefix) ``path`` exists."""
-    return _through(path, os.path.isdir, "is_dir")
 
 
 def size(path: str) -> int:

@@ -5,9 +5,9 @@ recorded / replayed random choices (``Draws``), tombstones (``DropSample``, ``DR
 """
 
 from .common import (DROP_REASONS, UNUSED_REASONS, CookContext, Draws, DropSample, ReplayError, SampleCookError,
-                     cook_with, global_random)
+                     cook_with)
 from .groups import CORES, make_cook_context
 from .sample import PLAN_KEYS, BagelSample
 
 __all__ = ["CORES", "DROP_REASONS", "UNUSED_REASONS", "PLAN_KEYS", "BagelSample", "CookContext", "Draws",
-           "DropSample", "ReplayError", "SampleCookError", "cook_with", "global_random", "make_cook_context"]
+           "DropSample", "ReplayError", "SampleCookError", "cook_with", "make_cook_context"]

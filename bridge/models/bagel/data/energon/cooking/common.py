@@ -26,8 +26,7 @@ from ..layout.checksums import CHECKSUM_MISMATCH, ChecksumTable
 from .sample import BagelSample
 
 __all__ = ["CookContext", "Draws", "DropSample", "ReplayError", "SampleCookError", "cook_with", "decode_image",
-           "global_random", "load_meta", "plan_item", "source_coordinate", "transform_image", "DROP_REASONS",
-           "UNUSED_REASONS"]
+           "load_meta", "plan_item", "transform_image", "DROP_REASONS", "UNUSED_REASONS"]
 
 #: Every tombstone reason a cooker can produce (stable snake_case strings).
 DROP_REASONS: tuple[str, ...] = (
@@ -215,11 +214,6 @@ def transform_image(transform: ImageTransform, img: Image.Image, what: str, img_
         raise DropSample("image_decode_error", f"{what}: transform failed: {type(e).__name__}: {e}") from None
 
 
-def source_coordinate(group: str, source: Mapping[str, Any]) -> list:
-    """The manifest coordinate of a sample: t2i/edit ``[file_index, row_group, row]``, vlm ``[line]``."""
-    return [source["line"]] if group == VLM else [source["file_index"], source["row_group"], source["row"]]
-
-
 def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookContext, draws: Draws,
               worker_id: int, *, checksums: ChecksumTable | None = None, index: int = -1) -> BagelSample:
     """Run a group core on a crude sample: a complete ``BagelSample``, or a tombstone on bad data.
@@ -238,8 +232,8 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
             raise DropSample(CHECKSUM_MISMATCH, damaged)
         meta = load_meta(crude, ctx.group)
         source = meta.get("source") if isinstance(meta.get("source"), dict) else {}
-        try:
-            coord = source_coordinate(ctx.group, source)
+        try:  # the manifest coordinate: t2i/edit [file_index, row_group, row], vlm [line]
+            coord = [source["line"]] if ctx.group == VLM else [source["file_index"], source["row_group"], source["row"]]
         except KeyError as e:
             raise DropSample("bad_meta", f"sample {crude.get('__key__')!r}: source lacks {e}") from None
         truncated = _truncated_images(crude)
@@ -262,12 +256,9 @@ def cook_with(core: Callable[..., dict], crude: Mapping[str, Any], ctx: CookCont
 
 def _truncated_images(crude: Mapping[str, Any]) -> list[str]:
     """``"image I: why"`` for every image part of ``crude`` that is cut short (``layout.image_truncation``)."""
-    out = []
-    for part, data in crude.items():
-        i = image_index(part) if isinstance(part, str) else None
-        if i is not None and isinstance(data, (bytes, bytearray)) and (cut := image_truncation(bytes(data))):
-            out.append(f"image {i}: {cut}")
-    return out
+    return [f"image {i}: {cut}" for part, data in crude.items()
+            if isinstance(part, str) and (i := image_index(part)) is not None
+            and isinstance(data, (bytes, bytearray)) and (cut := image_truncation(bytes(data)))]
 
 
 class SampleCookError(RuntimeError):
@@ -291,8 +282,3 @@ def _where(group: str, source: Mapping[str, Any], crude: Mapping[str, Any]) -> s
     if "file" in source:
         return f"{group} {source['file']} row group {source.get('row_group')} row {source.get('row')} (key {key})"
     return f"{group} sample {key}"
-
-
-def global_random() -> Any:
-    """The ``random`` module itself: official-order cooking draws from the global Python RNG."""
-    return _random_module

@@ -6,6 +6,4 @@ import T2I, load_manifest``): the converter imports this package and nothing els
 """
 
 from .contract import *  # noqa: F401,F403 - the contract's public names
-from .contract import __all__ as _contract_all
-
-__all__ = list(_contract_all)
+from .contract import __all__  # noqa: F401

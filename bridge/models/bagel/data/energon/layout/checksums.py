@@ -23,7 +23,7 @@ from .columns import ColumnsError, read_columns
 from .contract import (CHECKSUM_ALGORITHM, MANIFEST_NAME, ManifestError, checksums_entry, manifest_error,
                        manifest_header, open_checksums, sample_checksum, sample_key)
 
-__all__ = ["CHECKSUM_MISMATCH", "REMEDY", "ChecksumTable", "crude_parts"]
+__all__ = ["CHECKSUM_MISMATCH", "REMEDY", "ChecksumTable"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,11 +32,6 @@ CHECKSUM_MISMATCH = "checksum_mismatch"
 #: What to do about a damaged shard (``{root}``: the dataset directory).
 REMEDY = ("re-copy the shard from a good copy, or convert the dataset again (`bagel-data convert ... --overwrite`); "
           "`bagel-data verify {root}` lists every damaged shard and sample")
-
-
-def crude_parts(crude: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    """The ``(part name, bytes)`` pairs of a crude sample: every key but Energon's ``__key__``, ``__sources__``..."""
-    return [(k, v) for k, v in crude.items() if not k.startswith("__")]
 
 
 class ChecksumTable:
@@ -126,7 +121,7 @@ class ChecksumTable:
         if not known or key != sample_key(index):
             return (f"{self._where(index if known else -1)}: sample {key!r} read as sample {index} "
                     f"({sample_key(index)!r}; a damaged tar header or index), damaged after conversion: {self.remedy}")
-        parts = crude_parts(crude)
+        parts = [(k, v) for k, v in crude.items() if not k.startswith("__")]  # not __key__, __sources__, ...
         for name, data in parts:
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise TypeError(f"{self._where(index)}, sample {key}: part {name!r} is a {type(data).__name__}, "

@@ -221,7 +221,7 @@ def _checked(a: np.ndarray, part: str, n: int, where: str) -> np.ndarray:
     return a
 
 
-def _decode_key(parts: dict[str, np.ndarray], n: int, where: str) -> tuple[list[Any], list[bool] | None]:
+def _decode_key(parts: dict[str, np.ndarray], where: str) -> tuple[list[Any], list[bool] | None]:
     """One key's values (None where null) and its absent mask (None when every row has it)."""
     kinds = [p for p in _VALUE_PARTS if p in parts]
     if len(kinds) != 1 or (("ints_values" in parts) != ("ints_offsets" in parts)):
@@ -270,10 +270,8 @@ def join_manifest(header: Mapping[str, Any], ds_root: str | os.PathLike) -> dict
             raise ColumnsError(f"{COLUMNS_NAME}: the arrays end at byte {buf.tell()} of {size}")
         for t, n in tables.items():
             keys = sorted(keyed[t])
-            cols = [_decode_key(keyed[t][k], n, f"{t}.{k}") for k in keys]
-            if not keys:
-                out[t] = [{} for _ in range(n)]
-            elif all(absent is None for _, absent in cols):  # every row has every key: C-level zips
+            cols = [_decode_key(keyed[t][k], f"{t}.{k}") for k in keys]
+            if keys and all(absent is None for _, absent in cols):  # every row has every key: C-level zips
                 out[t] = [dict(zip(keys, row)) for row in zip(*(v for v, _ in cols))]
             else:
                 out[t] = [{k: v for k, (vals, absent) in zip(keys, cols)

@@ -7,10 +7,10 @@ of the sample index; every sample has a ``meta.json`` part (group, official sour
 and image parts ``img0``, ``img1``, ... holding the original encoded bytes.
 
 The manifest is O(files + shards + row groups), never O(rows): a sample's official coordinate is arithmetic on
-the ``files`` entries (``first_sample`` / ``num_samples`` per file; :func:`file_sample_range`,
-:func:`sample_of`). vlm_sft: sample index == line number. ``skipped`` is aggregated per (file, row group,
-reason). Its in-memory form is the format-2 dict (``files`` / ``shards`` lists of dicts), whatever the file
-format: :func:`load_manifest` returns it, :func:`write_manifest` takes it.
+the ``files`` entries (``first_sample`` / ``num_samples`` per file; :func:`sample_of`). vlm_sft: sample index ==
+line number. ``skipped`` is aggregated per (file, row group, reason). Its in-memory form is the format-2 dict
+(``files`` / ``shards`` lists of dicts), whatever the file format: :func:`load_manifest` returns it,
+:func:`write_manifest` takes it.
 
 Format 3 (``MANIFEST_FORMAT``): ``manifest.json`` is a small header (the dict's scalar keys, ``num_files``,
 ``num_shards``) and the tables are numpy columns in the sidecar (layout: :mod:`.columns`), so a reader needs O(1)
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import operator
@@ -48,8 +49,8 @@ __all__ = [
     "SUBFLAVOR_KEY", "DEFAULT_SAMPLES_PER_SHARD", "SKIP_NOT_IN_PARQUET_INFO", "SKIP_ROW_GROUP_BEYOND_INFO",
     "VIDEO_ERROR_KEY", "NUM_VIDEO_LINES", "NUM_VIDEO_FILES", "TRUNCATED_IMAGE", "image_truncation",
     "sample_key", "image_part", "image_index", "shard_name", "shard_relpath", "dataset_dir", "load_manifest",
-    "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "file_sample_range",
-    "stored_row_groups", "sample_of", "aggregate_skipped", "file_ranges", "READ_FORMATS", "COLUMNS_NAME",
+    "crude_dataset_yaml", "ManifestError", "upgrade_manifest_v1", "check_manifest", "stored_row_groups",
+    "sample_of", "file_ranges", "READ_FORMATS", "COLUMNS_NAME",
     "ManifestIndex", "load_manifest_index", "encode_manifest", "write_manifest",
     "CHECKSUMS_NAME", "CHECKSUMS_KEY", "CHECKSUM_ALGORITHM", "sample_checksum", "encode_checksums",
     "checksums_entry", "open_checksums", "manifest_header", "manifest_error",
@@ -198,32 +199,16 @@ def file_ranges(files: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndar
             np.array([f["num_samples"] for f in files], dtype=np.int64))
 
 
-def file_sample_range(entry: Mapping[str, Any]) -> tuple[int, int]:
-    """``(first_sample, end)``: the sample indices of a format-2 ``files`` entry's stored rows."""
-    first = int(entry["first_sample"])
-    return first, first + int(entry["num_samples"])
-
-
 def sample_of(entry: Mapping[str, Any], row_group: int, row: int) -> int:
     """Sample index of (row group, row) of a stored t2i/edit file: ``first_sample + sum(row_groups[:g]) + r``."""
     return int(entry["first_sample"]) + sum(entry["row_groups"][:row_group]) + row
 
 
-def aggregate_skipped(skipped: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Format-1 per-row ``skipped`` (``{"coordinate": [fi, g, r], "reason"}``) as format-2 entries
-    ``{"file_index", "row_group", "rows", "reason"}``, one per (file, row group, reason), in first-seen order
-    (a file-level entry ``[fi, None, None]`` of an unreadable file counts 0 rows)."""
-    out: dict[tuple, dict[str, Any]] = {}
-    for x in skipped:
-        fi, g = x["coordinate"][0], x["coordinate"][1]
-        e = out.setdefault((fi, g, x["reason"]), {"file_index": fi, "row_group": g, "rows": 0, "reason": x["reason"]})
-        e["rows"] += 0 if g is None else 1
-    return list(out.values())
-
-
 def upgrade_manifest_v1(man: Mapping[str, Any], path: str = MANIFEST_NAME) -> dict[str, Any]:
     """A format-1 manifest as format 2: ``samples`` checked against the per-file arithmetic and dropped,
-    ``first_sample`` / ``num_samples`` added per file, ``skipped`` aggregated. O(rows).
+    ``first_sample`` / ``num_samples`` added per file, the per-row ``skipped`` (``{"coordinate": [fi, g, r],
+    "reason"}``) aggregated as ``{"file_index", "row_group", "rows", "reason"}``, one per (file, row group, reason),
+    in first-seen order (a file-level entry ``[fi, None, None]`` of an unreadable file counts 0 rows). O(rows).
 
     Raises ManifestError when the samples do not follow the stored-rows order of format 2 (then only
     converting again helps).
@@ -249,13 +234,18 @@ def upgrade_manifest_v1(man: Mapping[str, Any], path: str = MANIFEST_NAME) -> di
         if pos != len(samples):
             raise manifest_error(path, f"format 1 holds {len(samples)} samples, its files {pos}", group)
         out["files"] = files
-    out.update(skipped=aggregate_skipped(man.get("skipped", [])), format=MANIFEST_FORMAT)
+    skipped: dict[tuple, dict[str, Any]] = {}
+    for x in man.get("skipped", []):
+        fi, g, why = x["coordinate"][0], x["coordinate"][1], x["reason"]
+        e = skipped.setdefault((fi, g, why), {"file_index": fi, "row_group": g, "rows": 0, "reason": why})
+        e["rows"] += 0 if g is None else 1
+    out.update(skipped=list(skipped.values()), format=MANIFEST_FORMAT)
     return out
 
 
 def _files_consistent(group: str, man: Mapping[str, Any]) -> bool:
     """True when a t2i/edit manifest's ``files`` ranges are consecutive from 0, each its stored rows, summing to
-    ``num_samples`` (all plain ints). Comprehensions + numpy, ~0.5 µs per file; False (also on any malformed
+    ``num_samples`` (all plain ints). Comprehensions and list compares at C speed; False (also on any malformed
     entry) sends :func:`check_manifest` to its per-file loop, which names what is wrong."""
     try:
         files = man["files"]
@@ -266,12 +256,8 @@ def _files_consistent(group: str, man: Mapping[str, Any]) -> bool:
         return False
     if not set(map(type, firsts)) | set(map(type, nums)) | set(map(type, stored)) | {type(total)} <= {int}:
         return False
-    if not files:
-        return total == 0
-    first, num = np.array(firsts, dtype=np.int64), np.array(nums, dtype=np.int64)
-    ends = first + num
-    return bool(first[0] == 0 and (num >= 0).all() and (first[1:] == ends[:-1]).all() and ends[-1] == total
-                and (num == np.array(stored, dtype=np.int64)).all())
+    ends = list(itertools.accumulate(nums, initial=0))  # file i's range is consecutive when it starts at ends[i]
+    return firsts == ends[:-1] and nums == stored and ends[-1] == total and min(nums, default=0) >= 0
 
 
 def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
@@ -293,7 +279,7 @@ def check_manifest(man: Any, path: str = MANIFEST_NAME) -> dict[str, Any]:
         for f in files:
             if group != VLM and sum(f["row_groups"][:stored_row_groups(group, f)]) != int(f["num_samples"]):
                 raise ValueError(f"file {f.get('file')!r}: num_samples {f['num_samples']} is not its stored rows")
-            first, end = file_sample_range(f)
+            first, end = int(f["first_sample"]), int(f["first_sample"]) + int(f["num_samples"])
             if first != pos or end < first:
                 raise ValueError(f"file {f.get('file')!r}: first_sample {first}, expected {pos}")
             pos = end
@@ -316,9 +302,9 @@ def _read_header(ds_root: str | os.PathLike) -> tuple[str, Any]:
         raise manifest_error(path, f"invalid JSON: {e}") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise manifest_error(path, f"{type(e).__name__}: {e}") from None
-    fmt = man.get("format") if isinstance(man, dict) else None
-    if isinstance(man, dict) and fmt not in READ_FORMATS and "format" in man:
-        raise manifest_error(path, f"unsupported format {fmt!r}, this version reads {READ_FORMATS}", man.get("group"))
+    if isinstance(man, dict) and "format" in man and man["format"] not in READ_FORMATS:
+        raise manifest_error(path, f"unsupported format {man['format']!r}, this version reads {READ_FORMATS}",
+                             man.get("group"))
     return path, man
 
 
@@ -433,9 +419,8 @@ def load_manifest_index(ds_root: str | os.PathLike) -> ManifestIndex:
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise manifest_error(path, f"files: {type(e).__name__}: {e}", man["group"]) from None
         first.flags.writeable = num.flags.writeable = False
-        total = int(man["num_samples"])
-        return ManifestIndex(root, man["group"], total, int(man.get("num_lines", total)) if man["group"] == VLM
-                             else total, first, num)
+        total = int(man["num_samples"])  # == num_lines of a vlm manifest (check_manifest)
+        return ManifestIndex(root, man["group"], total, total, first, num)
     group, total = head.get("group"), head.get("num_samples")
     if group not in GROUPS:
         raise manifest_error(path, f"unknown group {group!r}" if "group" in head else "missing key 'group'")

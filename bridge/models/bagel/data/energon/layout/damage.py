@@ -35,8 +35,7 @@ def check_prepared(path: str) -> None:
     """Raise ValueError (one line) if ``path`` has no usable ``.nv-meta`` (Energon: ``Invalid dataset at``); for an
     ``msc://`` dataset, reads its ``.nv-meta`` files (a store that refuses: ``remote.RemoteStorageError``)."""
     if remote.is_remote(path):
-        _check_prepared_remote(path)
-        return
+        return _check_prepared_remote(path)
     meta = os.path.join(path, _NV_META)
     if not os.path.isdir(path):
         raise ValueError(f"dataset directory {path} does not exist: fix energon_path in the dataset_info registry")

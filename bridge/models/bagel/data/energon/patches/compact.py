@@ -161,14 +161,9 @@ def read_shard_table(path: str | EPath, split_part: str = "train", split_config:
         excludes = {x for e in splits.get("exclude", []) for x in expand_braces(e)}
         all_files = [name for entry in splits["split_parts"][split_part] for name in expand_braces(entry)]
         files = [n for n in all_files if n not in excludes] if excludes else all_files
-        if not files or not _plain_names(files):
+        if not files or not _plain_names(files) or len(set(files)) != len(files):  # twice: Energon shares a tar id
             return None
-        if list(counts_by_name) == files:  # the split lists every indexed shard in index order (the converter's)
-            counts = np.fromiter(counts_by_name.values(), dtype=np.int64, count=len(files))  # unique: dict keys
-        elif len(set(files)) == len(files):
-            counts = np.fromiter(map(counts_by_name.__getitem__, files), dtype=np.int64, count=len(files))
-        else:  # a shard listed twice: Energon's reader shares one tar id between its entries
-            return None
+        counts = np.fromiter(map(counts_by_name.__getitem__, files), dtype=np.int64, count=len(files))
     except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return None
     table = ShardTable(path if isinstance(path, EPath) else EPath(root), files, counts)
@@ -189,9 +184,8 @@ class _TableFactory(BaseWebdatasetFactory):
         in place of what ``WebdatasetMeta.from_config`` would read; ``split_part`` / ``split_config`` are taken for
         the signature (the table was read for them)."""
         assert self.__sample_type__ is not None, f"Class {type(self)} must define __sample_type__"
-        shards, sample_excludes, split_part_files, _ = shard_table
+        self.shards, self.sample_excludes, self.split_part_files, _ = shard_table
         self.path, self.paths, self.name = path, [path], path.display_name
-        self.shards, self.sample_excludes, self.split_part_files = shards, sample_excludes, split_part_files
         self.training, self.worker_config = training, worker_config
         self.shuffle_over_epochs, self.parallel_shard_iters = shuffle_over_epochs, parallel_shard_iters
         self.max_samples_per_sequence, self.subset, self.part_filter = max_samples_per_sequence, subset, part_filter
@@ -216,10 +210,11 @@ class _TableFactory(BaseWebdatasetFactory):
                           worker_config=self.worker_config)
 
     def config(self) -> dict[str, Any]:
-        """Energon's ``BaseWebdatasetFactory.config()``, equal key for key (``_path`` strings included)."""
+        """Energon's ``BaseWebdatasetFactory.config()``, equal key for key (``_path`` strings included); ``type`` is
+        Energon's class name (``CrudeWebdataset``), so fingerprints and states match."""
         base = str(self.path).rstrip("/") + "/"  # == str(path / name) for the plain names read_shard_table takes
         return dict(
-            type=type(self).__qualname__, training=self.training, _path=str(self.path),
+            type=CrudeWebdataset.__qualname__, training=self.training, _path=str(self.path),
             shards=[{"name": n, "count": c, "_path": base + n}
                     for n, c in zip(self.shards.names, self.shards.counts.tolist())],
             sample_excludes=list(self.sample_excludes), shuffle_over_epochs=self.shuffle_over_epochs,
@@ -228,13 +223,8 @@ class _TableFactory(BaseWebdatasetFactory):
 
 
 class CompactCrudeWebdataset(CrudeWebdataset, _TableFactory):
-    """Energon's ``CrudeWebdataset`` on a :class:`ShardTable` (pass ``shard_table=read_shard_table(path)``).
-    ``type(self).__qualname__`` in ``config()`` is Energon's class name, so fingerprints and states match."""
-
-    def config(self) -> dict[str, Any]:
-        out = super().config()
-        out["type"] = CrudeWebdataset.__qualname__
-        return out
+    """Energon's ``CrudeWebdataset`` on a :class:`ShardTable` (pass ``shard_table=read_shard_table(path)``), its
+    ``config()`` Energon's key for key."""
 
 
 class TableITarReader(ITarReader):

@@ -76,15 +76,10 @@ def _worker_offsets(cumsum: np.ndarray, start: int, end: int, max_samples_per_se
     if end <= start:
         return (int(start),)
     lo, hi = np.searchsorted(cumsum, start, side="right"), np.searchsorted(cumsum, end, side="left")
-    points = np.concatenate(([start], cumsum[lo:hi], [end])).astype(np.int64)
-    keep = np.ones(len(points), dtype=bool)
-    keep[1:] = points[1:] != points[:-1]  # zero-sample shards repeat a boundary
-    points = points[keep]
+    # both sorted: np.unique drops the boundaries zero-sample shards repeat, and the offsets _clean_offsets drops
+    points = np.unique(np.concatenate(([start], cumsum[lo:hi], [end])).astype(np.int64))
     offsets = _split_pieces(points[:-1], points[1:], max_samples_per_sequence)
-    offsets = np.append(offsets, end)
-    keep = np.ones(len(offsets), dtype=bool)
-    keep[:-1] = offsets[:-1] < offsets[1:]
-    return tuple(offsets[keep].tolist())
+    return tuple(np.unique(np.append(offsets, end)).tolist())
 
 
 def shard_workers(cumsum: np.ndarray, worker_config: Any, *, max_samples_per_sequence: int | None,

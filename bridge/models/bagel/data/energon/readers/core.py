@@ -152,7 +152,7 @@ class GroupReader(Stage):
         self._ahead: collections.deque = collections.deque()
         self._look: Plan | None = None  # the look-ahead copy of the plan, made at the first read
         self._started = self._closed = False
-        self._released = weakref.finalize(self, _release, self._pool, self._pool_id)
+        self._released = weakref.finalize(self, self._pool.release, self._pool_id) if self._pool is not None else None
         self.reset_state()
 
     # -- state ---------------------------------------------------------------------------------------
@@ -228,7 +228,10 @@ class GroupReader(Stage):
         while True:
             read = self.source.next_read()
             if isinstance(read, Skip):
-                self._skip(read)
+                logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official", self.group,
+                               read.detail)
+                if len(self.skipped) < _MAX_SKIPPED:
+                    self.skipped.append(read._asdict())
                 continue
             self._started = True
             try:
@@ -260,12 +263,6 @@ class GroupReader(Stage):
                 self.skipped.append({"row_id": read.row_id, "reason": sample.drop_reason, "detail": sample.drop_detail})
             self._stall.drop(stall_key, sample.drop_reason, sample.drop_detail,
                              limit=self.source.stall_limit(read.dataset), where=f"dataset {dataset!r} on {self.where}")
-
-    def _skip(self, skip: Skip) -> None:
-        logger.warning("%s: %s is declared in parquet_info but absent; unit skipped like official", self.group,
-                       skip.detail)
-        if len(self.skipped) < _MAX_SKIPPED:
-            self.skipped.append(skip._asdict())
 
     def restore_sample(self, restore_key: Any) -> BagelSample:
         """Rebuild a sample from its ``restore_key`` (the read's key and its recorded choices), drawing no RNG.
@@ -305,8 +302,3 @@ class GroupReader(Stage):
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-
-
-def _release(pool: ReadPool | None, reader_id: int) -> None:
-    if pool is not None:
-        pool.release(reader_id)

@@ -12,18 +12,15 @@ from ..layout.checksums import ChecksumTable
 from .access import DatasetAccess
 from .selection import manifest_runs
 
-__all__ = ["GroupDatasets", "dataset_num_samples"]
+__all__ = ["GroupDatasets"]
 
 
-def dataset_num_samples(path: str) -> tuple[str, int]:
-    """``(group, sample count)`` of a converted dataset, from its manifest (or ``.nv-meta/.info.json``)."""
-    if remote.isfile(remote.join(path, MANIFEST_NAME)):
-        index = load_manifest_index(path)
-        return index.group, index.num_samples
+def _info_num_samples(path: str) -> int:
+    """The sample count of a prepared dataset without a converter manifest, from its ``.nv-meta/.info.json``."""
     info = remote.join(path, ".nv-meta", ".info.json")
     if not remote.isfile(info):
         raise ValueError(f"{path}: not a converted BAGEL dataset (no {MANIFEST_NAME} and no .nv-meta/.info.json)")
-    return "", int(sum(json.loads(remote.read_bytes(info)).get("shard_counts", {}).values()))
+    return int(sum(json.loads(remote.read_bytes(info)).get("shard_counts", {}).values()))
 
 
 class GroupDatasets:
@@ -51,7 +48,7 @@ class GroupDatasets:
             man = load_manifest_index(p) if remote.isfile(remote.join(p, MANIFEST_NAME)) else None
             self.manifests.append(man)
             self.checksums.append(ChecksumTable.open(p) if man is not None else None)
-            g, n = (man.group, man.num_samples) if man is not None else dataset_num_samples(p)
+            g, n = (man.group, man.num_samples) if man is not None else ("", _info_num_samples(p))
             if n == 0:
                 raise ValueError(f"{p}: no samples; a dataset of a group must hold data")
             groups.add(g or group)

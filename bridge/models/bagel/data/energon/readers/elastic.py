@@ -155,13 +155,6 @@ class ElasticPlan(Savable):
         twin.turn, twin.tail, twin.pending = self.turn, list(self.tail), list(self.pending)
         return twin
 
-    def _next_block(self) -> list[int]:
-        if self._queue:
-            return self._queue.pop(0)
-        v = self.tail[0]
-        self.tail[0] += self.tail[1]
-        return [v, 0]
-
     def next_read(self) -> Read:
         """The next read: a handed-over key first, else the next sample of the open block whose turn it is."""
         if self.pending:
@@ -171,8 +164,12 @@ class ElasticPlan(Savable):
         e, p = block(v, self.order.num_partitions)
         j = self.order.position(p, e, cursor)
         d, i = self.layout.coordinate(j)
-        if cursor + 1 == self.order.size(p):
-            self._open[self.turn] = self._next_block()
+        if cursor + 1 == self.order.size(p):  # the block is done: the first queued block opens, else the tail's next
+            if self._queue:
+                self._open[self.turn] = self._queue.pop(0)
+            else:
+                self._open[self.turn] = [self.tail[0], 0]
+                self.tail[0] += self.tail[1]
         else:
             slot[1] = cursor + 1
         self.turn = (self.turn + 1) % len(self._open)
@@ -234,8 +231,7 @@ class ElasticPlan(Savable):
             explicit += _unpack(old["open"], f"{where}: old rank {k}") + _unpack(old["queue"], f"{where}: old rank {k}")
             bases.append(int(old["tail"][0]))
             strides.add(int(old["tail"][1]))
-        if len(strides) != 1 or sorted(b % len(olds) for b in bases) != list(range(len(olds))) \
-                or strides != {len(olds)}:
+        if strides != {len(olds)} or sorted(b % len(olds) for b in bases) != list(range(len(olds))):
             raise StateError(f"{where}: the {len(olds)} old states' tails (bases {bases[:8]}, strides "
                              f"{sorted(strides)}) are not one world's: give every old rank's file of one checkpoint")
         top = max(bases)

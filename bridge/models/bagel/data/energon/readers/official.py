@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -25,7 +26,6 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ...state import Savable, StateError
-from ..cooking import global_random
 from ..layout import META_PART, T2I, VLM
 from .plan import Read, Skip
 from .selection import select_files, shuffled_range, vlm_lines
@@ -117,37 +117,24 @@ def _vlm_unit(manifests: Sequence[Mapping[str, Any]], keys: list, ds_of: np.ndar
     return Unit(keys[p], Rows(d, i, 1), f"{manifests[d]['files'][0]['file']} line {i}")
 
 
-def _slice(n: int, *, seed: int, rank: int, world_size: int, num_workers: int, worker_id: int) -> np.ndarray:
-    """Positions (into the sorted unit list of length ``n``) of this worker's units, in reading order:
+def _mine(keys: Sequence[Any], *, seed: int, rank: int, world_size: int, num_workers: int,
+          worker_id: int) -> list[int]:
+    """Positions (into ``keys``, the units' sort keys) of this worker's units, in reading order: stable sort,
     ``Random(seed).shuffle``, rank slice, worker slice reversed (exact, see :func:`shuffled_range`)."""
-    perm, per_rank = shuffled_range(n, seed), n // world_size
+    order = sorted(range(len(keys)), key=keys.__getitem__)  # stable: equal units keep their (equivalent) order
+    perm, per_rank = shuffled_range(len(keys), seed), len(keys) // world_size
     mine = perm[rank * per_rank:(rank + 1) * per_rank]
     if num_workers > 0:
         per_worker = per_rank // num_workers
         mine = mine[worker_id * per_worker:(worker_id + 1) * per_worker][::-1]
-    return mine
+    return [order[i] for i in mine.tolist()]
 
 
 def shard_units(units: list[Unit], *, seed: int, rank: int, world_size: int, num_workers: int,
                 worker_id: int) -> list[Unit]:
     """``set_epoch`` + the per-worker split: sort, ``Random(seed).shuffle``, rank slice, worker slice reversed."""
-    units = sorted(units, key=lambda u: u.sort_key)  # stable: equal units keep their (equivalent) order
-    return [units[i] for i in _slice(len(units), seed=seed, rank=rank, world_size=world_size,
-                                     num_workers=num_workers, worker_id=worker_id).tolist()]
-
-
-def _vlm_shard(manifests: Sequence[Mapping[str, Any]], readers: Sequence[Any],
-               num_used_data: Sequence[int], *, seed: int, rank: int, world_size: int, num_workers: int,
-               worker_id: int, shuffle_lines: bool, shuffle_seed: int) -> tuple[list[Unit], int]:
-    """``shard_units(official_units(vlm ...))`` with ``Unit`` objects only for this worker's units: the selected
-    lines' texts (the official sort key) are read and sorted stably once, kept as a numpy order, and only the
-    worker's slice becomes ``Unit``s. Returns ``(units, total units of the group)``."""
-    lines = _vlm_lines(manifests, readers, num_used_data, shuffle_lines, shuffle_seed)
-    keys = lines[0]  # texts are transient: ranked, then dropped
-    order = np.asarray(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)  # stable, as official
-    mine = order[_slice(len(keys), seed=seed, rank=rank, world_size=world_size, num_workers=num_workers,
-                        worker_id=worker_id)]
-    return [_vlm_unit(manifests, *lines, p) for p in mine.tolist()], len(keys)
+    return [units[i] for i in _mine([u.sort_key for u in units], seed=seed, rank=rank, world_size=world_size,
+                                    num_workers=num_workers, worker_id=worker_id)]
 
 
 def official_units(group: str, manifests: Sequence[Mapping[str, Any]], readers: Sequence[Any],
@@ -188,13 +175,14 @@ class OfficialPlan(Savable):
                  repeat: bool = False) -> None:
         self.group, self.repeat, self.worker_id = group, bool(repeat), worker_id if num_workers > 0 else 0
         split = dict(seed=seed, rank=rank, world_size=world_size, num_workers=num_workers, worker_id=worker_id)
-        if group == VLM:
+        if group == VLM:  # ``Unit`` objects only for this worker's units (the lines' texts: ranked, then dropped)
             _check_group(group, manifests, num_used_data)
-            self.units, total = _vlm_shard(manifests, accesses, num_used_data, shuffle_lines=shuffle_lines,
-                                           shuffle_seed=shuffle_seed, **split)
+            lines = _vlm_lines(manifests, accesses, num_used_data, shuffle_lines, shuffle_seed)
+            keys, unit = lines[0], lambda p: _vlm_unit(manifests, *lines, p)
         else:
             units = official_units(group, manifests, accesses, num_used_data)
-            self.units, total = shard_units(units, **split), len(units)
+            keys, unit = [u.sort_key for u in units], units.__getitem__
+        self.units, total = [unit(p) for p in _mine(keys, **split)], len(keys)
         if not self.units:
             raise ValueError(f"{group}: no units for rank {rank}/{world_size} worker {worker_id}/{num_workers} "
                              f"({total} units in {[m.get('dataset_name') for m in manifests]}); the official reader "
@@ -251,8 +239,8 @@ class OfficialPlan(Savable):
         return pos if self.group == VLM else [pos, *suffix]
 
     def rng(self, read: Read) -> Any:
-        """The global ``random`` (as the official classes draw)."""
-        return global_random()
+        """The global ``random`` module itself (as the official classes draw)."""
+        return random
 
     def read_of(self, restore_key: Any) -> Read:
         """The read that rebuilds ``restore_key`` (``((position, row), rng choices)``) with its choices replayed."""

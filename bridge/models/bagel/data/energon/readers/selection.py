@@ -90,22 +90,18 @@ def manifest_runs(manifest: Manifest, n: int | None, *, shuffle_lines: bool = Fa
         used = num_lines if n is None else min(max(n, 0), num_lines)
         if used in (0, num_lines) or not shuffle_lines:  # every line, or the first ``used`` lines
             return [(0, used, 1)] if used else []
-        idx = np.sort(vlm_lines(man, used, shuffle_lines, shuffle_seed))  # one run per stretch of consecutive lines
-        breaks = np.flatnonzero(np.diff(idx) != 1)
-        starts, ends = np.concatenate(([idx[0]], idx[breaks + 1])), np.concatenate((idx[breaks], [idx[-1]])) + 1
-        return [(int(s), int(e), 1) for s, e in zip(starts.tolist(), ends.tolist())]
-    starts, nums = man.file_first_sample, man.file_num_samples
+        starts = np.sort(vlm_lines(man, used, shuffle_lines, shuffle_seed))  # each selected line once
+        ends, reps = starts + 1, np.ones(len(starts), dtype=np.int64)
+    else:
+        starts, ends = man.file_first_sample, man.file_first_sample + man.file_num_samples
+        k, extra = (1, 0) if n is None else divmod(max(n, 0), max(len(starts), 1))  # times in select_files(files, n)
+        reps = np.full(len(starts), k, dtype=np.int64)
+        reps[:extra] += 1
+        keep = (reps > 0) & (ends > starts)
+        starts, ends, reps = starts[keep], ends[keep], reps[keep]
     if len(starts) == 0:
         return []
-    ends = starts + nums
-    k, extra = (1, 0) if n is None else divmod(max(n, 0), len(starts))  # times each file is in select_files(files, n)
-    reps = np.full(len(starts), k, dtype=np.int64)
-    reps[:extra] += 1
-    keep = (reps > 0) & (ends > starts)
-    starts, ends, reps = starts[keep], ends[keep], reps[keep]
-    if len(starts) == 0:
-        return []
-    # a run continues while the next kept file starts where the previous ends, with the same repetitions
+    # a run continues while the next kept piece (file, or line) starts where the previous ends, with the same reps
     new_run = np.ones(len(starts), dtype=bool)
     new_run[1:] = (starts[1:] != ends[:-1]) | (reps[1:] != reps[:-1])
     first = np.flatnonzero(new_run)
