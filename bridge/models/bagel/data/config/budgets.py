@@ -62,7 +62,6 @@ def image_tokens(transform: ImageTransform, width: int, height: int, img_num: in
 class TransformExtremes:
     """What a transform can produce over all input sizes (for ``img_num`` images per record)."""
 
-    stride: int
     max_side: int            # the largest output side in patches (px // stride)
     max_side_px: int         # the same in pixels
     max_tokens: int          # the largest H*W // stride**2
@@ -101,8 +100,8 @@ def _extremes(max_size: float, min_size: float, stride: int, max_pixels: float, 
             if tok > best_tok:
                 best_tok, best_hw = tok, (oh, ow)
             min_tok = min(min_tok, tok)
-    return TransformExtremes(stride=stride, max_side=best_side // stride, max_side_px=best_side,
-                             max_tokens=best_tok, min_tokens=int(min_tok), max_hw=best_hw)
+    return TransformExtremes(max_side=best_side // stride, max_side_px=best_side, max_tokens=best_tok,
+                             min_tokens=int(min_tok), max_hw=best_hw)
 
 
 def transform_extremes(transform: ImageTransform, img_num: int = 1) -> TransformExtremes:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +20,6 @@ from ..yaml_errors import yaml_problem
 
 __all__ = ["ConfigError", "GROUP_KEYS", "GroupConfig", "KNOWN_GROUPS", "field_problems", "is_int", "is_number",
            "load_grouped_yaml", "is_url", "read_mapping", "resolve_path"]
-
-logger = logging.getLogger(__name__)
 
 #: Group names with a reader (the official ``DATASET_REGISTRY`` keys).
 KNOWN_GROUPS: tuple[str, ...] = ("t2i_pretrain", "unified_edit", "vlm_sft")
@@ -55,10 +52,6 @@ class ConfigError(ValueError):
         if len(problems) == 1:
             return cls(problems[0])
         return cls(header + ":\n  - " + "\n  - ".join(problems), problems)
-
-
-# --------------------------------------------------------------------------------------------------
-# Grouped datasets YAML (official example.yaml format)
 
 
 @dataclass
@@ -146,9 +139,7 @@ def resolve_path(value: Any, base_dir: str | os.PathLike | None) -> Any:
             or is_url(value):
         return value
     value = os.path.expanduser(value)
-    if os.path.isabs(value):
-        return value
-    return os.path.normpath(os.path.join(os.fspath(base_dir), value))
+    return value if os.path.isabs(value) else os.path.normpath(os.path.join(os.fspath(base_dir), value))
 
 
 def read_mapping(path_or_dict: str | os.PathLike | Mapping, source: str) -> tuple[dict, str]:
@@ -232,8 +223,7 @@ def _parse_group(name: str, raw: Any, src: str) -> GroupConfig:
     if frame_args is not None:
         if not isinstance(frame_args, dict):
             problems.append(f"{where}: key 'frame_sampler_args' must be a mapping, got {type(frame_args).__name__}")
-        elif sorted(set(frame_args) - _FRAME_SAMPLER_KEYS) or not all(is_int(v) and v > 0
-                                                                       for v in frame_args.values()):
+        elif set(frame_args) - _FRAME_SAMPLER_KEYS or not all(is_int(v) and v > 0 for v in frame_args.values()):
             problems.append(f"{where}: key 'frame_sampler_args' takes positive integers "
                             f"{sorted(_FRAME_SAMPLER_KEYS)}, got {frame_args!r}")
     num_used = raw.pop("num_used_data", None)

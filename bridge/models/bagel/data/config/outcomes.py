@@ -110,12 +110,11 @@ def vlm_outcome(elements: Iterable[tuple[str, int]], image_tokens: Sequence[int]
     also those without a placeholder (``unplaced``)."""
     items, k = [], 0
     for kind, n in elements:
-        if kind == "text":
-            if n:
-                items.append(Item("text", int(n)))
-        else:
+        if kind != "text":
             items.append(Item("vit_image", image_tokens[k]))
             k += 1
+        elif n:
+            items.append(Item("text", int(n)))
     return Outcome(1.0, tuple(items), sum(image_tokens[k:]))
 
 

@@ -90,13 +90,12 @@ def load_dataset_info(path_or_dict: str | os.PathLike | Mapping, *, source: str 
     return out
 
 
-def resolve_registry_paths(registry: dict, base_dir: str | os.PathLike) -> dict:
+def resolve_registry_paths(registry: dict, base_dir: str | os.PathLike) -> None:
     """Resolve (in place) every relative ``energon_path`` of a registry mapping against ``base_dir``."""
     for entries in registry.values():
         for entry in (entries.values() if isinstance(entries, dict) else ()):
             if isinstance(entry, dict) and "energon_path" in entry:
                 entry["energon_path"] = resolve_path(entry["energon_path"], base_dir)
-    return registry
 
 
 @dataclass

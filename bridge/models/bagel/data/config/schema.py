@@ -9,7 +9,6 @@ re-exported here.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -25,9 +24,7 @@ __all__ = ["DATA_PATH_KEYS", "DEFAULT_PARTITIONS", "ORDERS", "PREFETCH_STARTS", 
            "OFFICIAL_NON_PACKER_KEYS", "PACKER_BUDGET_KEYS", "STRATEGIES", "BalanceConfig", "CostConfig",
            "PackerConfig"]
 
-logger = logging.getLogger(__name__)
-
-#: Values ``BagelDataConfig.prefetch_start`` accepts (``prefetch.START_METHODS``; kept here, prefetch is downstream).
+#: Values ``BagelDataConfig.prefetch_start`` accepts (``PrefetchStage(start_method=...)``).
 PREFETCH_STARTS: tuple[str, ...] = ("fork", "forkserver")
 #: Values ``BagelDataConfig.order`` accepts, the default first.
 ORDERS: tuple[str, ...] = ("elastic", "official")
@@ -56,6 +53,7 @@ _DATA_RULES: tuple[FieldRule, ...] = (
     (("verify_checksums",), "true or false", lambda v: isinstance(v, bool)),
     (("fresh_stream", "resume_budget_change"), *_BOOL),
     (("stall_warn_s", "timeout_s"), "a number of seconds >= 0 (0 disables)", lambda v: is_number(v) and not v < 0),
+    (("truncated_images",), "'keep' or 'drop'", lambda v: v in ("keep", "drop")),
 )
 
 
@@ -115,14 +113,14 @@ class BagelDataConfig:
     stall_warn_s: float = DEFAULT_STALL_WARN_S  # data watchdog: one warning line per rank after this long without a
     timeout_s: float = DEFAULT_TIMEOUT_S        # read, and DataTimeoutError after this long (0 disables; watchdog/)
     verify_checksums: bool = True       # check every sample's bytes against the checksums recorded at conversion
-    truncated_images: str = "keep"      # keep (trained on as the official reader does, counted) | drop
                                         # (a mismatch: dropped as checksum_mismatch; a damaged shard stops the job)
+    truncated_images: str = "keep"      # keep (trained on as the official reader does, counted) | drop
     valid: ValidDataConfig | None = None  # the validation split {groups, dataset_info}; null = no validation
 
     def problems(self) -> list[str]:
         """Every invalid key of this config and its ``packer`` (one message per key; empty when valid)."""
         out = self.packer.problems("packer")
-        for key in ("groups", "dataset_info", "valid.groups", "valid.dataset_info"):
+        for key in DATA_PATH_KEYS:
             owner, _, name = key.rpartition(".")
             holder = self.valid if owner else self
             if holder is None:
@@ -159,19 +157,6 @@ class BagelDataConfig:
     def dataset_info_source(self) -> str:
         """How messages name ``dataset_info``: its path, or ``data.dataset_info (mapping)``."""
         return _source(self.dataset_info, "dataset_info")
-
-    @property
-    def valid_groups_source(self) -> str:
-        """How messages name ``valid.groups``: its path, or ``data.valid.groups (mapping)`` (``data.valid (not set)``
-        without ``valid``)."""
-        return "data.valid (not set)" if self.valid is None else _source(self.valid.groups, "valid.groups")
-
-    @property
-    def valid_dataset_info_source(self) -> str:
-        """How messages name the validation registry: ``valid.dataset_info``'s path or ``data.valid.dataset_info
-        (mapping)``; training's (``dataset_info_source``) when it is null."""
-        info = None if self.valid is None else self.valid.dataset_info
-        return self.dataset_info_source if info is None else _source(info, "valid.dataset_info")
 
     def valid_config(self) -> "BagelDataConfig":
         """The data config of the validation stream: this config with ``valid.groups`` / ``valid.dataset_info``

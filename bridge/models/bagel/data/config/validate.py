@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import logging
 import os
 import tempfile
 import typing
@@ -42,11 +41,10 @@ from .grouped_yaml import (ConfigError, FieldRule, GroupConfig, field_problems, 
                            load_grouped_yaml)
 from .packer import STRATEGIES, BalanceConfig, CostConfig, PackerConfig
 from .registry import DatasetInfoEntry, ResolvedGroup, load_dataset_info, resolve_groups
-from .schema import BagelDataConfig
+from .schema import BagelDataConfig, _source
 
 __all__ = ["PACKAGE_NAME", "UNIX_PATH_MAX", "ValidatedData", "key_origin", "package_version", "path_problems",
-           "socket_path_problem", "strategy_problems", "truncated_images_problems", "unknown_key_problems",
-           "validate_data"]
+           "socket_path_problem", "strategy_problems", "unknown_key_problems", "validate_data"]
 
 PACKAGE_NAME = "bagel-megatron-data"
 
@@ -59,29 +57,13 @@ def package_version() -> str:
         return "unknown"
 
 
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Problems:
-    """Collects the messages of ``ConfigError``s raised inside ``check()`` blocks, to raise them together."""
-
-    messages: list[str] = field(default_factory=list)
-
-    @contextlib.contextmanager
-    def check(self) -> Iterator[None]:
-        try:
-            yield
-        except ConfigError as exc:
-            self.messages.extend(getattr(exc, "problems", None) or [str(exc)])
-
-    def add(self, message: str) -> None:
-        self.messages.append(message)
-
-    def raise_if_any(self, source: str) -> None:
-        if self.messages:
-            raise ConfigError.of(self.messages, header=f"{source}: the data configuration has "
-                                 f"{len(self.messages)} problem(s)")
+@contextlib.contextmanager
+def _collected(problems: list[str]) -> Iterator[None]:
+    """Add the problems of a ``ConfigError`` raised inside to ``problems`` (raised together at the end)."""
+    try:
+        yield
+    except ConfigError as exc:
+        problems.extend(exc.problems)
 
 
 @dataclass
@@ -125,37 +107,36 @@ class ValidatedData:
             "dp_size": int(dp_size),
             "num_workers": config.num_workers,
             "special_tokens": dict(special_tokens),
-            "groups": [{"name": r.group.name, "dataset_names": list(r.group.dataset_names), "weight": r.group.weight,
-                        "is_mandatory": r.group.is_mandatory, "num_used_data": r.group.num_used_data,
-                        "shuffle_lines": r.group.shuffle_lines,
-                        "shuffle_seed": r.group.shuffle_seed if r.group.shuffle_lines else None,
-                        "image_transform_args": r.group.image_transform_args,
-                        "vit_image_transform_args": r.group.vit_image_transform_args,
-                        **({"frame_sampler_args": r.group.frame_sampler_args} if r.group.frame_sampler_args else {})}
-                       for r in self.groups],
+            "groups": [{"name": g.name, "dataset_names": list(g.dataset_names), "weight": g.weight,
+                        "is_mandatory": g.is_mandatory, "num_used_data": g.num_used_data,
+                        "shuffle_lines": g.shuffle_lines, "shuffle_seed": g.shuffle_seed if g.shuffle_lines else None,
+                        "image_transform_args": g.image_transform_args,
+                        "vit_image_transform_args": g.vit_image_transform_args,
+                        **({"frame_sampler_args": g.frame_sampler_args} if g.frame_sampler_args else {})}
+                       for g in self.group_configs],
             **({"partitions": config.partitions} if config.order == "elastic" else {}),
-            **({"truncated_images": "drop"} if getattr(config, "truncated_images", "keep") == "drop" else {}),
+            **({"truncated_images": "drop"} if config.truncated_images == "drop" else {}),
         }
 
 
-def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems: _Problems, *,
+def _reader_problems(config: BagelDataConfig, resolved: ResolvedGroup, problems: list[str], *,
                      groups_source: str, info_source: str) -> None:
     """What the readers of one group need besides parsed keys (step 4 of the module docstring); messages name
     ``groups_source`` / ``info_source`` (training's files, or the validation split's)."""
     g = resolved.group
     for name, entry in zip(g.dataset_names, resolved.datasets):
         if not isinstance(entry, DatasetInfoEntry) or not entry.energon_path:
-            problems.add(f"{info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
-                         "(bagel-data convert) and register the converted directory")
+            problems.append(f"{info_source}: {g.name}.{name}: no 'energon_path'; convert it first "
+                            "(bagel-data convert) and register the converted directory")
         elif not is_url(entry.energon_path) and not os.path.isdir(entry.energon_path):  # a URL: the reader opens it
-            problems.add(f"{info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
-                         "fix energon_path (relative paths are relative to the registry file) or convert the "
-                         "dataset there (bagel-data convert)")
+            problems.append(f"{info_source}: {g.name}.{name}: energon_path {entry.energon_path} does not exist: "
+                            "fix energon_path (relative paths are relative to the registry file) or convert the "
+                            "dataset there (bagel-data convert)")
     if not g.image_transform_args:
-        problems.add(f"{groups_source}: group {g.name!r}: key 'image_transform_args' is required")
+        problems.append(f"{groups_source}: group {g.name!r}: key 'image_transform_args' is required")
     if config.order == "official" and g.num_used_data is None:
-        problems.add(f"{groups_source}: group {g.name!r}: order 'official' needs 'num_used_data' "
-                     "(the official loader requires it)")
+        problems.append(f"{groups_source}: group {g.name!r}: order 'official' needs 'num_used_data' "
+                        "(the official loader requires it)")
 
 
 #: The longest unix-socket path Linux binds: ``sockaddr_un.sun_path`` holds 108 bytes, the terminating NUL included.
@@ -170,10 +151,6 @@ _TORCH_SHM_SOCKET = "/torch-shm-dir-XXXXXX/manager.sock"
 #: The variables torch_shm_manager takes its temp dir from, first set first (else ``/tmp``); Python's
 #: ``tempfile`` reads TMPDIR, TEMP, TMP.
 _TORCH_TEMP_ENV = ("TMPDIR", "TMP", "TEMP", "TEMPDIR")
-
-
-def _torch_temp_dir() -> str:
-    return next((os.environ[k] for k in _TORCH_TEMP_ENV if os.environ.get(k)), "/tmp")
 
 
 def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, prefetch: bool = False) -> str | None:
@@ -193,7 +170,8 @@ def socket_path_problem(temp_dir: str | None = None, *, workers: bool = True, pr
                        "read worker processes pass tensors through unix sockets under it",
                        "num_workers: 0 and prefetch: 0" if prefetch else "num_workers: 0"))
     if prefetch:
-        checks.append((_torch_temp_dir() if temp_dir is None else temp_dir, _TORCH_SHM_SOCKET,
+        torch_temp = next((os.environ[k] for k in _TORCH_TEMP_ENV if os.environ.get(k)), "/tmp")
+        checks.append((torch_temp if temp_dir is None else temp_dir, _TORCH_SHM_SOCKET,
                        "the prefetch producer's tensors go through torch_shm_manager's unix socket under it",
                        "prefetch: 0"))
     for path, below, what, off in checks:
@@ -268,49 +246,51 @@ def validate_data(config: BagelDataConfig, *, budgets: str = "error", readers: b
     """
     if budgets not in ("error", "report"):
         raise ValueError(f"validate_data: budgets must be 'error' or 'report', got {budgets!r}")
-    problems = _Problems(list(prior_problems))
-    with problems.check():
+    problems = list(prior_problems)
+    with _collected(problems):
         config.validate()
-    problems.messages += truncated_images_problems(config) + strategy_problems(config.packer)
-    paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems.messages)
-    resolved, issues = _split_problems(config, config.groups, config.dataset_info, config.groups_source,
-                                       config.dataset_info_source, problems, paths_ok=paths_ok, readers=readers,
-                                       budgets=budgets)
+    problems += strategy_problems(config.packer)
+    paths_ok = not any(p.startswith(("groups:", "dataset_info:")) for p in problems)
+    resolved, issues, more = _split_problems(config, config.groups, config.dataset_info, config.groups_source,
+                                             config.dataset_info_source, paths_ok=paths_ok, readers=readers,
+                                             budgets=budgets)
+    problems += more
     valid_resolved: list[ResolvedGroup] | None = None
     if config.valid is not None:
-        valid = config.valid
-        valid_ok = not any(p.startswith(("valid.", "valid:")) for p in problems.messages) and (
-            valid.dataset_info is not None or paths_ok)
-        valid_problems = _Problems()
-        valid_resolved, valid_issues = _split_problems(
-            config, valid.groups, valid.dataset_info if valid.dataset_info is not None else config.dataset_info,
-            config.valid_groups_source, config.valid_dataset_info_source, valid_problems, paths_ok=valid_ok,
+        groups, info = config.valid.groups, config.valid.dataset_info  # a null registry: training's
+        valid_ok = not any(p.startswith(("valid.", "valid:")) for p in problems) and (info is not None or paths_ok)
+        valid_resolved, valid_issues, more = _split_problems(
+            config, groups, config.dataset_info if info is None else info, _source(groups, "valid.groups"),
+            config.dataset_info_source if info is None else _source(info, "valid.dataset_info"), paths_ok=valid_ok,
             readers=readers, budgets=budgets)
-        problems.messages += [f"data.valid: {m}" for m in valid_problems.messages]  # beside training's
+        problems += [f"data.valid: {m}" for m in more]  # beside training's
         issues += valid_issues
     workers = bool(config.num_workers) and config.order != "official"  # the official order's are emulated
     if readers and (workers or config.prefetch):
-        problems.messages += filter(None, [socket_path_problem(workers=workers, prefetch=bool(config.prefetch))])
-    problems.raise_if_any(config.groups_source)
+        problems += filter(None, [socket_path_problem(workers=workers, prefetch=bool(config.prefetch))])
+    if problems:
+        raise ConfigError.of(problems, header=f"{config.groups_source}: the data configuration has "
+                             f"{len(problems)} problem(s)")
     return ValidatedData(config, resolved, issues if budgets == "report" else log_warnings(issues), valid_resolved)
 
 
 def _split_problems(config: BagelDataConfig, groups_value: Any, info_value: Any, groups_source: str,
-                    info_source: str, problems: _Problems, *, paths_ok: bool, readers: bool, budgets: str
-                    ) -> tuple[list[ResolvedGroup], list[BudgetIssue]]:
+                    info_source: str, *, paths_ok: bool, readers: bool, budgets: str
+                    ) -> tuple[list[ResolvedGroup], list[BudgetIssue], list[str]]:
     """Steps 2-5 of the module docstring for one split (training's ``groups`` / ``dataset_info``, or
-    ``valid.groups`` / its registry): its problems are added to ``problems``, each naming ``groups_source`` /
-    ``info_source``. Returns the resolved groups (empty when they could not be resolved) and the budget issues."""
+    ``valid.groups`` / its registry): the resolved groups (empty when they could not be resolved), the budget
+    issues and the split's problems, each naming ``groups_source`` / ``info_source``."""
+    problems: list[str] = []
     groups: list[GroupConfig] | None = None
     info = None
     if paths_ok:
-        with problems.check():
+        with _collected(problems):
             groups = load_grouped_yaml(groups_value, source=groups_source)
-        with problems.check():
+        with _collected(problems):
             info = load_dataset_info(info_value, source=info_source)
     resolved: list[ResolvedGroup] = []
     if groups is not None and info is not None:
-        with problems.check():
+        with _collected(problems):
             resolved = resolve_groups(groups, info, source=info_source)
         if readers:
             for r in resolved:
@@ -319,21 +299,14 @@ def _split_problems(config: BagelDataConfig, groups_value: Any, info_value: Any,
     if groups is not None and not config.packer.problems() and not strategy_problems(config.packer):
         issues = budget_issues(config.packer, groups, source=groups_source, official=config.order == "official")
         if budgets == "error":
-            problems.messages += [f"packer budgets cannot work with these groups: {issue.message}"
-                                  for issue in issues if issue.level == "error"]
-    return resolved, issues
+            problems += [f"packer budgets cannot work with these groups: {issue.message}"
+                         for issue in issues if issue.level == "error"]
+    return resolved, issues, problems
 
 
 # --------------------------------------------------------------------------------------------------
 # Launch-wide checks (``job.config``): unknown keys of every config part, and the config's file paths named
 # by the key and the config file that hold them. Separate from ``validate_data``, whose problems they join.
-
-
-def truncated_images_problems(config: BagelDataConfig) -> list[str]:
-    """``data.truncated_images`` must be ``keep`` (the official reader's ``LOAD_TRUNCATED_IMAGES = True``: cooked,
-    counted as ``truncated_image``) or ``drop`` (a ``truncated_image`` tombstone)."""
-    value = getattr(config, "truncated_images", "keep")
-    return [] if value in ("keep", "drop") else [f"truncated_images: must be 'keep' or 'drop', got {value!r}"]
 
 
 def _nested_schema(hint: Any) -> type | None:

@@ -14,7 +14,6 @@ tokens of every sample drawn, from which the target follows; elastic resize: :me
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -28,8 +27,6 @@ from .sequence import SequenceBuilder, sample_field
 from .step import PackBudgets
 
 __all__ = ["BalancedPacker"]
-
-logger = logging.getLogger(__name__)
 
 _BOOK_KEYS = ("since", "notes", "packs", "seen_cost", "seen_tokens")
 
@@ -47,7 +44,7 @@ def _check_book(state: Any, where: str) -> None:
 
 class _PresetDropout(SequenceBuilder):
     """``SequenceBuilder`` whose CFG dropout replays ``dropped``, the coins drawn when the sample entered the pool
-    (the note of :meth:`BalancedPacker.draw_dropout`, ``cost.sample_work``'s bit order), instead of drawing them
+    (the note of :meth:`_CostedFill.enter`, ``cost.sample_work``'s bit order), instead of drawing them
     from the global ``random`` now."""
 
     dropped = 0
@@ -71,7 +68,14 @@ class _CostedFill(_PackFill):
     pack: _PresetDropout
 
     def enter(self, sample: Any) -> int:
-        return self.packer.draw_dropout(sample)
+        """The sample's CFG dropout, drawn now from the global ``random`` (one coin per ``enable_cfg`` item in plan
+        order, against the item type's ``*_cond_dropout_prob``, as ``SequenceBuilder`` draws it): a bit mask,
+        bit ``k`` set = the ``k``-th such item is dropped."""
+        c = self.packer.config
+        prob = {"text": c.text_cond_dropout_prob, "vit_image": c.vit_cond_dropout_prob,
+                "vae_image": c.vae_cond_dropout_prob}
+        items = [item for item in sample_field(sample, "sequence_plan") if item["enable_cfg"] == 1]
+        return sum(1 << k for k, item in enumerate(items) if random.random() < prob[item["type"]])
 
     def measure(self, sample: Any, note: int) -> tuple[int, float]:
         work = self.packer.sample_work(sample, note)
@@ -112,16 +116,6 @@ class BalancedPacker(BagelPacker):
         self._book = PoolBook(metrics=[])
         #: (tokens, FLOPs) of the last pack as the loop planned it (not state: (0, 0.0) after a restore)
         self.last_pack: tuple[int, float] = (0, 0.0)
-
-    def draw_dropout(self, sample: Any) -> int:
-        """The sample's CFG dropout, drawn now from the global ``random`` (one coin per ``enable_cfg`` item in plan
-        order, against the item type's ``*_cond_dropout_prob``, as ``SequenceBuilder`` draws it): a bit mask,
-        bit ``k`` set = the ``k``-th such item is dropped."""
-        c = self.config
-        prob = {"text": c.text_cond_dropout_prob, "vit_image": c.vit_cond_dropout_prob,
-                "vae_image": c.vae_cond_dropout_prob}
-        items = [item for item in sample_field(sample, "sequence_plan") if item["enable_cfg"] == 1]
-        return sum(1 << k for k, item in enumerate(items) if random.random() < prob[item["type"]])
 
     def sample_work(self, sample: Any, dropped: int = 0) -> Work:
         """``cost.sample_work`` of ``sample`` with the items ``dropped`` names dropped, at this packer's patch sizes."""

@@ -208,10 +208,8 @@ def straggler_ratio(step_max: Sequence[float], step_mean: Sequence[float]) -> tu
     a step without compute: nobody waits; 1.0 without steps) and ``sum(max - mean) / sum(max)`` (0.0 without
     compute). THE formula of the job's straggler line and of ``bagel-data stats``' prediction."""
     ratios = [mx / mean if mean > 0 else 1.0 for mx, mean in zip(step_max, step_mean)]
-    lost = total = 0.0
-    for mx, mean in zip(step_max, step_mean):
-        lost += mx - mean
-        total += mx
+    lost = sum(mx - mean for mx, mean in zip(step_max, step_mean))
+    total = sum(mx for mx, _ in zip(step_max, step_mean))
     return (statistics.fmean(ratios) if ratios else 1.0), (lost / total if total > 0 else 0.0)
 
 

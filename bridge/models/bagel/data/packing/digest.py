@@ -32,24 +32,21 @@ def first_difference(expected: Any, actual: Any, path: str = "batch") -> str | N
             return f"{path}: dtype {expected.dtype} != {actual.dtype}"
         if expected.shape != actual.shape:
             return f"{path}: shape {tuple(expected.shape)} != {tuple(actual.shape)}"
-        if not torch.equal(_bits(expected), _bits(actual)):
-            return f"{path}: values differ"
-        return None
+        return None if torch.equal(_bits(expected), _bits(actual)) else f"{path}: values differ"
     if type(expected) is not type(actual):
         return f"{path}: type {type(expected).__name__} != {type(actual).__name__}"
+    items: Any = ()
     if isinstance(expected, dict):
         if set(expected) != set(actual):
             return f"{path}: keys differ ({sorted(map(str, set(expected) ^ set(actual)))})"
         items = ((f"{path}.{k}", expected[k], actual[k]) for k in expected)
-        return next(filter(None, (first_difference(x, y, where) for where, x, y in items)), None)
-    if isinstance(expected, (list, tuple)):
+    elif isinstance(expected, (list, tuple)):
         if len(expected) != len(actual):
             return f"{path}: length {len(expected)} != {len(actual)}"
         items = ((f"{path}[{i}]", x, y) for i, (x, y) in enumerate(zip(expected, actual)))
-        return next(filter(None, (first_difference(x, y, where) for where, x, y in items)), None)
-    if expected != actual and not (isinstance(expected, float) and expected != expected and actual != actual):
+    elif expected != actual and not (isinstance(expected, float) and expected != expected and actual != actual):
         return f"{path}: {expected!r} != {actual!r}"
-    return None
+    return next(filter(None, (first_difference(x, y, where) for where, x, y in items)), None)
 
 
 def _feed(h: "hashlib._Hash", value: Any) -> None:

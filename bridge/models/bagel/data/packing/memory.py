@@ -51,11 +51,9 @@ _STATS = {"hits": 0, "misses": 0, "released": 0}
 _limit = int(os.environ.get("BAGEL_DATA_POOL_BYTES", str(2 << 30)))
 _shm_limit = int(os.environ.get("BAGEL_DATA_SHM_POOL_BYTES", str(512 << 20)))
 _SHM_BLOCKS: list[torch.UntypedStorage] = []  # shared-memory blocks owned by this process's pool
+_INHERITED: list[torch.UntypedStorage] = []  # shared blocks of a parent process: kept alive, never reused
 _shm_refcount_ok: bool | None = None  # layout self-check result (None: not checked yet)
 logger = logging.getLogger(__name__)
-
-
-_INHERITED: list[torch.UntypedStorage] = []  # shared blocks of a parent process: kept alive, never reused
 
 
 def _reset_lock_in_child() -> None:
@@ -153,9 +151,7 @@ def _shared_refcount(storage: torch.UntypedStorage) -> int:
     int header, 64 bytes before the data; -1 where the data does not start 64 bytes into a page (another
     allocator: the header would not be on the data's own, surely mapped, page)."""
     ptr = storage.data_ptr()
-    if ptr % mmap.PAGESIZE != 64:
-        return -1
-    return ctypes.c_int.from_address(ptr - 64).value
+    return ctypes.c_int.from_address(ptr - 64).value if ptr % mmap.PAGESIZE == 64 else -1
 
 
 def _check_refcount_layout() -> bool:

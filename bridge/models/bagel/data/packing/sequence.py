@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +24,7 @@ __all__ = ["PackLayout", "SequenceBuilder", "sample_field"]
 
 def sample_field(sample: Any, name: str) -> Any:
     """Read a field from a sample dict or a sample object (Energon ``Sample`` subclasses)."""
-    if isinstance(sample, dict):
-        return sample[name]
-    return getattr(sample, name)
+    return sample[name] if isinstance(sample, dict) else getattr(sample, name)
 
 
 @dataclass(frozen=True)
@@ -112,9 +110,8 @@ class _SampleCursor:
 class SequenceBuilder:
     """Accumulates the ``sequence_status`` of one pack; see spec §6 for the layout rules."""
 
-    def __init__(self, layout: PackLayout, len2weight_fn: Callable[[int], float] = len2weight) -> None:
+    def __init__(self, layout: PackLayout) -> None:
         self.layout = layout
-        self._len2weight = len2weight_fn
         self._pos_fn = (get_flattened_position_ids_interpolate if layout.config.interpolate_pos
                         else get_flattened_position_ids_extrapolate)
         self.curr = 0
@@ -219,7 +216,7 @@ class SequenceBuilder:
         self._add_run(self.text_idx_runs, curr, n + 1)
         if item["loss"] == 1:
             self._add_run(self.ce_runs, curr, n)
-            self._add_run(self.ce_weight_runs, self._len2weight(n), n)
+            self._add_run(self.ce_weight_runs, len2weight(n), n)
             self.label_ids += [*ids, lay.eos_token_id]
         if item["special_token_loss"] == 1:
             self._add_ce(curr + n, item["special_token_label"])

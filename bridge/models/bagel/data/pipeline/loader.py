@@ -62,8 +62,7 @@ def _shown_key(key: str) -> str:
     if m is None:
         return key
     knob = m.group("knob")
-    knob = "strategy" if knob == "strategy.name" else knob.removeprefix("strategy.")
-    return f"data.packer.{knob}"
+    return "data.packer.strategy" if knob == "strategy.name" else f"data.packer.{knob.removeprefix('strategy.')}"
 
 
 def _comparable(fingerprint: Mapping[str, Any]) -> Mapping[str, Any]:

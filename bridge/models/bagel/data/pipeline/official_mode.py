@@ -15,7 +15,6 @@ round-robin position plus each chain's own state (RNG streams, packer buffer key
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,8 +22,6 @@ from ..state import Stage, StateError
 from ..stats import merge_counts
 
 __all__ = ["OfficialWorkers"]
-
-logger = logging.getLogger(__name__)
 
 
 class OfficialWorkers(Stage):

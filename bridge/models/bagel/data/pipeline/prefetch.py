@@ -47,18 +47,14 @@ import torch.multiprocessing as torch_mp
 
 from . import shm
 from .. import watchdog
-from ..config.schema import PREFETCH_STARTS
 from ..packing import memory
-from ..packing.memory import release_shared, use_shared_memory
 from ..state import Stage, StateError, fingerprint_of, load_nested, save_nested, tag_of
 
-__all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "START_METHODS", "live_producers"]
+__all__ = ["PRODUCER_NAME", "PrefetchError", "PrefetchStage", "RemoteTraceback", "live_producers"]
 
 logger = logging.getLogger(__name__)
 
 PRODUCER_NAME = "bagel-prefetch"
-#: How the producer process starts (``PrefetchStage(start_method=...)``, config ``data.prefetch_start``).
-START_METHODS: tuple[str, ...] = PREFETCH_STARTS
 #: Modules the forkserver imports once, so each producer it starts has them already.
 _FORKSERVER_PRELOAD = ["torch", "numpy", "PIL.Image", "megatron.energon", "bridge.models.bagel.data.build"]
 _POLL_S = 0.5
@@ -181,7 +177,7 @@ def _produce(*args: Any) -> None:
     try:
         _produce_loop(*args)
     finally:
-        release_shared()
+        memory.release_shared()
 
 
 def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, out: Any, stop: Any, release: Any,
@@ -208,7 +204,7 @@ def _produce_loop(source: Any, rebuild: bool, restore: dict[str, Any] | None, ou
     # "file_system" strategy, cleaned up by torch_shm_manager) lets the trainer map a tensor without a round trip
     # to this busy, GIL-holding process's fd-sharing thread: next() drops from ~20 ms to ~3 ms.
     torch_mp.set_sharing_strategy("file_system")
-    use_shared_memory(True)
+    memory.use_shared_memory(True)
     if rebuild:
         shm.adopt(shm_path, shm_fd.fd, trainer_pid)
     shm.register_process()  # segments named torch_<this pid>_* belong to the job

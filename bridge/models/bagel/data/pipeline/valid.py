@@ -15,13 +15,10 @@ the alignment: ``batches_per_eval`` must be what one evaluation pulls on this ra
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["BagelValidLoader"]
-
-logger = logging.getLogger(__name__)
 
 
 class BagelValidLoader:
@@ -69,14 +66,13 @@ class BagelValidLoader:
         return batch
 
     def reset(self) -> None:
-        """Close the current stream (if any) so the next pull starts an evaluation from the first batch."""
+        """Close the current stream (if any) so the next pull starts an evaluation from the first batch; as
+        ``close()``: release the current stream's readers and processes (idempotent)."""
         loader, self._loader, self._served = self._loader, None, 0
         if loader is not None:
             loader.close()
 
-    def close(self) -> None:
-        """Release the current stream's readers and processes (idempotent)."""
-        self.reset()
+    close = reset
 
     def __enter__(self) -> "BagelValidLoader":
         return self
