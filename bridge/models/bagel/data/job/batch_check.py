@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BatchAccount", "account_batch", "check_batch"]
+__all__ = ["account_batch", "check_batch"]
 
 _MODES = {"causal", "full", "noise"}
 
@@ -150,15 +150,12 @@ def _check_dense(batch: dict[str, Any], sample_lens: list[int]) -> list[str]:
     return []
 
 
-class BatchAccount(dict):
-    """Per-batch numbers: tokens, padding, ce_tokens, mse_tokens, samples, groups (Counter)."""
-
-
-def account_batch(batch: dict[str, Any], *, max_num_tokens: int) -> BatchAccount:
-    """What one batch contributes to throughput/fill/loss-target statistics."""
+def account_batch(batch: dict[str, Any], *, max_num_tokens: int) -> dict[str, Any]:
+    """What one batch contributes to throughput/fill/loss-target statistics: ``tokens``, ``padding``, ``ce_tokens``,
+    ``mse_tokens``, ``samples``, ``images`` (ints) and ``groups`` (``Counter``: samples per group)."""
     tokens = int(batch["sequence_length"])
     groups = Counter(d.get("dataset_name", "?") if isinstance(d, dict) else "?" for d in batch["batch_data_indexes"])
-    return BatchAccount(
+    return dict(
         tokens=tokens,
         padding=max(max_num_tokens - tokens, 0),
         ce_tokens=int(len(batch.get("ce_loss_indexes", ()))),

@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import pickle
 import re
+import shutil
 import zipfile
 import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._bridge import import_bridge
@@ -141,8 +144,6 @@ def load_trainer_state(root: str, step: int) -> dict[str, Any]:
 
     Raises ``ConfigError`` naming the file when it is missing (a data-only job wrote the checkpoint) or unreadable.
     """
-    import torch
-
     path = trainer_state_file(root, step)
     if not os.path.isfile(path):
         raise ConfigError(f"train.load: {root} has no model state for step {step} ({path} is missing: the checkpoint "
@@ -166,8 +167,6 @@ def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any,
     """
     api = _bridge_ckpt()
     if trainer_state is not None and dist.get_rank() == 0:
-        import torch
-
         path = trainer_state_file(root, step)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(trainer_state, path + ".tmp")
@@ -199,18 +198,12 @@ def rank_state_file(state_dir: str, step: int, dp_rank: int) -> str:
 _BRIDGE_ADVICE = ("Please file a bug", "please file a bug", "so it can be added")
 
 
-def _refusal_detail(exc: BaseException | str) -> str:
-    detail = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    detail = " ".join(detail.split())
+def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
+    detail = " ".join((exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}").split())
     for advice in _BRIDGE_ADVICE:
         at = detail.find(advice)
         if at >= 0:
             detail = detail[:at].rstrip(" .;,")
-    return detail
-
-
-def _unreadable(path: str, dp_rank: int, exc: BaseException | str) -> ConfigError:
-    detail = _refusal_detail(exc)
     error = ConfigError(f"train.load: the loader state file of DP rank {dp_rank} cannot be read: truncated, corrupt "
                         f"or refused by Bridge's restricted loader; resume from an earlier checkpoint or restore the "
                         f"file\nfile: {path}\ncause: {detail}\nA state file written by this package holds only "
@@ -242,10 +235,6 @@ def resize_checkpoint(root: str, step: int, dp_size: int, open_loader: Callable[
     its live chain resizes each stage's part (``BagelExternalLoader.resize_states``). Idempotent on a checkpoint
     already of that size (nothing is written, no loader built). A damaged state file raises ``ConfigError`` naming
     it before anything is built."""
-    import shutil
-
-    import torch
-
     olds = read_loader_states(root, step)
     if len(olds) == dp_size:
         return []
@@ -345,8 +334,6 @@ class PackedLedger:
 
     def write(self, root: str, step: int, dp_rank: int, dp_size: int) -> str:
         """Write the ledger of DP rank ``dp_rank`` (of ``dp_size``) at ``step`` (atomically); returns the path."""
-        import json
-
         path = os.path.join(root, "energon", f"iter_{step:07d}", PACKED_FILE.format(dp_rank))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path + ".tmp", "w", encoding="utf-8") as fh:
@@ -357,8 +344,6 @@ class PackedLedger:
 
 
 def _decode_packed(path: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    import json
-
     try:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)

@@ -192,8 +192,7 @@ def launch_problems(cfg: JobConfig, world_size: int | None) -> tuple[list[str], 
     the missing paths."""
     problems = list(cfg.__dict__.get("_key_problems", ()))
     origins = cfg.__dict__.get("_origins", {})
-    data = cfg.data
-    valid = data.valid
+    data, valid = cfg.data, cfg.data.valid
     paths = {"data.groups": data.groups, "data.dataset_info": data.dataset_info,
              "data.valid.groups": None if valid is None else valid.groups,
              "data.valid.dataset_info": None if valid is None else valid.dataset_info}

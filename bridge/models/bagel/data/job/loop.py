@@ -39,7 +39,7 @@ from .config import JobConfig
 from .straggler import StragglerMeter
 from .telemetry import Telemetry
 from .topology import agree
-from .world import completed_epochs, reduce_world
+from .world import reduce_world
 
 __all__ = ["DataContractError", "JobLoop", "Schedule", "Trainer"]
 
@@ -103,14 +103,6 @@ class Schedule(NamedTuple):
                                  or stopped)
 
 
-def _chunk_iterators(iterator: Any, vpp: int | None) -> list[Any]:
-    """One step's per-model-chunk iterators: Bridge's ``make_data_iterator_list`` over ``vpp`` chunks, or
-    ``[iterator]`` without a virtual pipeline (the source advances once per micro-batch either way)."""
-    if not vpp:
-        return [iterator]
-    return import_bridge().make_data_iterator_list([None] * vpp, iterator)
-
-
 class JobLoop:
     """The steps ``start_step + 1 .. train.train_iters`` of one job, on every rank (collective throughout).
 
@@ -126,7 +118,7 @@ class JobLoop:
                  trainer: Trainer | None, *, coords: Mapping[str, Any], group_weights: Mapping[str, float],
                  num_micro: int, per_eval: int, start_step: int) -> None:
         train, packer_cfg = cfg.train, cfg.data.packer
-        self.cfg, self.packer_cfg, self.dp_group = cfg, packer_cfg, pg_collection.dp
+        self.cfg, self.packer_cfg = cfg, packer_cfg
         self.pg_collection, self.iterator, self.loader, self.valid = pg_collection, iterator, loader, valid
         self.trainer, self.coords, self.rank = trainer, coords, coords["rank"]
         self.num_micro, self.per_eval, self.start_step = num_micro, per_eval, start_step
@@ -159,10 +151,15 @@ class JobLoop:
 
     def run(self) -> None:
         """Every step of the run, up to ``train.train_iters`` or the step ``train.stop_at_epoch`` stops at."""
-        for step in range(self.start_step + 1, self.cfg.train.train_iters + 1):
+        train = self.cfg.train
+        for step in range(self.start_step + 1, train.train_iters + 1):
             self._step(step)
             if self.stopped:
-                self._announce_stop(step)
+                if self.rank == 0:
+                    logger.info("train.stop_at_epoch=%d: stopping after step %d (of train_iters %d): group(s) %s "
+                                "completed epoch %d over the %d DP ranks", train.stop_at_epoch, step,
+                                train.train_iters, ", ".join(repr(g) for g in self.stopped["epochs"]),
+                                train.stop_at_epoch, self.coords["dp_size"])
                 break
 
     def finish(self) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -186,7 +183,7 @@ class JobLoop:
             self.tele.record_step(step, metrics)
             loss = float(metrics["loss"])
         del batches  # freed before the next step pulls its own (a 32K-token pack is ~100 MB)
-        self.tele.record_step_time(time.perf_counter() - step_t0)
+        self.tele.step_seconds += time.perf_counter() - step_t0
         self._write_digests(rows, loss)
         self.last_step = step
         self._record(step)
@@ -194,8 +191,7 @@ class JobLoop:
 
     def _agreed(self, what: str, pull: Callable[[list, list], None]) -> tuple[list[Batch], list[dict[str, Any]]]:
         """``(batches, rows)`` that ``pull(batches, rows)`` appended, once every rank has pulled: a failure on any
-        rank is raised on every rank at the same point (``topology.agree``, ``what`` names it), so none waits in a
-        later collective."""
+        rank is raised on every rank at the same point (``topology.agree``, ``what`` names it)."""
         batches: list[dict[str, Any]] = []
         rows: list[dict[str, Any]] = []
         error: BaseException | None = None
@@ -215,11 +211,12 @@ class JobLoop:
             raise DataContractError(f"rank {self.rank} {where}: " + "; ".join(problems))
 
     def _pull(self, step: int, batches: list[Batch], rows: list[dict[str, Any]]) -> None:
-        """This rank's micro-batches of ``step``: each pulled (its wait timed), the same object for every model
-        chunk, checked against the batch contract, accounted (telemetry, straggler meter); appended to
-        ``batches`` and, with a digest file, one digest row each to ``rows`` (with the ledger's ``reads`` under
-        the elastic order). Raises ``DataContractError`` (or the loader's error) at the first bad micro-batch."""
-        chunks = _chunk_iterators(self.iterator, self.cfg.train.virtual_pipeline_model_parallel_size)
+        """This rank's micro-batches of ``step`` into ``batches`` and, with a digest file, their digest rows into
+        ``rows`` (module docstring: **pull**); raises ``DataContractError`` (or the loader's error) at the first
+        bad one."""
+        # one iterator per model chunk (Bridge's make_data_iterator_list): the source advances once per micro-batch
+        vpp = self.cfg.train.virtual_pipeline_model_parallel_size
+        chunks = import_bridge().make_data_iterator_list([None] * vpp, self.iterator) if vpp else [self.iterator]
         for micro in range(self.num_micro):
             t0 = time.perf_counter()
             batch = next(chunks[0])
@@ -250,11 +247,9 @@ class JobLoop:
         self.digest_fh.flush()
 
     def _reduce(self, pipeline: Mapping[str, Any], *, p95: bool = False) -> dict[str, Any]:
-        """The job's one world reduce (``world.reduce_world`` over the DP group: TP / PP / CP peers hold copies
-        of the same batches): this rank's telemetry, ``pipeline`` counters and the straggler meter's compute of
-        the steps not yet reduced, in one summed and one maxed vector; the compute's world figures are booked
-        into the meter. A collective: every rank calls it at the same step."""
-        world = reduce_world(self.tele.local(p95=p95), pipeline, self.group_names, self.dp_group,
+        """The job's one world reduce (``world.reduce_world`` over the DP group: TP / PP / CP peers hold copies of the
+        same batches), its compute figures booked into the straggler meter. Collective: every rank, the same step."""
+        world = reduce_world(self.tele.local(p95=p95), pipeline, self.group_names, self.pg_collection.dp,
                              step_compute=self.straggler.local())
         self.straggler.book(world.pop("step_compute_max"), world.pop("step_compute_mean"), world["dp_size"])
         return world
@@ -267,7 +262,7 @@ class JobLoop:
         world = self._reduce(self.loader.stats())
         stop_at = self.cfg.train.stop_at_epoch
         if stop_at is not None:
-            done = {g: e for g, e in completed_epochs(world).items() if e >= stop_at}
+            done = {g: e for g, v in world["groups"].items() if (e := v["epoch"]) is not None and e >= stop_at}
             if done:
                 self.stopped = {"step": step, "epochs": done}
         if self.schedule.logs(step, bool(self.stopped)):
@@ -297,15 +292,6 @@ class JobLoop:
             logger.info("saved checkpoint at step %d to %s", step, train.save)
         if self.bar is not None:
             self.bar.update(1)
-
-    def _announce_stop(self, step: int) -> None:
-        """Rank 0's line on the step ``train.stop_at_epoch`` ended the run at."""
-        if self.rank == 0:
-            train = self.cfg.train
-            logger.info("train.stop_at_epoch=%d: stopping after step %d (of train_iters %d): group(s) %s completed "
-                        "epoch %d over the %d DP ranks", train.stop_at_epoch, step, train.train_iters,
-                        ", ".join(repr(g) for g in self.stopped["epochs"]), train.stop_at_epoch,
-                        self.coords["dp_size"])
 
     def _evaluate(self, step: int) -> dict[str, Any]:
         """One evaluation after ``step``: ``per_eval`` validation batches per rank, checked against the batch

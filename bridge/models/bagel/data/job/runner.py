@@ -7,11 +7,9 @@ records a digest. Loader state is checkpointed with Bridge's own functions and r
 ``run_job`` opens the streams (build, restore, agree), runs the steps (``loop.JobLoop``: ``pull → agree → train
 → record``, the interval work as a ``loop.Schedule``) and returns the run's summary.
 
-Topology (``train.tensor/pipeline/context/virtual_pipeline_model_parallel_size``, see ``topology``): DP
-rank/size come from Megatron's ``dp`` group; every rank — all TP/CP peers and every PP stage — builds
-and reads its own loader, as BAGEL's packed metadata (sample lengths, masks, position ids) is needed on
-every stage; peers of one DP replica therefore read identical streams. With a virtual pipeline the
-micro-batches are served to the model chunks through Bridge's ``make_data_iterator_list``.
+Topology (``train.tensor/pipeline/context/virtual_pipeline_model_parallel_size``): see ``topology``; every rank
+builds and reads its own loader, as BAGEL's packed metadata (sample lengths, masks, position ids) is needed on
+every stage.
 
 Validation (``data.valid``, every ``train.eval_interval`` steps): see ``loop``.
 
@@ -50,10 +48,11 @@ class JobIterators(NamedTuple):
     valid: Any = None
     valid_loader: Any = None
 
-
-def evaluations(train_iters: int, eval_interval: int) -> int:
-    """How many evaluations a run of ``train_iters`` steps makes (``eval_interval`` 0: none)."""
-    return train_iters // eval_interval if eval_interval > 0 else 0
+    def close(self) -> None:
+        """Close the loaders ``build_iterators`` opened (training, then validation; those not opened are None)."""
+        for opened in (self.loader, self.valid_loader):
+            if opened is not None:
+                opened.close()
 
 
 def build_iterators(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None = None, *,
@@ -72,8 +71,8 @@ def build_iterators(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: Va
     train = cfg.train
     if data is None:
         data = validate_data(cfg.data)
-    valid_samples = valid_batches_per_eval * pg_collection.dp.size() * evaluations(train.train_iters,
-                                                                                    train.eval_interval)
+    evaluations = train.train_iters // train.eval_interval if train.eval_interval > 0 else 0
+    valid_samples = valid_batches_per_eval * pg_collection.dp.size() * evaluations
     context = api.DatasetBuildContext(train_samples=train.train_iters * train.global_batch_size,
                                       valid_samples=valid_samples, test_samples=0, tokenizer=None,
                                       pg_collection=pg_collection)
@@ -85,18 +84,14 @@ def build_iterators(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: Va
         provider = BagelMegatronMIMODatasetProvider(train_loader=loader, valid_loader=valid_loader)
         train_ds, valid_ds, test_ds = provider.build_datasets(context)
         assert test_ds is None and valid_ds is valid_loader
-        loaders = []
-        for ds in (train_ds, valid_ds):
-            loaders.append(None if ds is None else api.build_pretraining_data_loader(
-                ds, 0, provider.dataloader_type, train.micro_batch_size, provider.num_workers, True,
-                collate_fn=provider.get_collate_fn(), pin_memory=False, data_parallel_rank=pg_collection.dp.rank(),
-                data_parallel_size=pg_collection.dp.size()))
+        loaders = [None if ds is None else api.build_pretraining_data_loader(
+            ds, 0, provider.dataloader_type, train.micro_batch_size, provider.num_workers, True,
+            collate_fn=provider.get_collate_fn(), pin_memory=False, data_parallel_rank=pg_collection.dp.rank(),
+            data_parallel_size=pg_collection.dp.size()) for ds in (train_ds, valid_ds)]
         if loaders[0] is not loader or loaders[1] is not valid_loader:
             raise RuntimeError("build_pretraining_data_loader(..., 'external') did not return the provider's loader")
     except BaseException:
-        loader.close()
-        if valid_loader is not None:
-            valid_loader.close()
+        JobIterators(None, loader, None, valid_loader).close()
         raise
     return JobIterators(RerunDataIterator(loader), loader,
                         RerunDataIterator(valid_loader) if valid_loader is not None else None, valid_loader)
@@ -119,13 +114,6 @@ def _init_megatron_globals(train: Any, rank: int, dp_size: int) -> int:
         finally:
             rsm_log.setLevel(level)
     return nmc.get_num_microbatches()
-
-
-def _close_streams(its: JobIterators) -> None:
-    """Close the loaders ``build_iterators`` opened (training, then validation; those not opened are None)."""
-    for opened in (its.loader, its.valid_loader):
-        if opened is not None:
-            opened.close()
 
 
 def _open_streams(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedData | None,
@@ -166,19 +154,10 @@ def _open_streams(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: Vali
     try:
         agree(error, "while building/restoring the loader")
     except BaseException:
-        _close_streams(its)
+        its.close()
         raise
     assert data is not None
     return its, start_step, data
-
-
-def _report_startup(clock: StartupClock) -> dict[str, Any]:
-    """Close the start-up: the world's slowest rank and when it was ready (``reduce_startup``; what the first step
-    waited for), the ``start-up:`` line on rank 0; returns ``StartupClock.report`` (the summary's ``startup_s``)."""
-    slowest = reduce_startup(clock)
-    if dist.get_rank() == 0:
-        logger.info("%s", clock.line(slowest))
-    return clock.report(slowest)
 
 
 def _announce_validation(cfg: JobConfig, evaluating: bool, num_micro: int) -> None:
@@ -207,11 +186,10 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     ``loss`` or None).
 
     Returns the run's summary (``Telemetry.summary``: every DP rank's numbers, per group epochs, ledger and drops;
-    the straggler figures; ``start_step``, ``steps`` run, ``stream_position`` (batches
-    each rank's loader has handed out since its data stream began), ``layout``; ``stopped_at_epoch`` when
-    ``train.stop_at_epoch`` ended the run early; ``startup_s``: this rank's seconds from its process's start to
-    the first step, per phase, and the world's slowest rank with the time it was ready) and ``pipeline``, this
-    rank's own ``loader.stats()``.
+    the straggler figures; ``start_step``, ``steps`` run, ``stream_position`` (batches each rank's loader has handed
+    out since its data stream began), ``layout``; ``stopped_at_epoch`` when ``train.stop_at_epoch`` ended the run
+    early; ``startup_s``: this rank's seconds from its process's start to the first step, per phase, and the world's
+    slowest rank with the time it was ready) and ``pipeline``, this rank's own ``loader.stats()``.
 
     ``startup``: the launcher's ``StartupClock`` with the phases before this call marked (imports, config, process
     groups, tokenizer, model); None books everything before this call to one phase, ``before run_job``. Rank 0 logs
@@ -236,8 +214,9 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
     per_eval = train.eval_iters * num_micro if cfg.data.valid is not None and train.eval_interval > 0 else 0
     its, start_step, data = _open_streams(cfg, pg_collection, tokenizer, data, trainer, clock, per_eval)
     resume_gc()  # start-up is over and nothing forked yet (the loader's processes start at the first batch)
-    startup_s = _report_startup(clock)
+    slowest = reduce_startup(clock)  # the world's slowest rank and when it was ready: what the first step waited for
     if rank == 0:
+        logger.info("%s", clock.line(slowest))
         _announce_validation(cfg, its.valid is not None, num_micro)
     try:
         with JobLoop(cfg, pg_collection, its.train, its.loader, its.valid, trainer, coords=coords,
@@ -246,10 +225,10 @@ def run_job(cfg: JobConfig, pg_collection: Any, tokenizer: Any, data: ValidatedD
             loop.run()
             final, own = loop.finish()
     finally:
-        _close_streams(its)
+        its.close()
     summary = {**loop.tele.summary(final), **loop.straggler.summary()}
     summary.update(start_step=start_step, steps=loop.last_step - start_step, micro_batches_per_step=num_micro,
-                   stream_position=own.get("position"), startup_s=startup_s, layout=layout,
+                   stream_position=own.get("position"), startup_s=clock.report(slowest), layout=layout,
                    **({"stopped_at_epoch": loop.stopped} if loop.stopped else {}))
     if loop.evaluations:  # the count and the last one: the summary stays small however many evaluations ran
         summary["evaluations"] = len(loop.evaluations)

@@ -45,11 +45,9 @@ class Telemetry:
 
     def record(self, account: Mapping[str, Any], wait_s: float) -> None:
         """Add one batch's account (``batch_check.account_batch``) and the time ``next()`` took."""
-        for key in ("tokens", "padding", "ce_tokens", "mse_tokens", "samples", "images"):
-            self.total[key] += account[key]
-            self.interval[key] += account[key]
-        self.total["batches"] += 1
-        self.interval["batches"] += 1
+        counts = {k: account[k] for k in ("tokens", "padding", "ce_tokens", "mse_tokens", "samples", "images")}
+        for counter in (self.total, self.interval):
+            counter.update(counts, batches=1)
         self.groups_total.update(account["groups"])
         self.waits.append(wait_s)
         self.interval_waits.append(wait_s)
@@ -59,10 +57,6 @@ class Telemetry:
         self.losses.append((step, float(metrics["loss"])))
         for key, value in metrics.items():
             self.interval_metrics.setdefault(key, []).append(float(value))
-
-    def record_step_time(self, seconds: float) -> None:
-        """Add one step's wall time (pulling its micro-batches and training on them)."""
-        self.step_seconds += seconds
 
     def local(self, *, p95: bool = False) -> dict[str, Any]:
         """This rank's counters for ``world.reduce_world``: the interval's (``interval_*``) and the run's tokens,

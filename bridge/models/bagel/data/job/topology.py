@@ -108,9 +108,8 @@ def init_model_parallel(train: TrainConfig) -> Any:
     """Initialise Megatron-Core's TP/PP/CP/DP groups from ``train`` on the default process group.
 
     Requires ``torch.distributed`` to be initialised (gloo on CPU, NCCL on GPU). Validates the layout first
-    (``TrainConfig.parallel_layout``; a bad one raises ``AgreedError`` of kind ``ConfigError`` on every rank,
-    a collective) and returns the
-    ``ProcessGroupCollection`` with ``tp``, ``pp``, ``cp`` and ``dp`` (DP without CP) groups.
+    (``TrainConfig.parallel_layout``; a bad one raises ``AgreedError`` of kind ``ConfigError`` on every rank, a
+    collective) and returns the ``ProcessGroupCollection`` with ``tp``, ``pp``, ``cp`` and ``dp`` (DP without CP).
     """
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection

@@ -72,13 +72,12 @@ def reduce_world(telemetry: Mapping[str, float], pipeline: Mapping[str, Any], gr
     initialized process group: this rank's numbers alone.
 
     Returns ``{"dp_size", **sums of _TELEMETRY_SUMS, "wait_ms_worst" (the worst rank's mean wait of the interval,
-    ms), "wait_ms_p95_worst" (the worst rank's p95 over the run, ms; 0 unless
-    ``telemetry`` holds ``wait_p95_s``: ``Telemetry.local(p95=True)``, for the summary), "buffer_len", "drops", "unused"
-    ({reason: count}, zero counts left out), "drop_ranks" (ranks that dropped anything so far), "group_samples"
-    ({group: samples packed}, for the mix), "groups": {group: {"epoch": completed epochs or None, "epochs_read":
-    float or None, "consumed", "packed", "buffered", "dropped": {reason: count}}}, "step_compute_max",
-    "step_compute_mean" (per step of ``step_compute``: the slowest rank's and the mean rank's FLOPs)}``; counts
-    are ints.
+    ms), "wait_ms_p95_worst" (the worst rank's p95 over the run, ms; 0 unless ``telemetry`` holds ``wait_p95_s``:
+    ``Telemetry.local(p95=True)``, for the summary), "buffer_len", "drops", "unused" ({reason: count}, zero counts
+    left out), "drop_ranks" (ranks that dropped anything so far), "group_samples" ({group: samples packed}, for the
+    mix), "groups": {group: {"epoch": completed epochs or None, "epochs_read": float or None, "consumed", "packed",
+    "buffered", "dropped": {reason: count}}}, "step_compute_max", "step_compute_mean" (per step of ``step_compute``:
+    the slowest rank's and the mean rank's FLOPs)}``; counts are ints.
     """
     import torch
     import torch.distributed as dist
@@ -141,8 +140,3 @@ def reduce_world(telemetry: Mapping[str, float], pipeline: Mapping[str, Any], gr
     out["step_compute_max"] = m_list[2 + 2 * len(group_names):]
     out["step_compute_mean"] = (s[k:] / dp_size).tolist()
     return out
-
-
-def completed_epochs(world: Mapping[str, Any]) -> dict[str, int]:
-    """``{group: completed epochs}`` of ``reduce_world``'s result (groups whose epoch is known)."""
-    return {g: v["epoch"] for g, v in world.get("groups", {}).items() if v.get("epoch") is not None}
