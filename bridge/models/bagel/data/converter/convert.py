@@ -23,13 +23,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .finalize import (build_manifest, from_plan, has_files, load_records, manifest_path, merge_checksums, publish,
-                       published_problem, write_energon_index, write_index_uuid, write_plan_digest)
+from .finalize import (build_manifest, from_plan, has_files, load_records, merge_checksums, publish, published_problem,
+                       write_atomic, write_energon_index, write_index_uuid, write_plan_digest)
 from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
 from .plan import make_plan, older_plans, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
-from ..energon.layout import (DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, T2I, VLM, dataset_dir,
-                              encode_manifest, load_manifest, write_manifest)
+from ..energon.layout import (DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, MANIFEST_NAME, T2I, VLM,
+                              dataset_dir, encode_manifest, load_manifest, write_manifest)
 from ..yaml_errors import yaml_problem
 
 logger = logging.getLogger(__name__)
@@ -95,10 +95,8 @@ def _skip_counts(skipped: list[dict[str, Any]]) -> dict[str, int]:
 
 def _write_error(e: BaseException, what: str, done: str = "") -> ConvertWriteError:
     """One line: the path being written, the error, how much was written, what to do."""
-    if isinstance(e, UnitWriteError):
-        where = str(e)
-    else:
-        where = f"{getattr(e, 'filename', None) or what}: {getattr(e, 'strerror', None) or e}"
+    where = (str(e) if isinstance(e, UnitWriteError)
+             else f"{getattr(e, 'filename', None) or what}: {getattr(e, 'strerror', None) or e}")
     return ConvertWriteError(f"cannot write the conversion output — {where}; {done + '; ' if done else ''}nothing "
                              f"half-written was published: free space (or fix the error) and rerun the same command "
                              f"to resume")
@@ -174,7 +172,7 @@ def merge_dataset(ds_dir: str, *, overwrite: bool = False) -> ConvertSummary:
             plan_bytes = f.read()
         plan = json.loads(plan_bytes)
     except FileNotFoundError:
-        if os.path.exists(manifest_path(staging)):  # merged before; only the publish was left
+        if os.path.exists(os.path.join(staging, MANIFEST_NAME)):  # merged before; only the publish was left
             man = load_manifest(staging)
             publish(staging, ds_dir)
             return _summary(man, ds_dir)
@@ -322,16 +320,12 @@ def convert_group(group: str, out_dir: str | os.PathLike, *, data_dir: str | Non
 def merge_all(out_dir: str | os.PathLike, *, overwrite: bool = False) -> list[ConvertSummary]:
     """Merge every staged conversion under ``<out_dir>/<group>/*.partial`` (see :func:`merge_dataset`)."""
     out_dir = os.fspath(out_dir)
-    found = []
-    for group in GROUPS:
-        gdir = os.path.join(out_dir, group)
-        if os.path.isdir(gdir):
-            found += [os.path.join(gdir, n[: -len(".partial")]) for n in sorted(os.listdir(gdir))
-                      if n.endswith(".partial")]
+    listed = [(g, n) for g in GROUPS if os.path.isdir(os.path.join(out_dir, g))
+              for n in sorted(os.listdir(os.path.join(out_dir, g)))]
+    found = [os.path.join(out_dir, g, n[: -len(".partial")]) for g, n in listed if n.endswith(".partial")]
     if not found:
-        published = [os.path.join(g, n) for g in GROUPS if os.path.isdir(os.path.join(out_dir, g))
-                     for n in sorted(os.listdir(os.path.join(out_dir, g)))
-                     if os.path.exists(manifest_path(os.path.join(out_dir, g, n)))]
+        published = [os.path.join(g, n) for g, n in listed
+                     if os.path.exists(os.path.join(out_dir, g, n, MANIFEST_NAME))]
         if published:  # a requeued merge job after its merge succeeded
             logger.info("%s: nothing to merge: no staged conversion, %d published datasets (%s)", out_dir,
                         len(published), ", ".join(published[:5]))
@@ -412,10 +406,8 @@ def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir:
             for entry in entries.values():
                 merged_info.update(_load_parquet_info(resolve(entry["parquet_info_path"])))
         for name, entry in entries.items():
-            if group == VLM:
-                paths = {"jsonl_path": resolve(entry["jsonl_path"]), "image_dir": resolve(entry["data_dir"])}
-            else:
-                paths = {"data_dir": resolve(entry["data_dir"])}
+            paths = ({"jsonl_path": resolve(entry["jsonl_path"]), "image_dir": resolve(entry["data_dir"])}
+                     if group == VLM else {"data_dir": resolve(entry["data_dir"])})
             if group == EDIT:
                 paths.update(parquet_info=merged_info, parquet_info_path=resolve(entry["parquet_info_path"]),
                              parquet_info_root=root)
@@ -424,9 +416,7 @@ def convert_from_config(dataset_info_path: str, grouped_yaml_path: str, out_dir:
             result[group][name]["energon_path"] = os.path.abspath(s.path)
             summaries.append(s)
     os.makedirs(out_dir, exist_ok=True)
-    tmp = os.path.join(out_dir, f"dataset_info.json.tmp{os.getpid()}")  # parts may write it at the same time
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1, sort_keys=True, ensure_ascii=False)
-        f.write("\n")
-    os.replace(tmp, os.path.join(out_dir, "dataset_info.json"))
+    text = json.dumps(result, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    # parts may write it at the same time
+    write_atomic(os.path.join(out_dir, "dataset_info.json"), text.encode("utf-8"), tmp=f".tmp{os.getpid()}")
     return summaries

@@ -166,8 +166,7 @@ def _vlm_qa(rng: np.random.Generator, scene: ds.Scene) -> list[tuple[str, str]]:
 
 def _gen_vlm(rng: np.random.Generator, img_dir: str, jsonl: str, n_lines: int) -> int:
     os.makedirs(img_dir)
-    lines = []
-    n_img = 0
+    lines, n_img = [], 0
     for i in range(n_lines):
         u = rng.random()
         k = 0 if u < 0.06 else 1 if u < 0.7 else int(rng.integers(2, 4))  # text-only / single / multi-image

@@ -28,22 +28,23 @@ from ..energon.layout import (CHECKSUMS_KEY, EDIT, MANIFEST_FORMAT, MANIFEST_NAM
 from ..energon.patches.index import write_index
 from .units import WORK_DIR, unit_checksums_path, unit_index_path, unit_record_path
 
-__all__ = ["write_energon_index", "build_manifest", "merge_checksums", "v1_samples"]
+__all__ = ["write_energon_index", "build_manifest", "merge_checksums", "write_atomic"]
 
 _NV = ".nv-meta"
 
 
-def _write(path: str, data: bytes) -> None:
-    with open(path + ".tmp", "wb") as f:
+def write_atomic(path: str, data: bytes, tmp: str = ".tmp") -> None:
+    """``data`` into ``path`` through ``path + tmp`` and ``os.replace`` (never half-written)."""
+    with open(path + tmp, "wb") as f:
         f.write(data)
-    os.replace(path + ".tmp", path)
+    os.replace(path + tmp, path)
 
 
 def write_energon_index(staging: str, shards: list[dict[str, Any]], n_units: int, group: str) -> None:
     """Write ``.nv-meta/{index.sqlite,.info.json,split.yaml,dataset.yaml}`` of the staged dataset: Energon's index from
     the units' fragments (``energon.patches.index``), and the dataset's ``dataset.yaml``."""
     write_index(staging, shards, [unit_index_path(staging, k) for k in range(n_units)])
-    _write(os.path.join(staging, _NV, "dataset.yaml"), crude_dataset_yaml(group).encode())
+    write_atomic(os.path.join(staging, _NV, "dataset.yaml"), crude_dataset_yaml(group).encode())
 
 
 def write_index_uuid(staging: str, manifest_bytes: bytes) -> None:
@@ -52,18 +53,7 @@ def write_index_uuid(staging: str, manifest_bytes: bytes) -> None:
     nv = os.path.join(staging, _NV)
     with open(os.path.join(nv, ".info.json"), "rb") as f:
         digest = hashlib.sha256(manifest_bytes + f.read()).digest()
-    _write(os.path.join(nv, "index.uuid"), str(uuid.UUID(bytes=digest[:16], version=4)).encode())
-
-
-def v1_samples(group: str, files: list[dict[str, Any]]) -> list[list[int]]:
-    """The per-sample coordinates of manifest format 1 (only written while ``MANIFEST_FORMAT == 1``)."""
-    if group not in (T2I, EDIT):
-        return [[i] for i in range(files[0]["num_samples"])]
-    out = []
-    for f in files:
-        stored = len(f["row_groups"]) if group == T2I else min(f.get("declared_row_groups") or 0, len(f["row_groups"]))
-        out += [[f["file_index"], g, r] for g in range(stored) for r in range(f["row_groups"][g])]
-    return out
+    write_atomic(os.path.join(nv, "index.uuid"), str(uuid.UUID(bytes=digest[:16], version=4)).encode())
 
 
 def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -83,13 +73,10 @@ def build_manifest(plan: dict[str, Any], records: list[dict[str, Any]]) -> dict[
     shards = [{"path": sh["path"], "count": sh["count"], "bytes": sh["bytes"], "sha256": sh["sha256"]}
               for r in records for sh in r["shards"]]
     images = sum((Counter(r["image_problems"]) for r in records), Counter())
-    man = {**base, "format": MANIFEST_FORMAT, "group": plan["group"], "dataset_name": plan["dataset_name"],
-           "source_root": plan["source_root"], "num_samples": sum(r["num_samples"] for r in records),
-           "samples_per_shard": plan["samples_per_shard"], "files": files, "shards": shards,
-           "image_checks": {"max_image_pixels": plan["max_image_pixels"], "problems": dict(sorted(images.items()))}}
-    if MANIFEST_FORMAT == 1:
-        man["samples"] = v1_samples(plan["group"], files)
-    return man
+    return {**base, "format": MANIFEST_FORMAT, "group": plan["group"], "dataset_name": plan["dataset_name"],
+            "source_root": plan["source_root"], "num_samples": sum(r["num_samples"] for r in records),
+            "samples_per_shard": plan["samples_per_shard"], "files": files, "shards": shards,
+            "image_checks": {"max_image_pixels": plan["max_image_pixels"], "problems": dict(sorted(images.items()))}}
 
 
 def merge_checksums(man: dict[str, Any], staging: str, n_units: int) -> bytes:
@@ -143,19 +130,15 @@ def publish(staging: str, ds_dir: str) -> None:
 PLAN_DIGEST_NAME = ".plan.sha256"
 
 
-def plan_digest_path(ds_dir: str) -> str:
-    return os.path.join(ds_dir, PLAN_DIGEST_NAME)
-
-
 def write_plan_digest(staging: str, plan_bytes: bytes) -> None:
     """Record the plan's sha256 in the staged dataset (published with it)."""
-    _write(plan_digest_path(staging), hashlib.sha256(plan_bytes).hexdigest().encode() + b"\n")
+    write_atomic(os.path.join(staging, PLAN_DIGEST_NAME), hashlib.sha256(plan_bytes).hexdigest().encode() + b"\n")
 
 
 def from_plan(ds_dir: str, plan_bytes: bytes) -> bool:
     """Whether ``ds_dir`` (published or merged in staging) records exactly this plan (same sources and options)."""
     try:
-        with open(plan_digest_path(ds_dir), encoding="ascii") as f:
+        with open(os.path.join(ds_dir, PLAN_DIGEST_NAME), encoding="ascii") as f:
             recorded = f.read().strip()
     except OSError:
         return False
@@ -186,7 +169,3 @@ def published_problem(ds_dir: str) -> str | None:
 def has_files(ds_dir: str) -> bool:
     """Whether ``ds_dir`` exists as anything but an empty directory (a published dataset, or something else)."""
     return os.path.exists(ds_dir) and (not os.path.isdir(ds_dir) or bool(os.listdir(ds_dir)))
-
-
-def manifest_path(staging: str) -> str:
-    return os.path.join(staging, MANIFEST_NAME)

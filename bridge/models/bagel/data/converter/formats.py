@@ -225,16 +225,24 @@ def binary_values(column: pa.ChunkedArray | pa.Array) -> list[memoryview | bytes
     return out
 
 
-def _iter_t2i(unit: SourceUnit) -> Iterator[RawSample]:
-    pf, k, fi, rel = _open_parquet(unit.path), 0, unit.file_index, unit.rel
-    for g in unit.row_groups:
-        tbl = _read_row_group(unit.path, pf, g, ["image", "captions"])
-        for r, (img, cap) in enumerate(zip(binary_values(tbl.column("image")), tbl.column("captions").to_pylist())):
-            if isinstance(cap, bytes):
-                cap = cap.decode("utf-8", errors="replace")
-            meta = {"group": T2I, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
-                    "captions": cap, "image_null": img is None}
-            yield RawSample([fi, g, r], meta, [] if img is None else [(0, img)])
+def _iter_parquet(group: str, unit: SourceUnit) -> Iterator[RawSample]:
+    """The rows of a t2i (``image``, ``captions``) or unified_edit (``image_list``, ``instruction_list``) unit."""
+    t2i, pf, k, fi, rel = group == T2I, _open_parquet(unit.path), 0, unit.file_index, unit.rel
+    columns = ["image", "captions"] if t2i else ["image_list", "instruction_list"]
+    for g in unit.row_groups:  # a unit's row groups always start at 0: ``k`` counts the file's rows
+        tbl = _read_row_group(unit.path, pf, g, columns)
+        images = binary_values(tbl.column("image")) if t2i else tbl.column("image_list").to_pylist()
+        for r, (img, text) in enumerate(zip(images, tbl.column(columns[1]).to_pylist())):
+            source = {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k}
+            if t2i:
+                cap = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+                meta = {"group": T2I, "source": source, "captions": cap, "image_null": img is None}
+                yield RawSample([fi, g, r], meta, [] if img is None else [(0, img)])
+            else:
+                imgs = img if img is not None else []
+                meta = {"group": EDIT, "source": source, "instruction_list": text, "num_images": len(imgs),
+                        "null_images": [i for i, b in enumerate(imgs) if b is None]}
+                yield RawSample([fi, g, r], meta, [(i, b) for i, b in enumerate(imgs) if b is not None])
             k += 1
 
 
@@ -314,20 +322,6 @@ class EditReader:
         log.manifest.update(files=entries, missing_row_groups=missing, data_dir=relpath(data_dir, source_root),
                             parquet_info={e["file"]: e["declared_row_groups"] for e in entries
                                           if e["declared_row_groups"] is not None})
-
-
-def _iter_edit(unit: SourceUnit) -> Iterator[RawSample]:
-    pf, k, fi, rel = _open_parquet(unit.path), 0, unit.file_index, unit.rel  # groups always start at row group 0
-    for g in unit.row_groups:
-        tbl = _read_row_group(unit.path, pf, g, ["image_list", "instruction_list"])
-        for r, (imgs, instr) in enumerate(zip(tbl.column("image_list").to_pylist(),
-                                              tbl.column("instruction_list").to_pylist())):
-            imgs = imgs if imgs is not None else []
-            meta = {"group": EDIT, "source": {"file": rel, "file_index": fi, "row_group": g, "row": r, "file_row": k},
-                    "instruction_list": instr, "num_images": len(imgs),
-                    "null_images": [i for i, b in enumerate(imgs) if b is None]}
-            yield RawSample([fi, g, r], meta, [(i, b) for i, b in enumerate(imgs) if b is not None])
-            k += 1
 
 
 def _os_error_message(e: OSError, shown_path: str) -> str:
@@ -489,8 +483,6 @@ def _read_video(name: Any, image_dir: str, rel_image_dir: str, errors: dict[str,
 def iter_unit(group: str, unit: SourceUnit, *, image_dir: str = "", rel_image_dir: str = "",
               warn: Callable[[str], None] = lambda msg: None) -> Iterator[RawSample]:
     """The samples of one work unit, in sample order (``image_dir``/``rel_image_dir``: vlm only)."""
-    if group == T2I:
-        return _iter_t2i(unit)
-    if group == EDIT:
-        return _iter_edit(unit)
+    if group in (T2I, EDIT):
+        return _iter_parquet(group, unit)
     return _iter_vlm(unit, image_dir, rel_image_dir, warn)

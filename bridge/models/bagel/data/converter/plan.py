@@ -18,8 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..energon.layout import CHECKSUM_ALGORITHM, MANIFEST_FORMAT
-from .finalize import from_plan, has_files, manifest_path
+from ..energon.layout import CHECKSUM_ALGORITHM, MANIFEST_FORMAT, MANIFEST_NAME
+from .finalize import from_plan, has_files, write_atomic
 from .formats import ConvertError, EditReader, ScanLog, SourceUnit, T2IReader, VlmReader, dumps_json, relpath
 from .units import WORK_DIR, UnitJob, run_unit
 
@@ -109,7 +109,7 @@ def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool, num_parts: 
     plan_bytes = dumps_json(plan)
     plan_path = os.path.join(work, "plan.json")
     if os.path.isdir(staging):
-        merged = os.path.exists(manifest_path(staging)) and not os.path.exists(work)
+        merged = os.path.exists(os.path.join(staging, MANIFEST_NAME)) and not os.path.exists(work)
         if merged and from_plan(staging, plan_bytes):
             return staging, True  # merged by a run that was stopped before the publish: only that is left
         staged = None
@@ -136,9 +136,7 @@ def open_staging(ds_dir: str, plan: dict[str, Any], overwrite: bool, num_parts: 
             logger.info("%s: resuming a previous conversion", staging)
     os.makedirs(work, exist_ok=True)
     if not os.path.exists(plan_path):
-        with open(plan_path + f".tmp{os.getpid()}", "wb") as f:
-            f.write(plan_bytes)
-        os.replace(plan_path + f".tmp{os.getpid()}", plan_path)
+        write_atomic(plan_path, plan_bytes, tmp=f".tmp{os.getpid()}")
     return staging, False
 
 

@@ -311,23 +311,19 @@ class _UnitWriter:
         buf = io.BytesIO()
         np.save(buf, np.array(self.sums, dtype="<u8"), allow_pickle=False)
         self._write_file(unit_checksums_path(self.job.staging, self.job.index), buf.getvalue())
-        self.current = None
 
     def write_index(self) -> None:
+        self.current = None
         path = unit_index_path(self.job.staging, self.job.index)
         self.tmps.append((path + ".tmp", path))
         if os.path.exists(path + ".tmp"):
             os.remove(path + ".tmp")
-        self.current = None
-        db = sqlite3.connect(path + ".tmp")
-        try:
+        with contextlib.closing(sqlite3.connect(path + ".tmp")) as db:
             db.execute("PRAGMA synchronous = OFF")  # no fsync: the fragment is published by os.replace like the shards
             db.execute("CREATE TABLE samples (tar_file_id INTEGER, sample_key TEXT, sample_index INTEGER, "
                        "byte_offset INTEGER, byte_size INTEGER)")
             db.executemany("INSERT INTO samples VALUES (?, ?, ?, ?, ?)", self.rows)
             db.commit()
-        finally:
-            db.close()
 
     def publish(self, record: dict[str, Any]) -> None:
         for tmp, final in self.tmps:
@@ -363,11 +359,6 @@ def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict
         if len(warns) < _MAX_WARNINGS:
             warns.append(msg)
 
-    def where(s: Any) -> str:
-        src = s.meta["source"]
-        return f"{src['file']} line {src['line'] + 1}" if "line" in src else \
-            f"{src['file']} row group {src['row_group']} row {src['row']}"
-
     pending = 0
 
     def on_sample(s: Any) -> None:
@@ -385,7 +376,9 @@ def run_unit(job: UnitJob, on_rows: Callable[[int], None] | None = None) -> dict
             bad = image_problem(b, job.max_image_pixels)
             if bad is not None:
                 images[bad[0]] += 1
-                examples.setdefault(bad[0], f"{where(s)} image {i}: {bad[1]}")
+                src = s.meta["source"]
+                at = f"line {src['line'] + 1}" if "line" in src else f"row group {src['row_group']} row {src['row']}"
+                examples.setdefault(bad[0], f"{src['file']} {at} image {i}: {bad[1]}")
         if on_rows is not None:
             pending += 1
             if pending >= 256:

@@ -117,8 +117,6 @@ def is_stateful_list(value: Any) -> bool:
 def unsavable_entries(value: Any) -> list[str]:
     """``"Type (entry i)"`` for each entry of a field value that is an iterator without a state protocol: a stage
     holding one cannot be saved (its state would be incomplete)."""
-    if is_stateful(value) or is_stateful_list(value):
-        return []
     items = value if isinstance(value, (list, tuple)) else [value]
     return [f"{type(v).__name__} (entry {i})" for i, v in enumerate(items) if hasattr(v, "__next__")
             and not is_stateful(v)]

@@ -39,10 +39,8 @@ def check_restricted(obj: Any, path: str = "state", *, allow: tuple[type, ...] =
         for i, v in enumerate(obj):
             check_restricted(v, f"{path}[{i}]", allow=allow)
         return
-    raise StateError(
-        f"{path}: {type(obj).__module__}.{type(obj).__qualname__} is not allowed in loader state "
-        "(only builtins, tensors and NumPy values survive Megatron's restricted unpickler)"
-    )
+    raise StateError(f"{path}: {type(obj).__module__}.{type(obj).__qualname__} is not allowed in loader state "
+                     "(only builtins, tensors and NumPy values survive Megatron's restricted unpickler)")
 
 
 def energon_state_classes() -> tuple[type, ...]:

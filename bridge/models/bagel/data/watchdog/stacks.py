@@ -38,7 +38,6 @@ _agents: _Agents | None = None
 _hook_installed = False
 
 
-# -- what a stuck thread is doing ---------------------------------------------------------------------
 def describe_frame(frame: Any) -> dict[str, Any]:
     """``{"dataset", "shard", "group", "stack"}`` of a (stuck) thread from its innermost ``frame``: the shard an
     Energon tar reader is opening or reading (``energon.patches.shard_in_frame``: Energon's internals), the group of a
@@ -92,7 +91,6 @@ def _thread_reports(skip: set[int]) -> list[dict[str, Any]]:
     return reports
 
 
-# -- agents in forked processes -----------------------------------------------------------------------
 class _Agents:
     """The report directory (one ``<pid>.json`` per reporting process) and the request counter of one owner.
 
@@ -107,9 +105,8 @@ class _Agents:
         self.dir = tempfile.mkdtemp(prefix=_REPORTS_PREFIX)
         # locked before it gets its name, so no other process can take the directory for a dead owner's
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".lock-")
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # ``fd`` stays open for the process's life; forked children share it
         os.rename(tmp, os.path.join(self.dir, _OWNER_LOCK))
-        self._lock_fd = fd  # held (open) for the process's life; forked children share it
         # A lock-free shared counter (no multiprocessing lock a killed process could leave held): the watchdog
         # bumps it, each agent notices within _AGENT_POLL_S and reports once per bump.
         self.request = mp.get_context("fork").RawValue("q", 0)
@@ -122,11 +119,10 @@ def _remove_reports(path: str, owner: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _reclaim_reports(temp_dir: str | None = None) -> int:
+def _reclaim_reports() -> int:
     """Remove the report directories of owners that are gone (their ``owner.lock`` free); how many were removed.
     A directory without ``owner.lock`` (being created, or left by a version before the lock) is left alone."""
-    removed = 0
-    root = tempfile.gettempdir() if temp_dir is None else temp_dir
+    removed, root = 0, tempfile.gettempdir()
     try:
         names = [n for n in os.listdir(root) if n.startswith(_REPORTS_PREFIX)]
     except OSError:

@@ -31,7 +31,6 @@ DEFAULT_TIMEOUT_S = 480.0
 _LOOK_S = 0.5  # a batch waiter looks at the read in progress at least this often
 
 
-# -- the watched call ---------------------------------------------------------------------------------
 _local = threading.local()  # .batch: the _BatchThread this thread runs for (set on a batch thread); .own: its own
 _live: weakref.WeakSet = weakref.WeakSet()  # the enabled, not stopped ReadWatches of this process
 
@@ -51,7 +50,6 @@ class ReadWatch:
         self.what, self.group, self.datasets = what, group, list(datasets)
         self.stall_warn_s, self.timeout_s = float(stall_warn_s or 0), float(timeout_s or 0)
         self.worker_pids = worker_pids
-        self.workers = worker_pids is not None
         self.enabled = self.stall_warn_s > 0 or self.timeout_s > 0
         self.stuck: DataTimeoutError | None = None
         self.stuck_pids: list[int] = []
@@ -60,7 +58,7 @@ class ReadWatch:
         self._owner = os.getpid()
         if self.enabled:
             _live.add(self)
-            if self.workers:
+            if worker_pids is not None:
                 enable_agents()
 
     @property
@@ -91,7 +89,7 @@ class ReadWatch:
     def _look(self, thread: threading.Thread | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
         local = [{**describe_frame(frame), "role": process_role(), "pid": os.getpid()}] if frame is not None else []
-        reports = local + (collect_reports() if self.workers else [])
+        reports = local + (collect_reports() if self.worker_pids is not None else [])
         reports.sort(key=lambda r: (r.get("shard") is None, r.get("group") is None))
         return summarize(reports, self.group, self.datasets), reports
 
