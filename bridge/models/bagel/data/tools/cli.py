@@ -14,9 +14,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..converter.convert import (
-    DEFAULT_MAX_IMAGE_PIXELS, ConvertError, ConvertSummary, convert_from_config, convert_group, merge_all,
-)
+from ..converter.convert import (DEFAULT_MAX_IMAGE_PIXELS, ConvertError, ConvertSummary, convert_from_config,
+                                 convert_group, merge_all)
 from ..energon.layout import DEFAULT_SAMPLES_PER_SHARD, EDIT, T2I, VLM
 from . import text_table
 
@@ -71,7 +70,6 @@ def _at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
         return value
 
-    parse.__name__ = f"int >= {low}"
     return parse
 
 
@@ -235,9 +233,7 @@ def _stats(args: argparse.Namespace) -> int:
         logger.error("%s", e)
         return 2
     print(report.format())
-    if report.impossible:
-        return 3
-    return 1 if any(f.level == "error" for f in report.findings) else 0
+    return 3 if report.impossible else int(any(f.level == "error" for f in report.findings))
 
 
 def _verify(args: argparse.Namespace) -> int:

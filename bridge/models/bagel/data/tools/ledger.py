@@ -124,8 +124,7 @@ def check_exactly_once(batch_indexes: Iterable[Mapping[str, Any]], final_states:
         if untaken:
             report.problems.append(f"group {g!r}: {len(untaken)} packed/waiting reads were never taken, e.g. "
                                    f"{sorted(untaken)[:3]}")
-        n_packed, n_waiting = sum(packed[g].values()), sum(waiting[g].values())
-        report.groups[g] = {"taken": len(taken), "packed": n_packed, "waiting": n_waiting,
+        report.groups[g] = {"taken": len(taken), "packed": packed[g].total(), "waiting": waiting[g].total(),
                             "selection": orders[g].num_positions}
     total_taken = sum(c["taken"] for c in report.groups.values())
     total_kept = sum(c["packed"] + c["waiting"] for c in report.groups.values())

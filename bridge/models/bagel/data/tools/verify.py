@@ -31,8 +31,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..energon import remote
 from ..energon.layout import damage
 from ..energon.layout.shards import shard_samples
@@ -40,8 +38,7 @@ from ..energon.layout import (CHECKSUMS_NAME, COLUMNS_NAME, GROUPS, MANIFEST_NAM
                               load_manifest, open_checksums, sample_checksum, sample_key)
 from . import text_table
 
-__all__ = ["DatasetReport", "ShardResult", "VerifyError", "VerifyReport", "format_report", "resolve_datasets",
-           "verify"]
+__all__ = ["DatasetReport", "ShardResult", "VerifyError", "VerifyReport", "format_report", "resolve_datasets", "verify"]
 
 #: Bad samples a shard's result lists (all are counted).
 _MAX_LISTED = 20
@@ -221,10 +218,8 @@ def _dataset_checks(k: int, root: str) -> tuple[DatasetReport, list[_Task]]:
                  for sh, first in zip(man["shards"], firsts)]
 
 
-@functools.cache
-def _expected(root: str) -> np.ndarray | None:
-    """The dataset's recorded per-sample checksums (memory-mapped, cached per process)."""
-    return open_checksums(root)
+#: The dataset's recorded per-sample checksums (memory-mapped, cached per process).
+_expected = functools.cache(open_checksums)
 
 
 def _check_shard(task: _Task) -> ShardResult:
@@ -236,11 +231,10 @@ def _check_shard(task: _Task) -> ShardResult:
         res.problems.append(problem)
         if not remote.isfile(tar):
             return res
-    size = remote.size(tar)
+    res.bytes_read = size = remote.size(tar)
     if task.bytes is not None and size != task.bytes and problem is None:
         res.problems.append(f"shard {tar} is {size} bytes, the manifest says {task.bytes}: re-copy it from a good "
                             "copy, or convert the dataset again (--overwrite)")
-    res.bytes_read = size
     if not task.verified or task.sha256 is None:
         return res
     data = io.BytesIO(remote.read_bytes(tar)) if remote.is_remote(tar) else None  # one read of the whole object

@@ -57,15 +57,12 @@ class SampleEstimate:
 
 
 class _Unusable(Exception):
-    """The cooker turns this sample into a tombstone (``reason`` as in ``energon.cooking.common.DROP_REASONS``).
+    """The cooker turns this sample into a tombstone (the one argument: the reason, as in
+    ``energon.cooking.common.DROP_REASONS``).
 
     Not ``energon.cooking.common.DropSample``: that module imports Megatron-Energon, which t2i / edit estimates
     need not.
     """
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 def _sizes(parts: dict[str, bytes], indexes: Sequence[int]) -> list[tuple[int, int]]:
@@ -305,7 +302,7 @@ def dataset_stats(group: GroupConfig, name: str, path: str, tokenizer: Any, *, m
                     raise _Unusable("bad_meta")
                 st.estimates.append(est_fn(meta, parts, group, enc))
             except _Unusable as u:
-                st.unusable[u.reason] += 1
+                st.unusable[u.args[0]] += 1
     return st
 
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from PIL import Image
+from PIL import Image, ImageDraw
 
 from ...config.budgets import VAE_GROUPS, BudgetIssue
 from ...config import PackerConfig
@@ -163,8 +163,6 @@ def data_findings(packer: PackerConfig, groups: Sequence[GroupStats], pw: str) -
 def draw_histogram(report: StatsReport, path: str, *, bins: int = 30) -> str:
     """Write one panel per group: histogram of mean estimated tokens per sample, the per-sample limit as a red
     line. Drawn with Pillow's ImageDraw (matplotlib is not a dependency). Returns ``path``."""
-    from PIL import ImageDraw
-
     lim = report.packer.max_num_tokens_per_sample
     W, PH, M = 900, 220, 50
     img = Image.new("RGB", (W, PH * max(1, len(report.groups)) + 10), "white")

@@ -65,7 +65,7 @@ class _Rank:
 
     def __init__(self, sources: Sequence[Iterator[Sample]], rng: random.Random, max_draws: int | None,
                  long_tokens: int) -> None:
-        self.sources, self.rng, self.max_draws, self.long_tokens = sources, rng, max_draws, long_tokens
+        self.sources, self.random, self.max_draws, self.long_tokens = sources, rng.random, max_draws, long_tokens
         self.curr = self.n = self.consumed = self.pack_index = 0
         self.pack_cost = 0.0
         self.kept = [Counter() for _ in sources]  # per group: samples / tokens drawn and not dropped
@@ -73,9 +73,6 @@ class _Rank:
         self.drops: Counter[str] = Counter()
         self.waits: list[int] = []
         self.waits_long: list[int] = []  # waits of samples of at least long_tokens
-
-    def random(self) -> float:
-        return self.rng.random()
 
     def next_sample(self, group: int) -> list:
         if self.max_draws is not None and self.consumed >= self.max_draws:

@@ -51,13 +51,6 @@ def canvas_size(size: int = 512) -> tuple[int, int]:
     return width, height
 
 
-def _font(px: int = 11) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
-    try:
-        return ImageFont.load_default(size=px)
-    except TypeError:  # Pillow without FreeType: the fixed bitmap font
-        return ImageFont.load_default()
-
-
 #: Runs shorter than this (the 1-token soi/eoi around images) are not favoured when choosing a pixel's token.
 _MIN_FAVOURED_RUN = 4
 
@@ -66,14 +59,9 @@ def _runs(view: PackView) -> tuple[np.ndarray, np.ndarray]:
     """(start, length) of the maximal runs of equal (sample, split, mode, modality), padding as one run."""
     keys = np.stack([view.sample, view.block, view.mode, view.modality]).astype(np.int64)
     change = np.flatnonzero((keys[:, 1:] != keys[:, :-1]).any(axis=0)) + 1
-    if view.tokens:
-        starts = np.concatenate([[0], change]).astype(np.int64)
-        ends = np.concatenate([starts[1:], [view.tokens]]).astype(np.int64)
-    else:  # an empty pack: padding only
-        starts = ends = np.zeros(0, dtype=np.int64)
-    if view.length > view.tokens:
-        starts, ends = np.append(starts, view.tokens), np.append(ends, view.length)
-    return starts, ends - starts
+    edges = [0, *change] if view.tokens else []  # an empty pack: padding only
+    starts = np.asarray(edges + [view.tokens] * (view.length > view.tokens), dtype=np.int64)
+    return starts, np.append(starts[1:], view.length) - starts
 
 
 def sampled_positions(view: PackView, pixels: int) -> np.ndarray:
@@ -127,8 +115,7 @@ def _matrix(view: PackView, size: int) -> np.ndarray:
     ok = attention_allowed(view, pos, pos)
     real = pos < view.tokens
     smp = take(view.sample, pos, view.tokens)
-    img = np.empty((size, size, 3), dtype=np.uint8)
-    img[:] = OTHER_SAMPLE
+    img = np.full((size, size, 3), OTHER_SAMPLE, dtype=np.uint8)
     img[smp[:, None] == smp[None, :]] = BLOCKED
     keys = np.broadcast_to(_token_colours(view, pos)[None, :, :], (size, size, 3))
     img[ok] = keys[ok]
@@ -211,7 +198,7 @@ def render_pack(batch: Mapping[str, Any], *, max_num_tokens: int | None = None, 
     width, height = canvas_size(size)
     canvas = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
-    font = _font()
+    font = ImageFont.load_default(size=11)
     x0, y0 = _MARGIN + _BAR + _GAP, _MARGIN + _TITLE_H + _BAR + _GAP  # the matrix's top left corner
     head = (f"{len(view.sample_lens)} samples, {view.sequence_length}/{view.length} tokens "
             f"({100.0 * view.sequence_length / max(view.length, 1):.1f}% full)")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .view import as_index, num_real_samples, num_tokens
+from .view import as_index, num_tokens
 
 __all__ = ["BatchSummary", "format_batch_summary", "summarize_batch"]
 
@@ -48,7 +48,7 @@ def summarize_batch(batch: Mapping[str, Any], max_num_tokens: int, *, batch_inde
                     stats: Mapping[str, Any] | None = None) -> BatchSummary:
     """Per-sample and per-modality token counts of one packed batch (see :class:`BatchSummary`)."""
     seq_len = int(batch["sequence_length"])
-    nreal = num_real_samples(batch)
+    nreal = len(batch["batch_data_indexes"])  # packed samples: sample_lens may end with a flex pad entry
     lens = [int(x) for x in batch["sample_lens"][:nreal]]
     bounds = np.cumsum([0] + lens[:-1]).astype(np.int64) if lens else np.zeros(0, dtype=np.int64)
     keys = {"text": "packed_text_indexes", "vit": "packed_vit_token_indexes", "vae": "packed_vae_token_indexes",

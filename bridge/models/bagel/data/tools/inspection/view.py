@@ -84,11 +84,6 @@ def as_index(t: Any) -> np.ndarray:
     return np.asarray(list(t), dtype=np.int64).reshape(-1)
 
 
-def num_real_samples(batch: Mapping[str, Any]) -> int:
-    """Packed samples (documents) of the batch, without the flex pad entry of ``sample_lens``."""
-    return len(batch["batch_data_indexes"])
-
-
 def num_tokens(batch: Mapping[str, Any]) -> int:
     """Packed positions actually used (``sequence_length`` unless the unclosed-split quirk hid some)."""
     n = int(batch["sequence_length"])
@@ -180,7 +175,7 @@ def pack_view(batch: Mapping[str, Any], max_num_tokens: int | None = None) -> Pa
     ``sequence_length``.
     """
     seq_len = int(batch["sequence_length"])
-    nreal = num_real_samples(batch)
+    nreal = len(batch["batch_data_indexes"])  # packed samples: sample_lens may end with a flex pad entry
     sample_lens = [int(x) for x in batch["sample_lens"][:nreal]]
     if sum(sample_lens) != seq_len:
         raise ValueError(f"pack_view: sample_lens {sample_lens} do not sum to sequence_length {seq_len}")
