@@ -67,10 +67,6 @@ class BridgeAPI:
     make_data_iterator_list: Any = None  # per-model-chunk iterators of an interleaved (virtual) pipeline
 
 
-def _below_warning(record: logging.LogRecord) -> bool:
-    return record.levelno >= logging.WARNING
-
-
 #: what to install when Megatron-Bridge is missing (docs/install.md)
 INSTALL_HINT = "pip install 'bagel-megatron-data[bridge]' (on a machine without CUDA: docs/install.md)"
 
@@ -80,17 +76,13 @@ class BridgeNotInstalledError(ModuleNotFoundError):
     the ``bridge`` extra. A ``ModuleNotFoundError``, so ``except ImportError`` still catches it."""
 
 
-def _bridge_version() -> str | None:
-    try:
-        return importlib.metadata.version("megatron-bridge")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _not_installed(exc: ModuleNotFoundError) -> BridgeNotInstalledError:
     """One line for a failed ``megatron.bridge`` import: Bridge missing, too old, or missing a module it needs."""
     missing = exc.name or ""
-    version = _bridge_version()
+    try:
+        version: str | None = importlib.metadata.version("megatron-bridge")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
     ours = missing == "megatron" or missing.split(".")[:2] == ["megatron", "bridge"]
     if ours and (version is None or importlib.util.find_spec("megatron.bridge") is None):
         return BridgeNotInstalledError(
@@ -120,7 +112,7 @@ def import_bridge() -> BridgeAPI:
     install_lora_layers_standin()
     # Bridge's optional-import helper logs every missing optional symbol (with a traceback) at INFO through
     # its own handler; keep warnings and errors, drop that noise.
-    logging.getLogger("megatron.bridge.utils.import_utils").addFilter(_below_warning)
+    logging.getLogger("megatron.bridge.utils.import_utils").addFilter(lambda rec: rec.levelno >= logging.WARNING)
     try:
         base_provider = importlib.import_module("megatron.bridge.data.megatron_mimo.base_provider")
     except ModuleNotFoundError as exc:
@@ -129,8 +121,7 @@ def import_bridge() -> BridgeAPI:
     samplers = importlib.import_module("megatron.bridge.data.samplers")
     safe_pickle = importlib.import_module("megatron.bridge.utils.safe_pickle")
     iterator_utils = importlib.import_module("megatron.bridge.data.iterator_utils")
-    save = load = checkpoint_name = None
-    error = None
+    save = load = checkpoint_name = error = None
     try:
         ckpt = importlib.import_module("megatron.bridge.training.checkpointing")
         save, load = ckpt.maybe_save_dataloader_state, ckpt.maybe_load_dataloader_state
@@ -141,16 +132,11 @@ def import_bridge() -> BridgeAPI:
                        error)
     return BridgeAPI(
         MegatronMIMODatasetProvider=base_provider.MegatronMIMODatasetProvider,
-        DatasetProvider=data_base.DatasetProvider,
-        DatasetBuildContext=data_base.DatasetBuildContext,
+        DatasetProvider=data_base.DatasetProvider, DatasetBuildContext=data_base.DatasetBuildContext,
         build_pretraining_data_loader=samplers.build_pretraining_data_loader,
-        energon_torch_load=safe_pickle.energon_torch_load,
-        maybe_save_dataloader_state=save,
-        maybe_load_dataloader_state=load,
-        checkpointing_error=error,
-        get_checkpoint_name=checkpoint_name,
-        make_data_iterator_list=iterator_utils.make_data_iterator_list,
-    )
+        energon_torch_load=safe_pickle.energon_torch_load, maybe_save_dataloader_state=save,
+        maybe_load_dataloader_state=load, checkpointing_error=error, get_checkpoint_name=checkpoint_name,
+        make_data_iterator_list=iterator_utils.make_data_iterator_list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,10 +136,8 @@ def flex_metadata(batch: Mapping[str, Any], device: torch.device | str | None = 
         )
     lens = torch.tensor(split_lens, dtype=torch.int64)
     idx = torch.arange(len(split_lens), dtype=torch.int32)
-    is_full = torch.tensor([m != "causal" for m in attn_modes], dtype=torch.bool)
-    is_noise = torch.tensor([m == "noise" for m in attn_modes], dtype=torch.bool)
-    full_id = torch.repeat_interleave(torch.where(is_full, idx, -1), lens)
-    noise_id = torch.repeat_interleave(torch.where(is_noise, idx, -1), lens)
+    full_id, noise_id = (torch.repeat_interleave(torch.where(torch.tensor(flags, dtype=torch.bool), idx, -1), lens)
+                         for flags in ([m != "causal" for m in attn_modes], [m == "noise" for m in attn_modes]))
     document_id = torch.repeat_interleave(torch.arange(len(sample_lens), dtype=torch.int32),
                                           torch.tensor(sample_lens, dtype=torch.int64))
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -285,8 +283,7 @@ def block_mask(batch_or_meta: Mapping[str, Any] | FlexMetadata, device: torch.de
 def _finish(allowed: torch.Tensor, additive: bool, dtype: torch.dtype) -> torch.Tensor:
     if not additive:
         return allowed
-    out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return out.masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def dense_mask(batch_or_meta: Mapping[str, Any] | FlexMetadata, device: torch.device | str | None = None, *,

@@ -51,8 +51,7 @@ def dp_rank_size(context_or_dp: Any) -> tuple[int, int]:
     if isinstance(context_or_dp, (tuple, list)):
         rank, size = (int(v) for v in context_or_dp)
     else:
-        pgs = getattr(context_or_dp, "pg_collection", None)
-        dp = getattr(pgs, "dp", None) if pgs is not None else None
+        dp = getattr(getattr(context_or_dp, "pg_collection", None), "dp", None)
         if dp is None:
             logger.info("build context has no pg_collection.dp: reading the single global stream (DP rank 0 of 1)")
             return 0, 1
@@ -67,14 +66,10 @@ def rank_seed(seed: int, dp_rank: int, dp_size: int) -> int:
     return int(seed) * int(dp_size) + int(dp_rank)
 
 
-def _paths(group: ResolvedGroup) -> list[str]:
-    """The converted Energon directories of one group (present: ``validate_data`` checked them)."""
-    return [str(entry.energon_path) for entry in group.datasets]
-
-
 def _group_datasets(group: ResolvedGroup, config: BagelDataConfig) -> GroupDatasets:
+    """The converted Energon directories of one group (present: ``validate_data`` checked them)."""
     try:
-        return GroupDatasets(_paths(group), group.group.name)
+        return GroupDatasets([str(entry.energon_path) for entry in group.datasets], group.group.name)
     except ManifestError:  # names the manifest and the remedy itself: the groups YAML is not at fault
         raise
     except ValueError as exc:
@@ -200,13 +195,13 @@ def build_bagel_train_loader(config: BagelDataConfig | ValidatedData, tokenizer:
     dp_rank, dp_size = dp_rank_size(context_or_dp)
     if length is None:
         length = max(int(getattr(context_or_dp, "train_samples", 0) or 0), 1)
-    return _build_loader(data, tokenizer, dp_rank, dp_size, length=length, announce=True)
+    return _build_loader(data, tokenizer, dp_rank, dp_size, True, length=length)
 
 
-def _build_loader(data: ValidatedData, tokenizer: Any, dp_rank: int, dp_size: int, *, length: int, announce: bool,
+def _build_loader(data: ValidatedData, tokenizer: Any, dp_rank: int, dp_size: int, announce: bool, *, length: int,
                   what: str = "BAGEL loader") -> BagelExternalLoader:
     """One rank's loader from validated ``data``; ``announce``: log the loader line and the verification warning
-    (a validation stream rebuilt at every evaluation announces itself once)."""
+    (a validation stream rebuilt at every evaluation announces itself once: its ``build(first)``)."""
     config, groups = data.config, data.groups
     warn_once_if_unproven()  # one WARNING per process outside the versions bit parity was proven on
     shm.reclaim_stale()  # shared memory of killed jobs (read workers, prefetch) on this machine, whatever this one runs
@@ -243,11 +238,6 @@ def build_bagel_valid_loader(config: BagelDataConfig | ValidatedData, tokenizer:
                          "registry: docs/configuration.md)")
     valid = data.valid_data()
     dp_rank, dp_size = dp_rank_size(context_or_dp)
-    build = functools.partial(_build_valid, valid, tokenizer, dp_rank, dp_size, batches_per_eval)
+    build = functools.partial(_build_loader, valid, tokenizer, dp_rank, dp_size, length=batches_per_eval,
+                              what="BAGEL validation loader (rebuilt at every evaluation)")
     return BagelValidLoader(build, batches_per_eval, seq_length=valid.config.packer.max_num_tokens)
-
-
-def _build_valid(valid: ValidatedData, tokenizer: Any, dp_rank: int, dp_size: int, batches_per_eval: int,
-                 first: bool) -> BagelExternalLoader:
-    return _build_loader(valid, tokenizer, dp_rank, dp_size, length=batches_per_eval, announce=first,
-                         what="BAGEL validation loader (rebuilt at every evaluation)")

@@ -26,8 +26,7 @@ def split_first_line(text: str, limit: int = FIRST_LINE_LIMIT, *, prefix: int = 
     """``text`` as lines whose first is at most ``limit - prefix`` characters: a longer first line is broken after
     the last sentence / clause / colon / comma / word that fits (never inside a word), the rest following on the
     next line; the other lines as they are. Whitespace inside a line is collapsed."""
-    lines = [" ".join(line.split()) for line in str(text).splitlines()] or [""]
-    lines = [line for line in lines if line] or [""]
+    lines = [" ".join(line.split()) for line in str(text).splitlines() if line.strip()] or [""]
     room = max(limit - prefix, 40)
     first = lines[0]
     if len(first) <= room:

@@ -19,25 +19,15 @@ from typing import Any
 
 from .pipeline.loader import STATE_VERSION, BagelExternalLoader
 from .state import ResumeMismatchError, energon_state_classes, fingerprint_diff
-from .providers import reject_collate as _reject_collate
+from .providers import megatron_mimo_provider_class, reject_collate as _reject_collate
 from .pipeline.rng import BagelRNGIterator, initial_worker_rng_states
 
-__all__ = [
-    "BagelExternalLoader",
-    "BagelMegatronMIMODatasetProvider",
-    "BagelRNGIterator",
-    "ResumeMismatchError",
-    "STATE_VERSION",
-    "energon_state_classes",
-    "fingerprint_diff",
-    "initial_worker_rng_states",
-]
+__all__ = ["BagelExternalLoader", "BagelMegatronMIMODatasetProvider", "BagelRNGIterator", "ResumeMismatchError",
+           "STATE_VERSION", "energon_state_classes", "fingerprint_diff", "initial_worker_rng_states"]
 
 
 def __getattr__(name: str) -> Any:
     """Create the Bridge-dependent provider class on first use (importing Megatron-Bridge only then)."""
     if name == "BagelMegatronMIMODatasetProvider":
-        from .providers import megatron_mimo_provider_class
-
         return megatron_mimo_provider_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

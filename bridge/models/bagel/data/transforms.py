@@ -8,26 +8,13 @@ Nothing is changed globally at import; readers call :func:`configure_pil` once.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 from PIL import Image, ImageFile, PngImagePlugin
 
-__all__ = [
-    "DEFAULT_MAX_PIXELS",
-    "ImageTransform",
-    "configure_pil",
-    "get_flattened_position_ids_extrapolate",
-    "get_flattened_position_ids_interpolate",
-    "len2weight",
-    "patchify",
-    "pil_img2rgb",
-    "target_size",
-    "uint8_to_float",
-]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DEFAULT_MAX_PIXELS", "ImageTransform", "configure_pil", "get_flattened_position_ids_extrapolate",
+           "get_flattened_position_ids_interpolate", "len2weight", "patchify", "pil_img2rgb", "target_size",
+           "uint8_to_float"]
 
 #: Official default pixel budget of ``ImageTransform`` (14 * 14 * 9 * 1024).
 DEFAULT_MAX_PIXELS = 14 * 14 * 9 * 1024
@@ -61,26 +48,14 @@ def pil_img2rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def _snap(value: int, stride: int) -> int:
-    """Round to the nearest stride multiple (Python ``round``: halves to even), at least one stride."""
-    return max(stride, int(round(value / stride) * stride))
+def _apply_scale(width: int, height: int, scale: float, stride: int) -> tuple[int, ...]:
+    """Scale both sides (Python ``round``) and snap each to the nearest stride multiple (``round`` again: halves
+    to even), at least one stride; returns (w, h)."""
+    return tuple(max(stride, int(round(round(side * scale) / stride) * stride)) for side in (width, height))
 
 
-def _apply_scale(width: int, height: int, scale: float, stride: int) -> tuple[int, int]:
-    """Scale both sides (Python ``round``) and snap each to the stride grid; returns (w, h)."""
-    return _snap(round(width * scale), stride), _snap(round(height * scale), stride)
-
-
-def target_size(
-    width: int,
-    height: int,
-    *,
-    max_size: int,
-    min_size: int,
-    stride: int,
-    max_pixels: int | float = DEFAULT_MAX_PIXELS,
-    img_num: int = 1,
-) -> tuple[int, int]:
+def target_size(width: int, height: int, *, max_size: int, min_size: int, stride: int,
+                max_pixels: int | float = DEFAULT_MAX_PIXELS, img_num: int = 1) -> tuple[int, int]:
     """The official ``MaxLongEdgeMinShortEdgeResize`` size rule; returns (height, width).
 
     1. scale = max(min(max/long, 1), min/short) (the short edge may push the long edge over max);
@@ -91,23 +66,19 @@ def target_size(
         raise ValueError(f"image size must be positive, got {width}x{height} (WxH)")
     if img_num <= 0:
         raise ValueError(f"img_num must be positive, got {img_num}")
-    scale = min(max_size / max(width, height), 1.0)
-    scale = max(scale, min_size / min(width, height))
+    scale = max(min(max_size / max(width, height), 1.0), min_size / min(width, height))
     w, h = _apply_scale(width, height, scale, stride)
     if w * h > max_pixels / img_num:
-        scale = max_pixels / img_num / (w * h)
-        w, h = _apply_scale(w, h, scale, stride)
+        w, h = _apply_scale(w, h, max_pixels / img_num / (w * h), stride)
     if max(w, h) > max_size:
-        scale = max_size / max(w, h)
-        w, h = _apply_scale(w, h, scale, stride)
+        w, h = _apply_scale(w, h, max_size / max(w, h), stride)
     return h, w
 
 
 def uint8_to_float(u8: torch.Tensor, mean: float = 0.5, std: float = 0.5) -> torch.Tensor:
     """uint8 (3, H, W) → float32 (3, H, W): torchvision ToTensor + Normalize(inplace) replayed op by op."""
     x = u8.to(torch.float32).div(255)
-    m = torch.as_tensor([mean] * x.shape[0], dtype=torch.float32).view(-1, 1, 1)
-    s = torch.as_tensor([std] * x.shape[0], dtype=torch.float32).view(-1, 1, 1)
+    m, s = (torch.as_tensor([v] * x.shape[0], dtype=torch.float32).view(-1, 1, 1) for v in (mean, std))
     return x.sub_(m).div_(s)
 
 
@@ -117,23 +88,14 @@ class ImageTransform:
     ``stride`` is exposed for token counting. Input must already be RGB (use :func:`pil_img2rgb`).
     """
 
-    def __init__(
-        self,
-        max_image_size: int,
-        min_image_size: int,
-        image_stride: int,
-        max_pixels: int | float = DEFAULT_MAX_PIXELS,
-        image_mean: float = 0.5,
-        image_std: float = 0.5,
-    ) -> None:
+    def __init__(self, max_image_size: int, min_image_size: int, image_stride: int,
+                 max_pixels: int | float = DEFAULT_MAX_PIXELS, image_mean: float = 0.5, image_std: float = 0.5) -> None:
         for name, v in (("max_image_size", max_image_size), ("min_image_size", min_image_size),
                         ("image_stride", image_stride), ("max_pixels", max_pixels)):
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"ImageTransform: {name} must be a positive number, got {v!r}")
-        self.max_size = max_image_size
-        self.min_size = min_image_size
-        self.stride = image_stride
-        self.max_pixels = max_pixels
+        self.max_size, self.min_size = max_image_size, min_image_size
+        self.stride, self.max_pixels = image_stride, max_pixels
         self.image_mean = float(_scalar(image_mean, "image_mean"))
         self.image_std = float(_scalar(image_std, "image_std"))
 
@@ -188,26 +150,21 @@ def patchify(image: torch.Tensor, patch_size: int) -> torch.Tensor:
     return x.reshape(-1, p * p * c)
 
 
-def get_flattened_position_ids_extrapolate(
-    img_h: int, img_w: int, patch_size: int, max_num_patches_per_side: int
-) -> torch.Tensor:
+def get_flattened_position_ids_extrapolate(img_h: int, img_w: int, patch_size: int,
+                                           max_num_patches_per_side: int) -> torch.Tensor:
     """Row-major ids ``row * M + col`` of the (H//p) x (W//p) patch grid (no bounds check, as official)."""
     rows = torch.arange(0, img_h // patch_size)
     cols = torch.arange(0, img_w // patch_size)
     return (rows[:, None] * max_num_patches_per_side + cols).flatten()
 
 
-def get_flattened_position_ids_interpolate(
-    img_h: int, img_w: int, patch_size: int, max_num_patches_per_side: int
-) -> torch.Tensor:
+def get_flattened_position_ids_interpolate(img_h: int, img_w: int, patch_size: int,
+                                           max_num_patches_per_side: int) -> torch.Tensor:
     """Map the patch grid proportionally onto the M x M table via float32 bucketize (official rule)."""
     m = max_num_patches_per_side
-    nh, nw = img_h // patch_size, img_w // patch_size
     boundaries = torch.arange(1 / m, 1.0, 1 / m, dtype=torch.float32)
-    frac_h = torch.arange(0, 1 - 1e-6, 1 / nh, dtype=torch.float32)
-    frac_w = torch.arange(0, 1 - 1e-6, 1 / nw, dtype=torch.float32)
-    bh = torch.bucketize(frac_h, boundaries, right=True)
-    bw = torch.bucketize(frac_w, boundaries, right=True)
+    bh, bw = (torch.bucketize(torch.arange(0, 1 - 1e-6, 1 / (side // patch_size), dtype=torch.float32), boundaries,
+                              right=True) for side in (img_h, img_w))
     return (bh[:, None] * m + bw).flatten()
 
 
