@@ -24,12 +24,12 @@ from typing import Any
 from tqdm import tqdm
 
 from .finalize import (build_manifest, from_plan, has_files, load_records, merge_checksums, publish, published_problem,
-                       write_atomic, write_energon_index, write_index_uuid, write_plan_digest)
+                       write_energon_index, write_index_uuid, write_plan_digest)
 from .formats import ConvertError, EditReader, ScanLog, T2IReader, VlmReader, dumps_json
 from .plan import make_plan, older_plans, open_staging, part_units, plan_jobs, run_jobs
 from .units import WORK_DIR, UnitWriteError, unit_record_path
 from ..energon.layout import (DEFAULT_SAMPLES_PER_SHARD, EDIT, GROUPS, MANIFEST_FORMAT, MANIFEST_NAME, T2I, VLM,
-                              dataset_dir, encode_manifest, load_manifest, write_manifest)
+                              dataset_dir, encode_manifest, load_manifest, write_atomic, write_manifest)
 from ..yaml_errors import yaml_problem
 
 logger = logging.getLogger(__name__)

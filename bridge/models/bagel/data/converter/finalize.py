@@ -24,20 +24,13 @@ from typing import Any
 import numpy as np
 
 from ..energon.layout import (CHECKSUMS_KEY, EDIT, MANIFEST_FORMAT, MANIFEST_NAME, T2I, ManifestError,
-                              crude_dataset_yaml, encode_checksums, load_manifest)
+                              crude_dataset_yaml, encode_checksums, load_manifest, write_atomic)
 from ..energon.patches.index import write_index
 from .units import WORK_DIR, unit_checksums_path, unit_index_path, unit_record_path
 
-__all__ = ["write_energon_index", "build_manifest", "merge_checksums", "write_atomic"]
+__all__ = ["write_energon_index", "build_manifest", "merge_checksums"]
 
 _NV = ".nv-meta"
-
-
-def write_atomic(path: str, data: bytes, tmp: str = ".tmp") -> None:
-    """``data`` into ``path`` through ``path + tmp`` and ``os.replace`` (never half-written)."""
-    with open(path + tmp, "wb") as f:
-        f.write(data)
-    os.replace(path + tmp, path)
 
 
 def write_energon_index(staging: str, shards: list[dict[str, Any]], n_units: int, group: str) -> None:

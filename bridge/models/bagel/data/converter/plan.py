@@ -18,8 +18,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..energon.layout import CHECKSUM_ALGORITHM, MANIFEST_FORMAT, MANIFEST_NAME
-from .finalize import from_plan, has_files, write_atomic
+from ..energon.layout import CHECKSUM_ALGORITHM, MANIFEST_FORMAT, MANIFEST_NAME, write_atomic
+from .finalize import from_plan, has_files
 from .formats import ConvertError, EditReader, ScanLog, SourceUnit, T2IReader, VlmReader, dumps_json, relpath
 from .units import WORK_DIR, UnitJob, run_unit
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from .._bridge import import_bridge
 from ..config import ConfigError
+from ..energon.layout import write_atomic
 
 __all__ = ["TRACKER", "PackedLedger", "check_resume_dp", "fresh_start_reason", "load_trainer_state",
            "loader_state_files", "rank_state_file", "read_loader_states", "read_run_reads", "read_step",
@@ -51,6 +52,8 @@ def _bridge_prints() -> Any:
         for line in buf.getvalue().splitlines():
             if line.strip():
                 logger.debug("megatron-bridge: %s", line.strip())
+
+
 # What reading a damaged torch.save zip raises inside Bridge's loader (energon_torch_load parses the zip itself).
 _UNREADABLE = (zipfile.BadZipFile, zlib.error, EOFError, pickle.UnpicklingError)
 
@@ -178,10 +181,7 @@ def save_checkpoint(root: str, step: int, iterator: Any, pg_collection: Any,
         ledger.write(root, step, pg_collection.dp.rank(), pg_collection.dp.size())
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = os.path.join(root, TRACKER + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(str(step))
-        os.replace(tmp, os.path.join(root, TRACKER))
+        write_atomic(os.path.join(root, TRACKER), str(step).encode())
     dist.barrier()
 
 
@@ -336,10 +336,8 @@ class PackedLedger:
         """Write the ledger of DP rank ``dp_rank`` (of ``dp_size``) at ``step`` (atomically); returns the path."""
         path = os.path.join(root, "energon", f"iter_{step:07d}", PACKED_FILE.format(dp_rank))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump({**self.encode(), "step": step, "dp_rank": dp_rank, "dp_size": dp_size}, fh,
-                      separators=(",", ":"))
-        os.replace(path + ".tmp", path)
+        write_atomic(path, json.dumps({**self.encode(), "step": step, "dp_rank": dp_rank, "dp_size": dp_size},
+                                      separators=(",", ":")).encode())
         return path
 
 

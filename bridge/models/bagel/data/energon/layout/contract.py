@@ -53,7 +53,7 @@ __all__ = [
     "sample_of", "file_ranges", "READ_FORMATS", "COLUMNS_NAME",
     "ManifestIndex", "load_manifest_index", "encode_manifest", "write_manifest",
     "CHECKSUMS_NAME", "CHECKSUMS_KEY", "CHECKSUM_ALGORITHM", "sample_checksum", "encode_checksums",
-    "checksums_entry", "open_checksums", "manifest_header", "manifest_error",
+    "checksums_entry", "open_checksums", "manifest_header", "manifest_error", "write_atomic",
 ]
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,13 @@ CHECKSUMS_KEY = "checksums"
 #: What :func:`sample_checksum` computes; a reader verifies only an algorithm it knows.
 CHECKSUM_ALGORITHM = "xxh3_64-members-v1"
 _SUM_DTYPE = np.dtype("<u8")
+
+
+def write_atomic(path: str, data: bytes, tmp: str = ".tmp") -> None:
+    """``data`` into ``path`` through ``path + tmp`` and ``os.replace`` (never half-written). Raises OSError."""
+    with open(path + tmp, "wb") as f:
+        f.write(data)
+    os.replace(path + tmp, path)
 
 
 def sample_key(index: int) -> str:
@@ -371,10 +378,7 @@ def write_manifest(ds_root: str | os.PathLike, man: dict[str, Any],
     root = os.fspath(ds_root)
     files = ((CHECKSUMS_NAME, checksums),) if checksums is not None else ()
     for name, data in (*files, (COLUMNS_NAME, columns), (MANIFEST_NAME, header)):
-        path = os.path.join(root, name)
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
+        write_atomic(os.path.join(root, name), data)
     return header
 
 
