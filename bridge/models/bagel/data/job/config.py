@@ -15,6 +15,7 @@ import yaml
 
 from ..config import (DATA_PATH_KEYS, BagelDataConfig, ConfigError, ValidatedData, config_parts, structured_merge,
                       validate_data)
+from ..config.grouped_yaml import field_problems, is_int
 from ..config.validate import key_origin, path_problems, unknown_key_problems
 from ..yaml_errors import yaml_problem
 
@@ -53,34 +54,30 @@ class TrainConfig:
     virtual_pipeline_model_parallel_size: int | None = None  # interleaved PP: needs PP >= 2; one shared iterator
 
     _PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+    _RULES = (  # FieldRule: (keys, what, ok)
+        (("train_iters", "global_batch_size", "micro_batch_size", "log_interval", *_PARALLEL),
+         "a positive integer", lambda v: is_int(v) and v > 0),
+        (("stop_at_epoch",), "null or a positive integer (completed epochs)",
+         lambda v: v is None or is_int(v) and v > 0),
+        (("save_interval", "eval_interval", "eval_iters"), "an integer >= 0", lambda v: is_int(v) and v >= 0),
+        (("virtual_pipeline_model_parallel_size",), "null or an integer >= 2",
+         lambda v: v is None or isinstance(v, int) and v >= 2),
+    )
 
     def problems(self) -> list[str]:
         """Every invalid ``train`` knob, one message per key (empty when valid); the layout needs
         ``parallel_layout``."""
-        out: list[str] = []
-        for key in ("train_iters", "global_batch_size", "micro_batch_size", "log_interval", *self._PARALLEL):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                out.append(f"train.{key}: must be a positive integer, got {value!r}")
-        if self.micro_batch_size != 1 and isinstance(self.micro_batch_size, int) and self.micro_batch_size > 0:
+        out = field_problems(self, self._RULES[:1], "train.")
+        if self.micro_batch_size != 1 and is_int(self.micro_batch_size) and self.micro_batch_size > 0:
             # the provider refuses collation: a micro-batch is one packed sequence
             out.append(f"train.micro_batch_size: must be 1 for BAGEL (each micro-batch is one packed sequence of up "
                        f"to data.packer.max_num_tokens tokens), got {self.micro_batch_size}; for more tokens per step "
                        "raise data.packer.expected_num_tokens/max_num_tokens or train.global_batch_size")
-        stop = self.stop_at_epoch
-        if stop is not None and (not isinstance(stop, int) or isinstance(stop, bool) or stop <= 0):
-            out.append(f"train.stop_at_epoch: must be null or a positive integer (completed epochs), got {stop!r}")
-        for key in ("save_interval", "eval_interval", "eval_iters"):
-            value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                out.append(f"train.{key}: must be an integer >= 0, got {value!r}")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None:
-            if not isinstance(vpp, int) or vpp < 2:
-                out.append(f"train.virtual_pipeline_model_parallel_size: must be null or an integer >= 2, got {vpp!r}")
-            elif isinstance(self.pipeline_model_parallel_size, int) and self.pipeline_model_parallel_size < 2:
-                out.append("train.virtual_pipeline_model_parallel_size: the interleaved pipeline schedule needs "
-                           f"train.pipeline_model_parallel_size >= 2, got {self.pipeline_model_parallel_size}")
+        out += field_problems(self, self._RULES[1:], "train.")
+        vpp, pp = self.virtual_pipeline_model_parallel_size, self.pipeline_model_parallel_size
+        if isinstance(vpp, int) and vpp >= 2 and isinstance(pp, int) and pp < 2:
+            out.append("train.virtual_pipeline_model_parallel_size: the interleaved pipeline schedule needs "
+                       f"train.pipeline_model_parallel_size >= 2, got {pp}")
         return out
 
     def validate(self) -> None:
