@@ -67,6 +67,22 @@ def _cook_text(raw: dict) -> Any:
 _cook_text.__stateless__ = True  # what Energon's ``@stateless`` marks (the cooker draws no randomness)
 
 
+#: every Energon loader ``_energon_loader`` made in the running test (the fixture below stops their workers)
+_opened: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_energon_workers():
+    """Stop the workers of the test's Energon loaders at its end, while their queues are alive (milliseconds),
+    not when the cyclic collector frees the loaders later: 5 s per worker inside whatever runs then (measured: 54 s
+    in the next test's demo-data setup; ``energon/readers/workers.py``)."""
+    yield
+    from bridge.models.bagel.data.energon.readers.workers import shutdown_workers
+
+    while _opened:
+        shutdown_workers(_opened.pop())
+
+
 def _energon_loader(path: str, num_workers: int) -> Any:
     from megatron.energon import Cooker, DefaultTaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset
 
@@ -76,7 +92,8 @@ def _energon_loader(path: str, num_workers: int) -> Any:
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, seed_offset=3)
     ds = get_train_dataset(path, worker_config=wc, batch_size=None, shuffle_buffer_size=None,
                            max_samples_per_sequence=None, repeat=True, task_encoder=TextEncoder())
-    return get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None)
+    _opened.append(get_savable_loader(ds, gc_collect_every_n_steps=0, watchdog_timeout_seconds=None))
+    return _opened[-1]
 
 
 def _hand_wired(path: str, num_workers: int) -> BagelExternalLoader:

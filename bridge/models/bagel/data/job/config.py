@@ -233,13 +233,10 @@ def validate_job(cfg: JobConfig, *, budgets: str = "error", readers: bool = True
                 and not (p.startswith("data.valid: ") and p[len("data.valid: "):] in said)]  # training's, again
         if kept == exc.problems and not first:
             raise
-        raise ConfigError.of(kept, header=f"{_config_name(cfg)}: {len(kept)} problem(s) in this launch") from None
-
-
-def _config_name(cfg: JobConfig) -> str:
-    """The config file the job was loaded from (the first part holding a file key), else ``the job config``."""
-    origins = [o for o in cfg.__dict__.get("_origins", {}).values() if o and not o.startswith("override ")]
-    return origins[0] if origins else "the job config"
+        # named by the config file the job was loaded from (the first part holding a file key)
+        origins = [o for o in cfg.__dict__.get("_origins", {}).values() if o and not o.startswith("override ")]
+        name = origins[0] if origins else "the job config"
+        raise ConfigError.of(kept, header=f"{name}: {len(kept)} problem(s) in this launch") from None
 
 
 def resolve_load(train: TrainConfig) -> list[str]:

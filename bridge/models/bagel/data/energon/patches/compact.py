@@ -91,14 +91,11 @@ class ShardTable(_Lazy):
     ``i``'s ``EPath`` (``base / names[i]``, ITarReader's ``tar_filepaths``), made when first asked for."""
 
     def __init__(self, base: EPath, names: list[str], counts: np.ndarray) -> None:
-        super().__init__(len(names), self._info)
+        super().__init__(len(names), lambda i: ShardInfo(name=names[i], path=self.paths[i], count=int(self.counts[i])))
         self.base, self.names = base, names
         self.counts = np.asarray(counts, dtype=np.int64)
         self.cumsum = np.concatenate(([0], np.cumsum(self.counts))).astype(np.int64)
         self.paths = _Lazy(len(names), self._path)
-
-    def _info(self, i: int) -> ShardInfo:
-        return ShardInfo(name=self.names[i], path=self.paths[i], count=int(self.counts[i]))
 
     def _path(self, i: int) -> EPath:
         return self.base / self.names[i]
