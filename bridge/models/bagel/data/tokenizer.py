@@ -65,8 +65,12 @@ def add_special_tokens(tokenizer: Any) -> tuple[Any, dict[str, int], int]:
     transformers 5 it no longer lists additional special tokens, so all 4 are passed to ``add_tokens``
     and ``num_new_tokens`` is what ``add_tokens`` reports (4 for Qwen2.5) although no id changes.
     """
-    present = [str(v) for value in tokenizer.special_tokens_map.values()
-               for v in ([value] if isinstance(value, str) else value if isinstance(value, (list, tuple)) else ())]
+    present: list[str] = []
+    for value in tokenizer.special_tokens_map.values():
+        if isinstance(value, str):
+            present.append(value)
+        elif isinstance(value, (list, tuple)):
+            present.extend(str(v) for v in value)
     missing = [t for t in BAGEL_SPECIAL_TOKENS.values() if t not in present]
     num_new_tokens = tokenizer.add_tokens(missing) if missing else 0
     ids = {key: tokenizer.convert_tokens_to_ids(tok) for key, tok in BAGEL_SPECIAL_TOKENS.items()}
