@@ -38,6 +38,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from _warm_torchrun import warm_torchrun
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
 from bridge.models.bagel.data.converter.convert import convert_t2i
@@ -410,11 +411,10 @@ def test_two_rank_job_stops_on_every_rank_naming_the_shard(clean):
             _damage(ds, f"{i:08d}", "image")
         cfg = _config(root, ds)
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29641",
-             "--log-dir", str(root / "torchelastic"),
-             "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
-             *(f"data.packer.{k}={v}" for k, v in SMALL.items()),
-             "train.train_iters=12", "train.progress=false", "demo_data=null", "train.save=null"],
+            warm_torchrun(2, [f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
+                              *(f"data.packer.{k}={v}" for k, v in SMALL.items()),
+                              "train.train_iters=12", "train.progress=false", "demo_data=null", "train.save=null"],
+                          options=("--log-dir", str(root / "torchelastic"))),
             cwd=REPO, capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     finally:
         shutil.rmtree(root, ignore_errors=True)

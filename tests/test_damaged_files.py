@@ -8,13 +8,13 @@ import os
 import shutil
 import struct
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from _warm_torchrun import warm_torchrun
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import ConfigError
 from bridge.models.bagel.data.energon.readers.core import DataReadError
@@ -128,9 +128,8 @@ def test_two_rank_job_only_the_damaged_rank_names_the_file_the_other_names_the_r
 def _run_two_ranks(cfg, workers: int) -> subprocess.CompletedProcess:
     """The real job script under a 2-rank torchrun world on gloo (one launch: ~20 s on an idle 2-core machine)."""
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={29631 + workers}",
-         "--log-dir", str(Path(cfg.groups).parent / "torchelastic"),
-         "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
-         f"data.num_workers={workers}", *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=12",
-         "train.progress=false", "demo_data=null", "train.save=null"],
+        warm_torchrun(2, [f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
+                          f"data.num_workers={workers}", *(f"data.packer.{k}={v}" for k, v in SMALL.items()),
+                          "train.train_iters=12", "train.progress=false", "demo_data=null", "train.save=null"],
+                      options=("--log-dir", str(Path(cfg.groups).parent / "torchelastic"))),
         cwd=REPO, capture_output=True, text=True, timeout=240, env=dict(os.environ, PYTHONWARNINGS="ignore"))

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from _external_common import assert_same
+from _warm_torchrun import warm_torchrun
 
 from bridge.models.bagel.data.job.checkpoint import loader_state_files, read_loader_states, read_run_reads
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
@@ -33,17 +32,9 @@ NO_DIGEST_LOG = (0, 1)
 PHASES = [(2, 2, 2, 2), (3, 2, 0, 0), (1, 3, 2, 0), (4, 2, 0, 2), (2, 2, 0, 0), (4, 1, 0, 0), (3, 3, 2, 0)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, args: list[str], log: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "--log-dir", str(log.parent / "torchelastic"),
-           str(REPO / "scripts" / "pretrain_bagel.py"), *args]
+    cmd = warm_torchrun(nproc, args, options=("--log-dir", str(log.parent / "torchelastic")))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     log.write_text(proc.stdout + proc.stderr)
     return proc

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from _warm_torchrun import warm_torchrun
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.config import BagelDataConfig, PackerConfig
 from bridge.models.bagel.data.converter.convert import ConvertError, convert_t2i, convert_vlm
@@ -205,13 +205,12 @@ def test_ignored_parts_of_records_are_counted(tmp_path, tok):
 def test_b1_under_a_two_rank_job_every_rank_stops_with_one_line(all_broken, tmp_path):
     root, path = all_broken
     cfg = _config(root, "t2i_pretrain", path, T2I_ARGS, num_used_data=[1])
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29593")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29593",
-         "--log-dir", str(Path(cfg.groups).parent / "torchelastic"),
-         "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
-         "data.prefetch=2", *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3",
-         "train.progress=false", "demo_data=null"],
+        warm_torchrun(2, [f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}", "data.prefetch=2",
+                          *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3",
+                          "train.progress=false", "demo_data=null"],
+                      options=("--log-dir", str(Path(cfg.groups).parent / "torchelastic"))),
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error [rank")]

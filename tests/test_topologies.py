@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _warm_torchrun import warm_torchrun
 from bridge.models.bagel.data.config import ConfigError
 from bridge.models.bagel.data.job.checkpoint import check_resume_dp, loader_state_files
 from bridge.models.bagel.data.job.config import TrainConfig
@@ -40,17 +39,9 @@ TOPOLOGIES = {  # name -> (crash-run overrides, restart overrides)
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: list[str], log: Path, timeout: int = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={NPROC}", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "--log-dir", str(log.parent / "torchelastic"),
-           str(REPO / "scripts" / "pretrain_bagel.py"), *args]
+    cmd = warm_torchrun(NPROC, args, options=("--log-dir", str(log.parent / "torchelastic")))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     log.write_text(proc.stdout + proc.stderr)
     return proc

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from _warm_torchrun import warm_torchrun
 from bridge.models.bagel.data.pipeline import shm
 from bridge.models.bagel.data.build import build_bagel_train_loader
 from bridge.models.bagel.data.errors import FIRST_LINE_LIMIT, error_lines
@@ -206,16 +207,15 @@ def test_two_rank_job_every_rank_ends_with_the_time_out(tmp_path):
     path = _dataset(tmp_path)
     shard = _stuck_mount(path)
     cfg = _config(tmp_path, "t2i_pretrain", path, T2I_ARGS)
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT="29617")
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-port=29617",
-             "--log-dir", str(Path(cfg.groups).parent / "torchelastic"),
-             "scripts/pretrain_bagel.py", f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}",
-             "data.prefetch=2", f"data.stall_warn_s={WARN_S}", f"data.timeout_s={TIMEOUT_S}",
-             *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3", "train.progress=false",
-             "demo_data=null", "train.save=null"],
+            warm_torchrun(2, [f"data.groups={cfg.groups}", f"data.dataset_info={cfg.dataset_info}", "data.prefetch=2",
+                              f"data.stall_warn_s={WARN_S}", f"data.timeout_s={TIMEOUT_S}",
+                              *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3",
+                              "train.progress=false", "demo_data=null", "train.save=null"],
+                          options=("--log-dir", str(Path(cfg.groups).parent / "torchelastic"))),
             cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     finally:
         _release(shard)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _warm_torchrun import warm_torchrun
 from _external_common import run_job_in_process
 from bridge.models.bagel.data.job.config import TrainConfig
 from test_liveness import SMALL, T2I_ARGS, _png, _t2i
@@ -51,15 +52,10 @@ def test_rank0_counts_rank1s_drop_logs_epochs_and_stops_at_one(tmp_path) -> None
     rows = [{"image": None if i == BROKEN_ROW else _png(24, 16, i), "captions": json.dumps({"c": f"photo {i}"})}
             for i in range(32)]
     root = _job_files(tmp_path, rows, LARGER)
-    with socket.socket() as sock:  # a free port: other torchrun tests may run beside this one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "--log-dir", str(tmp_path / "torchelastic"),
-           str(REPO / "scripts" / "pretrain_bagel.py"), "demo_data=null", *_overrides(root),
-           "train.train_iters=60", "train.global_batch_size=2", "train.stop_at_epoch=2", f"train.save={tmp_path}/ck",
-           "data.packer.strategy=balanced"]
+    cmd = warm_torchrun(2, ["demo_data=null", *_overrides(root), "train.train_iters=60", "train.global_batch_size=2",
+                            "train.stop_at_epoch=2", f"train.save={tmp_path}/ck", "data.packer.strategy=balanced"],
+                        options=("--log-dir", str(tmp_path / "torchelastic")))
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
