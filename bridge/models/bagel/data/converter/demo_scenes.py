@@ -129,15 +129,12 @@ def article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def _list_words(items: list[str]) -> str:
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
-
-
 def captions(rng: np.random.Generator, scene: Scene) -> dict[str, str]:
     """1-3 alternative captions describing the scene (the official t2i ``captions`` JSON object)."""
     things = [f"{article(s.colour)} {s.describe()}" for s in scene.shapes]
+    listed = things[0] if len(things) == 1 else ", ".join(things[:-1]) + " and " + things[-1]
     caps = {
-        "caption": f"{_list_words(things).capitalize()} on {scene.background_words()}.",
+        "caption": f"{listed.capitalize()} on {scene.background_words()}.",
         "detailed": " ".join(f"{article(s.colour).capitalize()} {s.describe()} {position_words(s)}."
                              for s in scene.shapes) + f" The background is {scene.background_words()}.",
         "short": f"{len(scene.shapes)} shape{'s' if len(scene.shapes) > 1 else ''}: "
