@@ -12,6 +12,14 @@ import sys
 import threading
 
 if __name__ == "__main__":
+    # the process name tells the forked ranks apart (``ps``; test_train_job kills rank 1 by it): their command
+    # lines are the agent's, and so is their environment as /proc shows it
+    with open("/proc/self/comm", "w") as comm:
+        comm.write(f"bagel-rank{os.environ['RANK']}")
+    if os.environ.get("OMP_NUM_THREADS"):  # what torch reads at import, here after it (torchrun sets 1 per rank)
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from bridge.models.bagel.launch import main
 
     code = main(sys.argv[1:])

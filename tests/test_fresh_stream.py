@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from _external_common import SMALL_JOB, run_job_in_process
 from _relative_project import project
+from _warm_torchrun import warm_torchrun
 from bridge.models.bagel.data.job.topology import AgreedError
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
@@ -46,15 +45,10 @@ def test_fresh_stream_resumes_a_changed_budget_and_says_so(demo_setup, tmp_path,
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     rel_config = os.path.relpath(job_yaml, elsewhere)
-    with socket.socket() as sock:  # a free port: other torchrun tests may run beside this one
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_PORT=str(port))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
-         str(REPO / "scripts" / "pretrain_bagel.py"), "--config", rel_config, *SMALL_JOB,
-         "train.global_batch_size=2", *changed, "data.fresh_stream=true"],
-        cwd=elsewhere, capture_output=True, text=True, timeout=600, env=env)
+        warm_torchrun(2, ["--config", rel_config, *SMALL_JOB, "train.global_batch_size=2", *changed,
+                          "data.fresh_stream=true"]),
+        cwd=elsewhere, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     said = [line for line in out.splitlines() if "data.fresh_stream=true: the loader state" in line]

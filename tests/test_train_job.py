@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from _train_common import SMALL_BUDGETS, small_image_groups, valid_groups
+from _warm_torchrun import warm_torchrun, zygote_pid
 
 from bridge.models.bagel.data.job.checkpoint import read_loader_states, trainer_state_file
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
@@ -40,16 +41,17 @@ STEPS = 8
 EVAL_INTERVAL = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cmd(nproc: int, args: list[str], log_dir: Path) -> list[str]:
+def _cmd(nproc: int, args: list[str], log_dir: Path, *, warm: bool = True, options: tuple[str, ...] = ()) -> list[str]:
+    """Run A, whose start-up phases are checked, is the cold ``torchrun -m bridge.models.bagel.launch``; B and D
+    start warm ranks (``tests/_warm_torchrun.py``)."""
+    options = ("--log-dir", str(log_dir / "torchelastic"), *options)
+    if warm:
+        return warm_torchrun(nproc, args, options=options)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), "--log-dir", str(log_dir / "torchelastic"), "-m",
-            "bridge.models.bagel.launch", *args]
+            "--master-port", str(port), *options, "-m", "bridge.models.bagel.launch", *args]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -95,7 +97,7 @@ class Runs:
                        f"train.eval_interval={EVAL_INTERVAL}", "train.eval_iters=1"]
         dp2 = [*self.common, f"train.train_iters={STEPS}", "train.global_batch_size=4", "train.save_interval=2"]
         self.a = self.run(2, [*dp2, f"train.save={root}/a", f"train.tensorboard_dir={root}/tb",
-                              f"--digest-log={root}/a.jsonl"], "a")
+                              f"--digest-log={root}/a.jsonl"], "a", warm=False)
         self.b_killed_at = self.run_and_kill_one_rank(
             2, [*dp2, f"train.save={root}/b", f"train.load={root}/b", f"--digest-log={root}/b.jsonl"], "b")
         resumed = [line for line in (root / "b.log").read_text().splitlines() if "resumed from " in line]
@@ -105,8 +107,8 @@ class Runs:
                               "train.save_interval=0", f"train.save={root}/d", f"train.load={root}/a",
                               f"--digest-log={root}/d.jsonl"], "d")
 
-    def run(self, nproc: int, args: list[str], name: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run(_cmd(nproc, args, self.root), cwd=REPO, capture_output=True, text=True, timeout=600,
+    def run(self, nproc: int, args: list[str], name: str, warm: bool = True) -> subprocess.CompletedProcess:
+        proc = subprocess.run(_cmd(nproc, args, self.root, warm=warm), cwd=REPO, capture_output=True, text=True, timeout=600,
                               env=_env())
         (self.root / f"{name}.log").write_text(proc.stdout + proc.stderr)
         assert proc.returncode == 0, f"run {name} failed:\n{proc.stderr[-4000:]}"
@@ -117,8 +119,7 @@ class Runs:
         digest log (a checkpoint of step 2 is complete by then); torchrun restarts the workers and the run must end
         with exit 0. Returns the last step logged before the kill."""
         digest = self.root / f"{name}.jsonl"
-        cmd = _cmd(nproc, args, self.root)
-        cmd.insert(cmd.index("--master-addr"), "--max-restarts=1")
+        cmd = _cmd(nproc, args, self.root, options=("--max-restarts=1",))
         with open(self.root / f"{name}.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(),
                                     start_new_session=True)
@@ -130,8 +131,9 @@ class Runs:
                     time.sleep(0.05)
                 assert proc.poll() is None, f"run {name} ended before it could be killed (exit {proc.returncode})"
                 killed_at = max(r["step"] for r in _rows(digest).values())
-                rank1 = [pid for pid in _descendants(proc.pid) if _parent(pid) == proc.pid and _rank(pid) == 1]
-                assert len(rank1) == 1, rank1  # torchrun's worker of rank 1 (not its loader workers)
+                # torchrun's worker of rank 1, not its loader workers (the agent: a child of the zygote)
+                rank1 = [pid for pid in _descendants(zygote_pid()) if _rank(pid) == 1 and _rank(_parent(pid)) != 1]
+                assert len(rank1) == 1, rank1
                 os.kill(rank1[0], signal.SIGKILL)
                 assert proc.wait(timeout=600) == 0, (self.root / f"{name}.log").read_text()[-4000:]
             finally:
@@ -149,10 +151,15 @@ def _parent(pid: int) -> int:
 
 
 def _rank(pid: int) -> int | None:
+    """The rank a worker process runs: a warm rank's name (``tests/_warm_rank.py``: forked, its environment in
+    /proc is the agent's), else ``RANK`` in its environment."""
     try:
+        name = Path(f"/proc/{pid}/comm").read_text().strip()
         env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
     except OSError:
         return None
+    if name.startswith("bagel-rank"):
+        return int(name[len("bagel-rank"):])
     return int(env["RANK"]) if "RANK" in env else None
 
 
@@ -204,7 +211,8 @@ def test_start_up_is_reported_per_phase_with_the_slowest_rank(runs: Runs) -> Non
         if slowest["rank"] == 0:  # rank 0 was ready last: it waited for nobody
             assert slowest["ready"] == pytest.approx(startup["total"] - phases["waiting for the other ranks"],
                                                      abs=0.02), startup
-        assert phases["imports"] > 0.3 and phases["Megatron-Bridge import"] > 0.3  # real imports, not a stub
+        if not resumed:  # run A's cold ranks imported for real (B's warm ranks found the modules loaded)
+            assert phases["imports"] > 0.3 and phases["Megatron-Bridge import"] > 0.3, phases
 
 
 def test_two_micro_batches_per_rank_and_identical_losses_on_every_rank(runs: Runs) -> None:

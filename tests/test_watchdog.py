@@ -215,7 +215,8 @@ def test_two_rank_job_every_rank_ends_with_the_time_out(tmp_path):
                               f"data.stall_warn_s={WARN_S}", f"data.timeout_s={TIMEOUT_S}",
                               *(f"data.packer.{k}={v}" for k, v in SMALL.items()), "train.train_iters=3",
                               "train.progress=false", "demo_data=null", "train.save=null"],
-                          options=("--log-dir", str(Path(cfg.groups).parent / "torchelastic"))),
+                          options=("--log-dir", str(Path(cfg.groups).parent / "torchelastic")),
+                          server=False),  # its own agent: the command lines scanned below name tmp_path
             cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     finally:
         _release(shard)
