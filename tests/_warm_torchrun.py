@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -70,7 +71,8 @@ def _zygote() -> str:
         env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", path], env=env,
                                 stdin=subprocess.DEVNULL)
-        atexit.register(proc.kill)
+        atexit.register(shutil.rmtree, os.path.dirname(path), True)
+        atexit.register(proc.kill)  # runs first (last registered): the zygote, then its socket's directory
         deadline = time.monotonic() + 300
         while not os.path.exists(path):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -130,7 +132,16 @@ def _serve(path: str) -> None:
         except TimeoutError:
             continue
         conn.settimeout(None)
-        msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        msg, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        chunk = msg
+        while chunk and not msg.endswith(b"\n"):  # the request is one line; a stream may deliver it in pieces
+            chunk = conn.recv(1 << 16)
+            msg += chunk
+        if not msg.endswith(b"\n") or len(fds) != 3:  # the client went away mid-request
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
         request = json.loads(msg)
         pid = os.fork()
         if pid == 0:
@@ -156,7 +167,9 @@ def _serve(path: str) -> None:
                     conn.sendall(str(os.waitstatus_to_exitcode(status)).encode())
                 break
             if select.select([conn], [], [], 0.05)[0] and not conn.recv(1):  # the client is gone
-                os.killpg(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+                time.sleep(0.05)
         conn.close()
 
 
@@ -165,7 +178,7 @@ def _client(path: str, argv: list[str]) -> int:
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(path)
     request = {"argv": _torchrun_argv(argv), "cwd": os.getcwd(), "env": dict(os.environ)}
-    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     reply = conn.recv(64)
     code = int(reply) if reply else 1
     return code if code >= 0 else 128 - code  # killed by a signal: as a shell reports it
