@@ -45,14 +45,18 @@ REPO = Path(__file__).resolve().parents[1]
 _ZYGOTE: dict[str, object] = {}  # this test process's zygote: "proc", "path"
 
 
-def warm_torchrun(nproc: int, job_args: list[str], *, port: int | None = None, options: tuple[str, ...] = (),
-                  server: bool = True) -> list[str]:
-    """The command line: ``nproc`` warm ranks on 127.0.0.1 (a free port unless ``port``) running the job."""
-    if port is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    torchrun = [f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1", "--master-port", str(port), *options]
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (other launches may run beside this one)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def warm_torchrun(nproc: int, job_args: list[str], *, options: tuple[str, ...] = (), server: bool = True) -> list[str]:
+    """The command line: ``nproc`` warm ranks on 127.0.0.1 (a free port) running the job; ``options`` go to
+    torchrun, ``server`` picks the zygote (module docstring)."""
+    torchrun = [f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                *options]
     mode = ["--client", _zygote()] if server else ["--agent"]
     return [sys.executable, str(Path(__file__).resolve()), *mode, *torchrun, "--", *job_args]
 

@@ -19,14 +19,12 @@ The 2-rank ``torchrun`` job (every rank stops) is ``test_two_rank_job_stops_on_e
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import logging
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path

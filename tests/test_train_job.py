@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ import pytest
 import torch
 
 from _train_common import SMALL_BUDGETS, small_image_groups, valid_groups
-from _warm_torchrun import warm_torchrun, zygote_pid
+from _warm_torchrun import free_port, warm_torchrun, zygote_pid
 
 from bridge.models.bagel.data.job.checkpoint import read_loader_states, trainer_state_file
 from bridge.models.bagel.data.tools.ledger import check_exactly_once
@@ -47,11 +46,8 @@ def _cmd(nproc: int, args: list[str], log_dir: Path, *, warm: bool = True, optio
     options = ("--log-dir", str(log_dir / "torchelastic"), *options)
     if warm:
         return warm_torchrun(nproc, args, options=options)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-            "--master-port", str(port), *options, "-m", "bridge.models.bagel.launch", *args]
+            "--master-port", str(free_port()), *options, "-m", "bridge.models.bagel.launch", *args]
 
 
 def _descendants(pid: int) -> list[int]:
@@ -108,8 +104,8 @@ class Runs:
                               f"--digest-log={root}/d.jsonl"], "d")
 
     def run(self, nproc: int, args: list[str], name: str, warm: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run(_cmd(nproc, args, self.root, warm=warm), cwd=REPO, capture_output=True, text=True, timeout=600,
-                              env=_env())
+        proc = subprocess.run(_cmd(nproc, args, self.root, warm=warm), cwd=REPO, capture_output=True, text=True,
+                              timeout=600, env=_env())
         (self.root / f"{name}.log").write_text(proc.stdout + proc.stderr)
         assert proc.returncode == 0, f"run {name} failed:\n{proc.stderr[-4000:]}"
         return proc
