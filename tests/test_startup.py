@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from _warm_torchrun import free_port
 from bridge.models.bagel.data.job.startup import StartupClock, process_start_time
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,14 +71,9 @@ def test_reduce_startup_names_the_rank_that_was_ready_last(tmp_path: Path) -> No
     """A real 3-rank gloo world: every rank learns that rank 2 was ready last, and when: its own time, not the total
     after the wait (which ends at about the same moment on every rank, so its maximum could name any rank); the
     others book their wait for it to the wait phase."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_slow_rank_world, args=(3, port, str(tmp_path)), nprocs=3, start_method="spawn")
+    mp.start_processes(_slow_rank_world, args=(3, free_port(), str(tmp_path)), nprocs=3, start_method="spawn")
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
     assert {r["who"] for r in results} == {2}
     assert all(1.95 <= r["ready"] < 2.9 for r in results), results

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _warm_torchrun import warm_torchrun
 from _external_common import run_job_in_process
+from _warm_torchrun import free_port, warm_torchrun
 from bridge.models.bagel.data.job.config import TrainConfig
 from test_liveness import SMALL, T2I_ARGS, _png, _t2i
 
@@ -125,12 +124,9 @@ def test_a_rank_waiting_for_a_slower_one_says_so(tmp_path) -> None:
     others (the slow rank's own watchdog line names the shard), then when they arrived; rank 1 says nothing."""
     script = tmp_path / "waiting.py"
     script.write_text(_WAITING_RANKS)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(port), str(script)], cwd=tmp_path, capture_output=True,
+                           "127.0.0.1", "--master-port", str(free_port()), str(script)], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300, env=env)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
